@@ -35,3 +35,53 @@ def resolve_model_path(model: str | None) -> str:
         raise FileNotFoundError(f"model path does not exist: {model!r} (nothing is fetched "
                                 "from a hub; give a local GGUF file or Hugging Face directory)")
     return model
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything a worker needs to build its engine. Travels to worker processes as JSON
+    (msgspec encodes dataclasses), so it holds plain values only."""
+    model: str | None = None  # None: the default model
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024  # device KV pool size (CPU: host memory)
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    weights_dtype: str = "float32"  # "float32" | "bfloat16"
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    seed: int = 0
+    speculation: str = "off"  # "off" | "ngram" | "draft" | "self"
+    num_draft_tokens: int = 5
+    draft_model: str | None = None
+    batch_invariant: bool = False
+    kv_dir: str | None = None  # SSD tier root; None = no disk tier
+    kv_host_bytes: int = 0  # host-RAM tier capacity; 0 = no RAM tier
+    kv_disk_bytes: int = 16 * 1024**3
+    chat_ttl_s: float = 7 * 86400.0
+    agent_ttl_s: float = 3 * 86400.0
+    step_budget_ms: float = 0.0  # 0 = no time budget, token budget only
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), "block_size",
+                 "must be one of 8, 16, 32, 64, 128", self.block_size)
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1",
+                 self.max_num_batched_tokens)
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
+                 "must be >= 2", self.num_kv_blocks)
+        _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0", self.kv_cache_bytes)
+        _require(self.weights_dtype in ("float32", "bfloat16"), "weights_dtype",
+                 "must be float32 or bfloat16", self.weights_dtype)
+        _require(self.speculation in ("off", "ngram", "draft", "self"), "speculation",
+                 "must be off, ngram, draft or self", self.speculation)
+        _require(1 <= self.num_draft_tokens <= 16, "num_draft_tokens", "must be in [1, 16]",
+                 self.num_draft_tokens)
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                 "must be >= 1", self.max_model_len)
+
+
+def _require(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field} {rule}, got {value!r}")

@@ -1,0 +1,59 @@
+"""Command-line flags for EngineConfig, shared by `duplex serve`, `duplex worker` and
+`duplex generate`, so every entry point spells the engine's options the same way."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from engine.config import EngineConfig
+
+_HELP = {
+    "model": "local GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)",
+    "max_model_len": "context length limit (default: the model's own)",
+    "block_size": "tokens per KV block",
+    "kv_cache_bytes": "size of the device KV block pool in bytes",
+    "num_kv_blocks": "number of KV blocks (overrides --kv-cache-bytes)",
+    "max_num_seqs": "most requests running in one step",
+    "max_num_batched_tokens": "token budget of one step",
+    "enable_prefix_caching": "reuse KV blocks of identical prefixes",
+    "weights_dtype": "weight precision: float32 (exact) or bfloat16",
+    "num_threads": "torch CPU threads per worker (0: torch default)",
+    "seed": "engine seed for requests without their own seed",
+    "speculation": "speculative decoding: off, ngram, draft or self",
+    "num_draft_tokens": "draft tokens proposed per step",
+    "draft_model": "draft model path for --speculation draft",
+    "batch_invariant": "bitwise identical results whatever the batch (slower)",
+    "kv_dir": "directory of the SSD KV tier (off when unset)",
+    "kv_host_bytes": "host-RAM KV tier capacity in bytes (0: off)",
+    "kv_disk_bytes": "SSD KV tier capacity in bytes",
+    "chat_ttl_s": "retention of chat KV blocks in seconds (default 7 days)",
+    "agent_ttl_s": "retention of agent KV blocks in seconds (default 3 days)",
+    "step_budget_ms": "time budget of one scheduler step in ms (0: token budget only)",
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=_HELP[field.name])
+            continue
+        kind = _scalar_type(field.type)
+        group.add_argument(flag, type=kind, default=default, help=_HELP[field.name],
+                           metavar=field.name.upper())
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+              if hasattr(args, f.name)}
+    return EngineConfig(**values)
+
+
+def _scalar_type(annotation: str) -> type:
+    for name, kind in (("int", int), ("float", float), ("str", str)):
+        if annotation.startswith(name):
+            return kind
+    raise TypeError(f"no CLI type for {annotation}")
