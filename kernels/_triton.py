@@ -1,0 +1,45 @@
+"""The one place that imports triton.
+
+Triton is optional: a CPU-only install runs every op through its torch reference. When triton
+is missing, `triton.jit` becomes a no-op decorator and `tl.constexpr` a plain marker, so the
+kernel modules still import; their launchers refuse to run (`require_triton`). Without CUDA,
+kernels run in triton's interpreter on CPU tensors; `kernels.ops` never sends CPU tensors to
+triton, so that path is for tests only.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without CUDA triton can only interpret (CPU tensors, tests); must be set before import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    HAS_TRITON = False
+
+    class _MissingTriton:
+        constexpr = object  # only ever used as an annotation
+
+        @staticmethod
+        def jit(fn=None, **kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = tl = _MissingTriton()
+
+
+def is_interpreter() -> bool:
+    """True under TRITON_INTERPRET=1: kernels then run on CPU tensors (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def require_triton(*tensors) -> None:
+    """Launcher precondition: triton is importable and every tensor is on a device it can run on."""
+    assert HAS_TRITON, "triton is not installed; use the torch reference (kernels.ops does this)"
+    for t in tensors:
+        assert t.is_cuda or is_interpreter(), (
+            f"tensor on {t.device} but triton kernels need CUDA tensors "
+            "(or TRITON_INTERPRET=1 for CPU tests)")

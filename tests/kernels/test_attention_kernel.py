@@ -1,0 +1,36 @@
+"""Paged attention: the torch reference against a naive definition, the triton kernel against
+the reference."""
+import pytest
+import torch
+
+from kernel_factories import attention_args, make_paged_batch, naive_attention
+from kernels.attention import paged_attention_ref
+
+# (seq_len, q_len): decodes, a prefill chunk over a cached prefix, a full prefill, a q_len 0
+MIXED = [(9, 1), (5, 3), (1, 1), (12, 12), (17, 1), (7, 0), (20, 6)]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 4])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_reference_matches_naive(sliding_window, soft_cap, num_heads, num_kv_heads):
+    batch = make_paged_batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    out = paged_attention_ref(*attention_args(batch), 0.3, sliding_window, soft_cap)
+    expected = naive_attention(batch, 0.3, sliding_window, soft_cap)
+    assert out.dtype == torch.float32 and out.shape == batch["q"].shape
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_bf16_computes_in_fp32():
+    batch = make_paged_batch(MIXED, dtype=torch.bfloat16)
+    out = paged_attention_ref(*attention_args(batch), 0.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), naive_attention(batch, 0.25), atol=1e-2, rtol=1e-2)
+
+
+def test_reference_rejects_bad_inputs_in_plain_words():
+    batch = make_paged_batch([(5, 2)])
+    args = list(attention_args(batch))
+    args[3] = args[3].long()
+    with pytest.raises(AssertionError, match="block_tables must be int32"):
+        paged_attention_ref(*args, 1.0)
