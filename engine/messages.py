@@ -25,7 +25,7 @@ class AddRequest(msgspec.Struct, tag="add", **_WIRE):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
-    cache_salt: str = ""  # tenant salt, derived server-side from the API key
+    cache_salt: str = ""  # hex of the tenant salt (kvstore.keys.tenant_salt), made server-side
     retention: str = "chat"  # "chat" | "agent": which TTL class its KV blocks get
     deadline: float = 0.0  # absolute time.time() after which the worker aborts it; 0 = none
 

@@ -1,0 +1,200 @@
+"""EngineCore: the worker's engine, free of sockets: add / abort requests, step, report.
+
+    step = schedule -> prepare inputs -> forward -> sample -> update requests -> deltas
+
+The worker process (engine/worker.py) drives it from one thread at a time; the offline
+API (engine/llm.py) drives it in-process. Both see the same RequestDelta stream.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, resolve_model_path
+from engine.kv_manager import KVCacheManager
+from engine.messages import AddRequest, RequestDelta, WorkerStats
+from engine.model_runner import ModelRunner
+from engine.models import build_model, load
+from engine.request import Request, Status
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerOutput
+from kvstore import keys as kvkeys
+
+log = logging.getLogger("duplex.engine")
+
+KV_LAYOUT = "kv[layer,2,block,slot,kv_head,head_dim]"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = _DTYPES[config.weights_dtype]
+        self.model_path = resolve_model_path(config.model)
+        loaded = load(self.model_path, self.dtype, progress=progress)
+        self.args = loaded.args
+        self.model_name = loaded.name
+        self.model_identity = loaded.identity
+        self.model = build_model(loaded.args, loaded.state_dict)
+        self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
+                                 self.args.max_position_embeddings)
+        self.block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or max(
+            2, config.kv_cache_bytes // ModelRunner.bytes_per_block(self.args, self.block_size,
+                                                                  self.dtype))
+        self.eos_token_ids = _eos_token_ids(self.args, self.model_path)
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype)
+        self.pool = BlockPool(self.num_kv_blocks)
+        self.kv = KVCacheManager(self.pool, self.block_size, self._namespace,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._pending_deltas: list[RequestDelta] = []
+        self._namespaces: dict[str, bytes] = {}
+        self._stats = WorkerStats()
+        self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, msg: AddRequest) -> None:
+        self._validate(msg)
+        max_tokens = self.max_model_len - len(msg.prompt_token_ids)
+        if msg.params.max_tokens is not None:
+            max_tokens = min(max_tokens, msg.params.max_tokens)
+        req = Request(msg.req_id, msg.prompt_token_ids, msg.params, self.eos_token_ids,
+                      arrival_time=msg.arrival_time or None, cache_salt=msg.cache_salt,
+                      retention=msg.retention, deadline=msg.deadline, max_tokens=max_tokens)
+        self.requests[req.req_id] = req
+        self.scheduler.add(req)
+        self._counters["prompt"] += req.num_prompt_tokens
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            self.scheduler.remove(req)
+            self._pending_deltas.append(self._delta(req, [], [], "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._pending_deltas)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestDelta]:
+        deltas, self._pending_deltas = self._pending_deltas, []
+        self._expire_deadlines(deltas)
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return deltas
+        inputs = self.runner.prepare(sched.scheduled)
+        logits = self.runner.execute(inputs)
+        sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
+        out = self.sampler(logits, sampled)
+        deltas += self._update(sched, dict(zip((r.req_id for r in sampled),
+                                               zip(out.token_ids, out.logprobs))))
+        self._counters["steps"] += 1
+        return deltas
+
+    def _update(self, sched: SchedulerOutput, sampled: dict) -> list[RequestDelta]:
+        deltas = []
+        for req, num_new in sched.scheduled:
+            req.num_computed_tokens += num_new
+            self._counters["computed"] += min(num_new, max(0, req.num_prompt_tokens -
+                                                           (req.num_computed_tokens - num_new)))
+            self.kv.publish(req)
+            if req.req_id not in sampled:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            token_id, logprob = sampled[req.req_id]
+            req.append_output(token_id)
+            self._counters["generated"] += 1
+            finished = req.check_stop(self.max_model_len)
+            deltas.append(self._delta(req, [token_id], [logprob] if logprob else [],
+                                      req.finish_reason if finished else None))
+            if finished:
+                self._finish(req)
+        return deltas
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        self.requests.pop(req.req_id, None)
+        self._counters["cached"] += max(0, req.num_cached_tokens)
+
+    def _expire_deadlines(self, deltas: list[RequestDelta]) -> None:
+        now = time.time()
+        for req in [r for r in self.requests.values() if r.deadline and r.deadline < now]:
+            req.finish_reason = "abort"
+            self._finish(req)
+            deltas.append(self._delta(req, [], [], "abort", error="request timed out"))
+
+    def _delta(self, req: Request, token_ids, logprobs, finish_reason, error="") -> RequestDelta:
+        return RequestDelta(
+            req.req_id, token_ids, logprobs, finish_reason, req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(0, req.num_cached_tokens),
+            cached_tokens_by_tier=req.cached_tokens_by_tier, error=error)
+
+    # ------------------------------------------------------------------ checks and stats
+    def _validate(self, msg: AddRequest) -> None:
+        ids = msg.prompt_token_ids
+        if msg.req_id in self.requests:
+            raise ValueError(f"request id {msg.req_id!r} is already in use")
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {self.args.vocab_size}): "
+                             f"{bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, and at least one must be left "
+                             "to generate")
+        capacity = self.num_kv_blocks * self.block_size
+        if len(ids) + 1 > capacity:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds only "
+                             f"{capacity}")
+
+    def _namespace(self, cache_salt: str) -> bytes:
+        ns = self._namespaces.get(cache_salt)
+        if ns is None:
+            salt = bytes.fromhex(cache_salt) if _is_hex(cache_salt) else cache_salt.encode()
+            ns = kvkeys.namespace(self.model_identity, self.config.weights_dtype,
+                                  self.block_size, KV_LAYOUT, salt)
+            self._namespaces[cache_salt] = ns
+        return ns
+
+    def stats(self) -> WorkerStats:
+        c = self._counters
+        return WorkerStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_total=self.num_kv_blocks, num_kv_blocks_used=self.pool.num_used_blocks,
+            num_prompt_tokens=c["prompt"], num_computed_prompt_tokens=c["computed"],
+            num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
+            num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
+            extra={"kv_blocks_cached": float(len(self.pool.key_to_block)),
+                   "kv_evictions": float(self.pool.num_evictions)})
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _eos_token_ids(args, model_path: str) -> tuple[int, ...]:
+    ids = [] if args.eos_token_id is None else [args.eos_token_id]
+    gen_config = Path(model_path) / "generation_config.json"
+    if os.path.isdir(model_path) and gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return tuple(dict.fromkeys(ids))

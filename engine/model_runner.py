@@ -1,0 +1,82 @@
+"""ModelRunner: owns the model weights and the device KV cache tensors; runs one step.
+
+It turns a SchedulerOutput into one flattened varlen batch (prefill chunks and decode
+tokens of many requests side by side, no padding), runs the forward, and returns the
+final hidden states of the positions the caller wants logits for.
+
+KV cache layout, one tensor for all layers:
+    kv [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
+so kv[l, 0] / kv[l, 1] are layer l's contiguous k / v caches, and one block of every layer
+is kv[:, :, block_id] (what the host/disk tiers and KV transfer move).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from engine.models import ForwardContext
+from engine.scheduler import ScheduledRequest
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    ctx: ForwardContext
+    sample_rows: list[int]  # index into scheduled: requests whose last token gets logits
+    sample_positions: list[int]  # row in the flattened batch of that last token
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        args = model.args
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads,
+                              args.head_dim, dtype=dtype)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(args.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        bs = self.block_size
+        ids, positions, slots, q_starts, seq_lens = [], [], [], [0], []
+        sample_rows, sample_positions = [], []
+        max_blocks = 1
+        for row, (req, num_new) in enumerate(scheduled):
+            start = req.num_computed_tokens
+            end = start + num_new
+            tokens = req.all_token_ids + req.spec_token_ids
+            ids.extend(tokens[start:end])
+            pos = torch.arange(start, end)
+            table = torch.tensor(req.block_ids, dtype=torch.long)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            q_starts.append(q_starts[-1] + num_new)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(req.block_ids))
+            if end >= req.num_tokens:  # the prompt is fully computed: this step samples
+                sample_rows.append(row)
+                sample_positions.append(q_starts[-1] - 1)
+        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+        for row, (req, _) in enumerate(scheduled):
+            block_tables[row, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+        ctx = ForwardContext(
+            positions=torch.cat(positions), slot_mapping=torch.cat(slots),
+            block_tables=block_tables,
+            query_start_loc=torch.tensor(q_starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), kv_caches=self.kv_caches)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), ctx, sample_rows, sample_positions)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, logit_positions: list[int] | None = None) -> torch.Tensor:
+        """Run the forward; fp32 logits [len(positions), vocab] for the sampled positions
+        (or the given ones)."""
+        hidden = self.model.forward(inputs.input_ids, inputs.ctx)
+        rows = inputs.sample_positions if logit_positions is None else logit_positions
+        if not rows:
+            return torch.empty(0, self.model.args.vocab_size)
+        return self.model.compute_logits(hidden[torch.tensor(rows)])

@@ -1,0 +1,127 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral without sliding window), built bottom-up.
+
+The forward takes a flattened varlen batch: the new tokens of many requests concatenated,
+prefill chunks and decode tokens alike. Attention reads and writes the paged KV cache
+through `kernels.ops`; everything the step needs besides weights arrives in a
+`ForwardContext`, so the model holds no per-step state. Weights are plain tensors loaded
+from Hugging Face names; q/k/v and gate/up projections are fused into one matmul each.
+Qwen2 and Qwen3 (engine/models/qwen.py) reuse this file and override the q/k/v projection.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.loader import ModelArgs
+from kernels import ops
+from kernels.rotary import rope_cos_sin_cache
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    """Per-step inputs besides token ids (see kernels.attention for the conventions)."""
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+class Attention:
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str) -> None:
+        self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.scale = args.head_dim ** -0.5
+        self.sliding_window = args.sliding_window
+        names = [f"{prefix}.{p}_proj" for p in "qkv"]
+        self.qkv_weight = torch.cat([state.pop(f"{n}.weight") for n in names])
+        self.qkv_bias = (torch.cat([state.pop(f"{n}.bias") for n in names])
+                         if args.attention_bias else None)
+        self.o_weight = state.pop(f"{prefix}.o_proj.weight")
+
+    def project_qkv(self, x: torch.Tensor):
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
+        return (q.reshape(-1, self.num_heads, self.head_dim),
+                k.reshape(-1, self.num_kv_heads, self.head_dim),
+                v.reshape(-1, self.num_kv_heads, self.head_dim))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int,
+                cos_sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        q, k = ops.rotary_embedding(ctx.positions, q, k, cos_sin)
+        k_cache, v_cache = ctx.kv_caches[layer]
+        ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.query_start_loc,
+                                  ctx.seq_lens, self.scale, self.sliding_window)
+        return ops.linear(out.reshape(-1, self.q_size), self.o_weight)  # [T, hidden]
+
+
+class MLP:
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
+        gate, up = state.pop(f"{prefix}.gate_proj.weight"), state.pop(f"{prefix}.up_proj.weight")
+        self.intermediate = gate.shape[0]
+        self.gate_up_weight = torch.cat([gate, up])
+        self.down_weight = state.pop(f"{prefix}.down_proj.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = ops.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        return ops.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer:
+    attention_cls = Attention
+
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str) -> None:
+        self.eps = args.rms_norm_eps
+        self.input_norm = state.pop(f"{prefix}.input_layernorm.weight")
+        self.post_norm = state.pop(f"{prefix}.post_attention_layernorm.weight")
+        self.attn = self.attention_cls(args, state, f"{prefix}.self_attn")
+        self.mlp = MLP(state, f"{prefix}.mlp")
+
+    def forward(self, h, residual, ctx: ForwardContext, layer: int, cos_sin):
+        if residual is None:
+            h, residual = ops.rms_norm(h, self.input_norm, self.eps), h
+        else:
+            h, residual = ops.rms_norm(h, self.input_norm, self.eps, residual)
+        h = self.attn.forward(h, ctx, layer, cos_sin)
+        h, residual = ops.rms_norm(h, self.post_norm, self.eps, residual)
+        return self.mlp.forward(h), residual
+
+
+class LlamaForCausalLM:
+    layer_cls = DecoderLayer
+
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)  # weights are popped as layers take them
+        self.args = args
+        self.embed = state.pop("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = [self.layer_cls(args, state, f"model.layers.{i}")
+                       for i in range(args.num_layers)]
+        self.norm = state.pop("model.norm.weight")
+        lm_head = state.pop("lm_head.weight", None)
+        self.lm_head = self.embed if args.tie_word_embeddings or lm_head is None else lm_head
+        self.cos_sin = rope_cos_sin_cache(args.head_dim, args.max_position_embeddings,
+                                          args.rope_theta)
+        unused = [k for k in state if "rotary_emb" not in k]
+        if unused:
+            raise ValueError(f"weights not used by {args.arch}: {unused[:5]}")
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]."""
+        h = F.embedding(input_ids, self.embed)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer.forward(h, residual, ctx, i, self.cos_sin)
+        h, _ = ops.rms_norm(h, self.norm, self.args.rms_norm_eps, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
+        return ops.linear(hidden, self.lm_head).float()

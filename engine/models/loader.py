@@ -1,0 +1,224 @@
+"""Model loading: GGUF files (dequantized with `gguf`) and local Hugging Face directories.
+
+Produces `ModelArgs` (the architecture's hyper-parameters, one frozen object) and a state
+dict in Hugging Face parameter names, whatever the source format, so each model file under
+engine/models/ loads one naming scheme only. Nothing is ever fetched from a hub.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be loaded: missing files, unknown architecture, bad metadata."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
+    rope_scaling: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    sliding_window: int | None = None
+
+
+class LoadedModel(NamedTuple):
+    args: ModelArgs
+    state_dict: dict[str, torch.Tensor]
+    identity: str  # digest of the weights: the root of every KV content address
+    name: str
+
+
+def load(path: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return _load_gguf(path, dtype, progress)
+    if os.path.isdir(path):
+        return _load_hf_dir(path, dtype, progress)
+    raise ModelLoadError(f"not a .gguf file or a Hugging Face model directory: {path}")
+
+
+def weights_digest(files: list[Path]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for f in sorted(files):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------- GGUF
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(path)
+    meta = {k: _field_value(f) for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    args = _gguf_args(arch, meta, reader)
+    state = {}
+    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
+        name = _gguf_to_hf_name(t.name)
+        # GGUF shapes are reversed (fastest axis first); numpy data comes out row-major.
+        array = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = args.num_heads if "q_proj" in name else args.num_kv_heads
+            array = _unpermute_rotary(array, heads)
+        state[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(dtype)
+    name = meta.get("general.name") or Path(path).stem
+    return LoadedModel(args, state, weights_digest([Path(path)]), str(name))
+
+
+def _gguf_args(arch: str, meta: dict[str, Any], reader) -> ModelArgs:
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    vocab = get("vocab_size")
+    if vocab is None:
+        vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+    return ModelArgs(
+        arch=arch, vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")), num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=not has_output,
+        attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        layer, base, suffix = parts[1], parts[2], parts[3]
+        return f"model.layers.{layer}.{_GGUF_NAMES[base]}.{suffix}"
+    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of q/k rows so rotary pairs are (i, i + d/2) again."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field_value(field) -> Any:
+    from gguf import GGUFValueType
+
+    if not field.types:
+        return None
+    if field.types[0] == GGUFValueType.STRING and len(field.data) == 1:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    if field.types[0] == GGUFValueType.ARRAY:
+        return None  # vocabularies etc.: the tokenizer reads those
+    value = field.parts[field.data[0]]
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+# ---------------------------------------------------------------------------- HF directory
+def _load_hf_dir(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"no config.json in {path}")
+    config = json.loads(config_path.read_text())
+    args = hf_config_to_args(config)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    state = {}
+    for f in tqdm(files, desc="loading", unit="file", disable=not progress):
+        for name, tensor in load_file(str(f)).items():
+            state[name] = tensor.to(dtype)
+    return LoadedModel(args, state, weights_digest(files), Path(path).name)
+
+
+def hf_config_to_args(config: dict[str, Any]) -> ModelArgs:
+    arch = config.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r} (model_type in config.json); "
+                             f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    heads = config["num_attention_heads"]
+    sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mistral") else None
+    if arch == "mistral" and sliding is not None:
+        raise ModelLoadError("Mistral with sliding_window is not supported yet")
+    if arch == "qwen2" and sliding is not None:
+        raise ModelLoadError("Qwen2 with use_sliding_window is not supported yet")
+    rope_theta = config.get("rope_theta")
+    rope_scaling = config.get("rope_scaling")
+    rope_params = config.get("rope_parameters") or {}
+    if rope_theta is None:
+        rope_theta = rope_params.get("rope_theta", 10000.0)
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = rope_params
+    return ModelArgs(
+        arch=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        attention_bias=config.get("attention_bias", arch == "qwen2"),
+        qk_norm=arch == "qwen3", rope_scaling=rope_scaling,
+        bos_token_id=config.get("bos_token_id"), eos_token_id=_first(config.get("eos_token_id")),
+    )
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) and value else value

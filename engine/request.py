@@ -1,0 +1,99 @@
+"""Request: the one mutable object per request inside a worker.
+
+There is no prefill phase and no decode phase: a request has tokens (prompt, then output)
+and ``num_computed_tokens`` catching up with them. Prefill, chunked prefill, prefix-cache
+hits and preemption-by-recompute are all that one counter moving.
+
+    token index:  0 ........ num_cached ....... num_computed ......... num_tokens
+                  |  KV from cache  |  KV computed here  |  scheduled next  |
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.messages import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), *, arrival_time: float | None = None,
+                 cache_salt: str = "", retention: str = "chat", deadline: float = 0.0,
+                 max_tokens: int = 1) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.retention = retention
+        self.deadline = deadline
+        self.max_tokens = max_tokens  # params.max_tokens clipped to the context length
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
+        self.cached_tokens_by_tier: dict[str, int] = {}
+        self.block_ids: list[int] = []
+        self.block_keys: list[bytes] = []  # content addresses of the full blocks of all_token_ids
+        self.num_published_blocks = 0  # leading blocks already in the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.spec_token_ids: list[int] = []  # draft tokens appended for verification
+        self.num_draft_proposed = 0
+        self.num_draft_accepted = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set finish_reason from the last output token; True if the request is done."""
+        token_id = self.output_token_ids[-1]
+        num_out = self.num_output_tokens
+        params = self.params
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                self.finish_reason = "stop"
+                return True
+            if token_id in params.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
+                return True
+        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,277 @@
+"""The engine worker: one asyncio loop serving one EngineCore over one ZMQ channel.
+
+Owns the core (nothing else calls it), the ids and deadlines of the requests it has admitted,
+and the inbox of messages that arrived while a step was running.
+
+Threading invariant: the core is built and stepped in ONE executor thread, and every other
+core call (add, abort, stats) runs on the loop thread while no step is in flight, so the core
+is never entered by two threads at once. While a step computes (torch releases the GIL) the
+loop keeps receiving, heartbeating and queueing control messages.
+
+Lifecycle: connect -> build the core -> warm-up step -> send Ready -> serve -> exit 0 after
+Shutdown, or send WorkerError and exit 1 on any unexpected exception.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import os
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.messages import (AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
+                             RequestDelta, Shutdown, WorkerError, WorkerStats)
+from engine.sampling_params import SamplingParams
+from engine.zmq_io import Channel, worker_channel
+
+log = logging.getLogger(__name__)
+
+ROLES = ("unified", "prefill", "decode")
+DEADLINE_ERROR = "deadline exceeded"
+SHUTDOWN_ERROR = "worker shutting down"
+
+
+class Core(Protocol):
+    """What the worker needs of `engine.core.EngineCore` (a fake in tests)."""
+    model_name: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+
+    def add_request(self, msg: AddRequest) -> None: ...
+    def abort_requests(self, req_ids: list[str]) -> None: ...
+    def step(self) -> list[RequestDelta]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> WorkerStats: ...
+
+
+CoreFactory = Callable[[EngineConfig], Core]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, core_factory: CoreFactory, *, address: str,
+                 worker_id: str, role: str = "unified", heartbeat_s: float = 0.5,
+                 step_in_thread: bool = True) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self.config = config
+        self.worker_id = worker_id
+        self.role = role
+        self._core_factory = core_factory
+        self._address = address
+        self._heartbeat_s = heartbeat_s
+        self._step_in_thread = step_in_thread  # False only to measure what the thread costs
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="core")
+        self._core: Core | None = None
+        self._channel: Channel | None = None
+        self._inbox: deque[msgspec.Struct] = deque()
+        self._wakeup = asyncio.Event()
+        self._outbox: list[RequestDelta] = []  # deltas made between steps, sent with the next
+        self._live_req_ids: set[str] = set()
+        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, req_id)
+        self._is_stepping = False
+        self._stats = WorkerStats()
+        self._drain_until: float | None = None  # set by Shutdown: time.monotonic() limit
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> int:
+        """Serve until Shutdown (returns 0) or a fatal error (sends WorkerError, returns 1)."""
+        ctx = zmq.asyncio.Context()
+        self._channel = worker_channel(ctx, self._address, self.worker_id)
+        try:
+            await self._start_core()
+            await self._send(self._ready_message())
+            await self._serve_with_background_tasks()
+            return 0
+        except Exception as e:  # noqa: BLE001 - every failure must become a WorkerError
+            log.exception("worker %s failed", self.worker_id)
+            await self._send_error(_describe(e))
+            return 1
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._channel.close(linger_ms=1000)  # let the last Outputs / WorkerError leave
+            ctx.term()
+
+    def request_shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Same as receiving Shutdown (for signal handlers)."""
+        self._inbox.append(Shutdown(drain_timeout_s=drain_timeout_s))
+        self._wakeup.set()
+
+    async def _start_core(self) -> None:
+        self._core = await self._in_core_thread(self._core_factory, self.config)
+        await self._in_core_thread(self._warm_up)
+        self._stats = self._core.stats()
+
+    def _warm_up(self) -> None:
+        """One tiny request through the whole path, so the first real step is not the slowest."""
+        req = AddRequest(f"warmup-{self.worker_id}", [0],
+                         SamplingParams(temperature=0.0, max_tokens=1))
+        self._core.add_request(req)
+        for _ in range(16):
+            if not self._core.has_unfinished_requests():
+                return
+            self._core.step()
+        self._core.abort_requests([req.req_id])
+
+    async def _serve_with_background_tasks(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self._receive_forever()),
+                     group.create_task(self._heartbeat_forever())]
+            await self._serve()
+            for task in tasks:
+                task.cancel()
+
+    # ------------------------------------------------------------------ the loop
+    async def _serve(self) -> None:
+        while not self._is_done():
+            await self._wait_for_work()
+            self._apply_inbox()  # add / abort / shutdown, only between steps
+            self._expire_deadlines()
+            self._end_drain_if_due()
+            if self._core.has_unfinished_requests():
+                self._outbox += await self._step()
+            await self._send_outbox()
+
+    def _is_done(self) -> bool:
+        return (self._drain_until is not None and not self._inbox
+                and not self._core.has_unfinished_requests())
+
+    async def _wait_for_work(self) -> None:
+        """Block while idle: no spin, the next message wakes us."""
+        self._wakeup.clear()
+        if not self._inbox and not self._core.has_unfinished_requests():
+            await self._wakeup.wait()
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            match self._inbox.popleft():
+                case AddRequest() as req:
+                    self._add(req)
+                case AbortRequests(req_ids=req_ids):
+                    self._abort(req_ids, finish_reason="abort", error="")
+                case Shutdown(drain_timeout_s=drain_s):
+                    self._begin_shutdown(drain_s)
+
+    async def _step(self) -> list[RequestDelta]:
+        self._is_stepping = True
+        try:
+            if self._step_in_thread:
+                deltas = await self._in_core_thread(self._core.step)
+            else:
+                deltas = self._core.step()
+        finally:
+            self._is_stepping = False
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                self._live_req_ids.discard(delta.req_id)
+        return deltas
+
+    async def _send_outbox(self) -> None:
+        if self._outbox:
+            deltas, self._outbox = self._outbox, []
+            await self._send(Outputs(self.worker_id, deltas))
+
+    # ------------------------------------------------------------------ requests
+    def _add(self, req: AddRequest) -> None:
+        error = self._admission_error(req)
+        if error is None:
+            try:
+                self._core.add_request(req)
+            except ValueError as e:
+                error = str(e) or "invalid request"
+        if error is not None:
+            self._outbox.append(_final_delta(req.req_id, "error", error))
+            return
+        self._live_req_ids.add(req.req_id)
+        if req.deadline > 0:
+            heapq.heappush(self._deadlines, (req.deadline, req.req_id))
+
+    def _admission_error(self, req: AddRequest) -> str | None:
+        if self._drain_until is not None:
+            return SHUTDOWN_ERROR
+        if 0 < req.deadline <= time.time():
+            return DEADLINE_ERROR
+        return None
+
+    def _abort(self, req_ids: list[str], *, finish_reason: str, error: str) -> None:
+        """Abort those of `req_ids` still live; each gets one final delta."""
+        live = [req_id for req_id in dict.fromkeys(req_ids) if req_id in self._live_req_ids]
+        if not live:
+            return
+        self._core.abort_requests(live)
+        self._live_req_ids.difference_update(live)
+        self._outbox += [_final_delta(req_id, finish_reason, error) for req_id in live]
+
+    def _expire_deadlines(self) -> None:
+        now, expired = time.time(), []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            expired.append(heapq.heappop(self._deadlines)[1])
+        self._abort(expired, finish_reason="abort", error=DEADLINE_ERROR)
+
+    def _begin_shutdown(self, drain_timeout_s: float) -> None:
+        if self._drain_until is None:
+            log.info("worker %s: shutdown, draining for up to %.1f s", self.worker_id,
+                     drain_timeout_s)
+            self._drain_until = time.monotonic() + max(drain_timeout_s, 0.0)
+
+    def _end_drain_if_due(self) -> None:
+        if self._drain_until is not None and time.monotonic() >= self._drain_until:
+            self._abort(list(self._live_req_ids), finish_reason="abort", error=SHUTDOWN_ERROR)
+
+    # ------------------------------------------------------------------ background tasks
+    async def _receive_forever(self) -> None:
+        while True:
+            received = await self._channel.receiver.get()
+            self._inbox.append(received.msg)
+            self._wakeup.set()
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await self._send(Heartbeat(self.worker_id, self._current_stats(), time.time()))
+            await asyncio.sleep(self._heartbeat_s)
+
+    def _current_stats(self) -> WorkerStats:
+        """The core's stats, read only between steps (the last snapshot while one runs)."""
+        if not self._is_stepping:
+            self._stats = self._core.stats()
+        extra = dict(self._stats.extra, num_rejected_frames=self._channel.receiver.num_rejected)
+        return msgspec.structs.replace(self._stats, extra=extra)
+
+    # ------------------------------------------------------------------ plumbing
+    def _ready_message(self) -> Ready:
+        core = self._core
+        return Ready(self.worker_id, self.role, core.model_name, core.max_model_len,
+                     core.block_size, core.num_kv_blocks,
+                     batch_invariant=self.config.batch_invariant,
+                     speculation=self.config.speculation, pid=os.getpid())
+
+    async def _in_core_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _send(self, msg: msgspec.Struct) -> None:
+        await self._channel.sender.put(msg)
+
+    async def _send_error(self, message: str) -> None:
+        try:
+            await asyncio.wait_for(self._send(WorkerError(self.worker_id, message)), 1.0)
+        except Exception:  # noqa: BLE001 - the socket may be the thing that broke
+            log.exception("worker %s: could not send WorkerError", self.worker_id)
+
+
+def _final_delta(req_id: str, finish_reason: str, error: str) -> RequestDelta:
+    return RequestDelta(req_id, [], finish_reason=finish_reason, error=error)
+
+
+def _describe(error: BaseException) -> str:
+    """One line for WorkerError; a TaskGroup's ExceptionGroup is unwrapped to its first cause."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,103 @@
+"""`duplex worker`: run one engine worker process that connects to a frontend.
+
+    duplex worker --role unified --connect ipc:///tmp/duplex/worker-0.ipc [engine flags]
+
+The supervisor starts it as `python -m engine.worker_cli ... --config-json '{...}'`, where the
+JSON EngineConfig replaces the engine flags. Hidden flags: `--core module:attr` picks another
+core factory (tests use a fake), `--parent-pid` makes the worker die with that parent.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+
+from engine.args import add_engine_arguments, engine_config_from_args
+from engine.config import EngineConfig
+from engine.worker import ROLES, CoreFactory, Worker
+
+DEFAULT_CORE = "engine.core:EngineCore"
+_PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger("engine.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=ROLES, default="unified",
+                        help="unified (prefill and decode in one scheduler), prefill or decode")
+    parser.add_argument("--connect", required=True, metavar="ADDRESS",
+                        help="frontend address, tcp://HOST:PORT or ipc://PATH")
+    parser.add_argument("--worker-id", default=None,
+                        help="routing id of this worker (default: ROLE-PID)")
+    parser.add_argument("--config-json", default=None, metavar="JSON",
+                        help="an EngineConfig as JSON; replaces the engine flags")
+    parser.add_argument("--heartbeat-s", type=float, default=0.5,
+                        help="seconds between heartbeats")
+    parser.add_argument("--core", default=DEFAULT_CORE, help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
+    worker = Worker(_config_from(args), resolve_core_factory(args.core), address=args.connect,
+                    worker_id=args.worker_id or f"{args.role}-{os.getpid()}", role=args.role,
+                    heartbeat_s=args.heartbeat_s)
+    return _run_on_uvloop(worker)
+
+
+def resolve_core_factory(spec: str) -> CoreFactory:
+    """`module:attr` -> the callable that builds a core from an EngineConfig."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--core must look like module:attr, got {spec!r}")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _config_from(args: argparse.Namespace) -> EngineConfig:
+    if args.config_json is None:
+        return engine_config_from_args(args)
+    return msgspec.json.decode(args.config_json, type=EngineConfig)
+
+
+def _run_on_uvloop(worker: Worker) -> int:
+    import asyncio
+
+    import uvloop
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, worker.request_shutdown)
+        return await worker.run()
+
+    return uvloop.run(main())
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when the parent exits, however it exits (no orphans)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the supervisor")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duplex worker", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

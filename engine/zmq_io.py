@@ -1,0 +1,138 @@
+"""Typed message queues over ZeroMQ: the only module of ours that touches a socket.
+
+One frontend binds a ROUTER; each worker connects a DEALER whose routing id is its worker id.
+A message on the wire is a list of frames:
+
+    [routing id]   ROUTER side only: added on send, stripped on receive by zmq itself
+    header         one msgspec-encoded message from `engine.messages` (tag first)
+    *raw           extra raw byte frames (KV tensors), sent and received without copying
+
+A frame that is not one of our messages (oversized, garbled, pickle, unknown tag, wrong field
+types, unexpected extra frames) is rejected with a log line and a counter; receiving never
+raises on bad input, so a hostile peer cannot crash the loop that reads from it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.messages import (MAX_FRAME_BYTES, BadFrame, decode_from_worker, decode_to_worker,
+                             encode)
+
+log = logging.getLogger(__name__)
+
+Decode = Callable[[Any], msgspec.Struct]
+RawFrame = bytes | memoryview | zmq.Frame
+
+# Log the first rejections in full, then one line per this many, so a flood cannot fill disks.
+_LOG_EVERY = 1000
+_LOG_FIRST = 20
+
+
+class Received(NamedTuple):
+    msg: msgspec.Struct
+    raw_frames: list[zmq.Frame]  # zero-copy; valid as long as the caller holds them
+    peer: bytes  # routing id of the sender (ROUTER side), b"" on a DEALER
+
+
+class MessageReceiver:
+    """Reads messages of one direction from a socket. Owns the rejection counters."""
+
+    def __init__(self, socket: zmq.asyncio.Socket, decode: Decode, *,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, max_raw_frames: int = 0) -> None:
+        self._socket = socket
+        self._decode = decode
+        self._is_routed = socket.type == zmq.ROUTER
+        self._max_frame_bytes = max_frame_bytes
+        self._max_raw_frames = max_raw_frames
+        self.num_received = 0
+        self.num_rejected = 0
+
+    async def get(self) -> Received:
+        """Wait for the next well-formed message; bad ones are counted, logged and skipped."""
+        while True:
+            frames = await self._socket.recv_multipart(copy=False)
+            self.num_received += 1
+            try:
+                return self._parse(frames)
+            except BadFrame as e:
+                self._reject(frames, e)
+
+    def _parse(self, frames: list[zmq.Frame]) -> Received:
+        peer = frames.pop(0).bytes if self._is_routed and frames else b""
+        if not frames:
+            raise BadFrame("message without a header frame")
+        header, raw_frames = frames[0], frames[1:]
+        if len(raw_frames) > self._max_raw_frames:
+            raise BadFrame(f"{len(raw_frames)} raw frames, at most {self._max_raw_frames} allowed")
+        if len(header) > self._max_frame_bytes:
+            raise BadFrame(f"header of {len(header)} bytes exceeds {self._max_frame_bytes}")
+        return Received(self._decode(header.buffer), raw_frames, peer)
+
+    def _reject(self, frames: list[zmq.Frame], error: BadFrame) -> None:
+        self.num_rejected += 1
+        if self.num_rejected <= _LOG_FIRST or self.num_rejected % _LOG_EVERY == 0:
+            log.warning("rejected frame #%d (%d frames): %s", self.num_rejected, len(frames), error)
+
+
+class MessageSender:
+    """Writes messages to a socket. After `put` returns, zmq owns the raw frames: the caller
+    must not modify their memory until the peer has them (they are sent without copying)."""
+
+    def __init__(self, socket: zmq.asyncio.Socket) -> None:
+        self._socket = socket
+        self._is_routed = socket.type == zmq.ROUTER
+        self.num_sent = 0
+
+    async def put(self, msg: msgspec.Struct, *, raw_frames: Sequence[RawFrame] = (),
+                  peer: bytes = b"") -> None:
+        """Send one message. On a ROUTER, `peer` names the worker; an unknown or disconnected
+        peer raises zmq.ZMQError (EHOSTUNREACH) at once instead of dropping silently."""
+        head = [peer] if self._is_routed else []
+        await self._socket.send_multipart([*head, encode(msg), *raw_frames], copy=False)
+        self.num_sent += 1
+
+
+class Channel:
+    """One socket with its typed sender and receiver."""
+
+    def __init__(self, socket: zmq.asyncio.Socket, decode: Decode, **limits: int) -> None:
+        self.socket = socket
+        self.sender = MessageSender(socket)
+        self.receiver = MessageReceiver(socket, decode, **limits)
+
+    @property
+    def address(self) -> str:
+        """The endpoint actually bound or connected (a `tcp://host:*` bind resolves its port)."""
+        return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket; with linger > 0, queued messages get that long to leave first."""
+        self.socket.close(linger=linger_ms)
+
+
+def worker_channel(ctx: zmq.asyncio.Context, address: str, worker_id: str,
+                   **limits: int) -> Channel:
+    """The worker's side: a DEALER that connects to the frontend and reconnects on its own.
+    Messages sent before the frontend is up wait in the DEALER's queue."""
+    socket = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.ROUTING_ID, worker_id.encode())
+    socket.connect(address)
+    return Channel(socket, decode_to_worker, **limits)
+
+
+def frontend_channel(ctx: zmq.asyncio.Context, address: str, **limits: int) -> Channel:
+    """The frontend's side: a ROUTER bound at `address`, to which workers connect.
+
+    ROUTER_MANDATORY makes a send to an absent worker fail loudly; ROUTER_HANDOVER lets a
+    restarted worker take over its routing id from a connection not yet seen as closed."""
+    socket = ctx.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    socket.bind(address)
+    return Channel(socket, decode_from_worker, **limits)
