@@ -1,0 +1,390 @@
+"""`DiskTier`: KV blocks as files on local disk, one namespace per tier, LRU-capped, with TTL.
+
+Owns the files under ``<root>/<namespace hex>/`` (format: `kvstore.blockfile`), the in-memory
+index of them (size, expiry, last-access order), the write-behind queue and the TTL sweep.
+
+Concurrency model. All index state lives on the event loop; file I/O runs on the tier's own
+thread pool through `aiofiles` (one executor hop per whole operation: open + read + verify +
+close is one hop, since each hop costs ~70 µs on these boxes). Every file *mutation* — write,
+eviction, removal of an expired or corrupt file — goes through one queue drained by one task,
+so a removal and a re-write of the same key can never interleave. Reads run concurrently.
+
+Guarantees to callers:
+  * `put` never blocks and never raises for I/O: writes happen later (dedup by key); a full
+    disk or any OSError is counted in `write_errors` and the block is simply not stored.
+  * `get` never raises and never returns wrong or partial bytes: a file that is truncated,
+    damaged, foreign (other namespace, key, or layout version) or expired is a miss, is
+    counted, and is removed. A read that races an eviction or sweep of its key is a miss.
+  * One tier owns its namespace directory at a time (an exclusive `flock`); start-up fails
+    with `KVStoreError` if the directory is unusable or already owned.
+  * After a restart the index is rebuilt from the directory (sizes, mtimes = last access);
+    expiries are learnt lazily, by the first `get` or `sweep` that reads the header.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import fcntl
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import aiofiles.os
+
+from kvstore import blockfile
+from kvstore.blockfile import ReadResult, Status
+from kvstore.entry import BlockEntry
+from kvstore.errors import KVStoreError
+from kvstore.keys import KEY_BYTES, key_hex
+
+log = logging.getLogger(__name__)
+
+_COUNTERS = ("hits", "misses", "writes", "dedup_skipped", "write_dropped", "rejected",
+             "write_errors", "evictions", "expirations", "corrupt_dropped", "vanished",
+             "read_races", "read_errors", "temp_removed")
+_WRITE, _UNLINK, _STOP = "write", "unlink", "stop"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskConfig:
+    root: str
+    namespace: bytes  # kvstore.keys.namespace(...) of the blocks this tier holds
+    capacity_bytes: int  # file bytes (header + payload) on disk, at most
+    sweep_interval_s: float = 600.0  # background TTL sweep period
+    io_threads: int = 4
+    max_pending_bytes: int = 256 * 2**20  # queued, unwritten payload; beyond it puts are dropped
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != KEY_BYTES:
+            raise ValueError(f"namespace must be {KEY_BYTES} bytes")
+        if self.capacity_bytes <= 0 or self.io_threads <= 0 or self.sweep_interval_s <= 0:
+            raise ValueError(f"capacity, io_threads and sweep interval must be positive: {self}")
+
+    @property
+    def ns_dir(self) -> str:
+        return os.path.join(self.root, key_hex(self.namespace))
+
+
+@dataclasses.dataclass(slots=True)
+class _Indexed:
+    """What the index knows of one file; identity marks a generation (see `_settle`)."""
+    num_bytes: int
+    expires_at: float | None  # None: loaded by a scan, header not read yet
+
+
+class DiskTier:
+    def __init__(self, config: DiskConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self._clock = clock
+        self._index: OrderedDict[bytes, _Indexed] = OrderedDict()  # oldest access first
+        self._bytes = 0
+        self._pending: dict[bytes, BlockEntry] = {}  # queued for writing, served from RAM
+        self._pending_bytes = 0
+        self._ops: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._stamp_ns = 0  # last access stamp handed out; file mtimes carry it
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._lock_fd: int | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Open (creating) the namespace dir, lock it, rebuild the index, start the tasks."""
+        if self._executor is not None or self._closed:
+            raise KVStoreError("DiskTier.start() called twice")
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self.config.io_threads, thread_name_prefix="kvstore-disk")
+        try:
+            self._lock_fd = await self._run(_open_dir, self.config.ns_dir)
+            found, num_removed = await self._run(blockfile.scan, self.config.ns_dir)
+        except OSError as exc:
+            await self._release()
+            raise KVStoreError(f"cannot index KV disk dir {self.config.ns_dir!r}: {exc}") from exc
+        except BaseException:
+            await self._release()
+            raise
+        self._load(found)
+        self._counts["temp_removed"] += num_removed
+        self._tasks = [asyncio.create_task(self._drain(), name="kvstore-disk-writer"),
+                       asyncio.create_task(self._sweep_forever(), name="kvstore-disk-sweep")]
+
+    async def close(self) -> None:
+        """Finish queued writes and removals, stop the tasks, release the directory."""
+        if self._executor is None or self._closed:
+            return
+        await self.flush()
+        self._closed = True
+        self._ops.put_nowait((_STOP, b""))
+        self._tasks[1].cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._release()
+
+    async def flush(self) -> None:
+        """Wait until every write and removal queued so far is done."""
+        if self._tasks and not self._closed:
+            await self._ops.join()
+
+    # ------------------------------------------------------------------ API
+    def put(self, key: bytes, entry: BlockEntry) -> bool:
+        """Queue `entry` for writing; False if it is already stored or queued, expired,
+        or the queue is full. Never blocks, never raises for I/O."""
+        if self._closed or self._pending_bytes + entry.nbytes > self.config.max_pending_bytes:
+            self._counts["write_dropped"] += 1
+            return False
+        if entry.is_expired(self._clock()):
+            self._counts["rejected"] += 1
+            return False
+        if key in self._pending or self._live(key) is not None:
+            self._counts["dedup_skipped"] += 1
+            return False
+        self._pending[key] = entry
+        self._pending_bytes += entry.nbytes
+        self._ops.put_nowait((_WRITE, key))
+        return True
+
+    async def get(self, key: bytes) -> BlockEntry | None:
+        """The verified entry, or None (absent, expired, damaged, foreign or raced)."""
+        entry = self._pending.get(key)
+        if entry is not None and not entry.is_expired(self._clock()):
+            self._counts["hits"] += 1
+            return entry
+        indexed = self._live(key)
+        if indexed is None or self._closed:
+            self._counts["misses"] += 1
+            return None
+        self._index.move_to_end(key)
+        result = await self._read(key)
+        entry = None if result is None else self._settle(key, indexed, result)
+        self._counts["hits" if entry is not None else "misses"] += 1
+        return entry
+
+    def contains(self, key: bytes) -> bool:
+        """Index only (no I/O): stored or queued, and not known to be expired."""
+        entry = self._pending.get(key)
+        if entry is not None:
+            return not entry.is_expired(self._clock())
+        return self._live(key, drop=False) is not None
+
+    def evict(self, num_bytes: int) -> int:
+        """Evict LRU files until `num_bytes` are free under the cap; returns how many.
+        Files are removed by the writer task (see `flush`)."""
+        num_evicted = 0
+        while self._index and self.config.capacity_bytes - self._bytes < num_bytes:
+            key = next(iter(self._index))
+            self._drop(key, self._eviction_counter(key))
+            num_evicted += 1
+        return num_evicted
+
+    async def sweep(self) -> int:
+        """Learn unknown expiries, then drop every expired entry; returns how many."""
+        await self._learn_expiries()
+        now = self._clock()
+        expired = [k for k, e in self._index.items()
+                   if e.expires_at is not None and now >= e.expires_at]
+        for key in expired:
+            self._drop(key, "expirations")
+        return len(expired)
+
+    def keys(self) -> list[bytes]:
+        """Stored keys from least to most recently used (queued writes not included)."""
+        return list(self._index)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._counts, bytes=self._bytes, entries=len(self._index),
+                    pending=len(self._pending), pending_bytes=self._pending_bytes,
+                    capacity_bytes=self.config.capacity_bytes)
+
+    def path(self, key: bytes) -> str:
+        return blockfile.block_path(self.config.ns_dir, key)
+
+    # ------------------------------------------------------------------ index
+    def _load(self, found: list[tuple[bytes, int, int]]) -> None:
+        """Index the files a scan found, oldest access first."""
+        for key, num_bytes, mtime_ns in found:
+            self._index[key] = _Indexed(num_bytes, None)
+            self._bytes += num_bytes
+            self._stamp_ns = max(self._stamp_ns, mtime_ns)
+
+    def _live(self, key: bytes, drop: bool = True) -> _Indexed | None:
+        """The index entry unless absent or known to be expired (then dropped if `drop`)."""
+        indexed = self._index.get(key)
+        if indexed is None or indexed.expires_at is None:
+            return indexed
+        if self._clock() < indexed.expires_at:
+            return indexed
+        if drop:
+            self._drop(key, "expirations")
+        return None
+
+    def _drop(self, key: bytes, counter: str) -> None:
+        """Forget `key` now; its file is removed by the writer task, in queue order."""
+        self._forget(key, counter)
+        self._ops.put_nowait((_UNLINK, key))
+
+    def _forget(self, key: bytes, counter: str) -> None:
+        indexed = self._index.pop(key)
+        self._bytes -= indexed.num_bytes
+        self._counts[counter] += 1
+
+    def _eviction_counter(self, key: bytes) -> str:
+        """An LRU victim that had already expired counts as an expiration."""
+        expires_at = self._index[key].expires_at
+        is_expired = expires_at is not None and self._clock() >= expires_at
+        return "expirations" if is_expired else "evictions"
+
+    def _next_stamp(self) -> int:
+        self._stamp_ns = max(self._stamp_ns + 1, time.time_ns())
+        return self._stamp_ns
+
+    # ------------------------------------------------------------------ reads
+    async def _read(self, key: bytes) -> ReadResult | None:
+        """The read's result; None if it could not run (the file is not to blame)."""
+        try:
+            return await self._run(blockfile.read_block, self.path(key),
+                                   self.config.namespace, key, self._next_stamp())
+        except Exception:  # a bug or a dead executor must not reach the caller
+            log.exception("kvstore: read of %s failed", self.path(key))
+            self._counts["read_errors"] += 1
+            return None
+
+    def _settle(self, key: bytes, indexed: _Indexed, result: ReadResult) -> BlockEntry | None:
+        """Turn a finished read into an entry or a miss, dropping what must go."""
+        if self._index.get(key) is not indexed:  # evicted, swept or replaced meanwhile
+            self._counts["read_races"] += 1
+            return None
+        if result.status is Status.MISSING:
+            self._drop(key, "vanished")
+            return None
+        if result.status is Status.CORRUPT:
+            log.warning("kvstore: dropping corrupt block file %s: %s", self.path(key),
+                        result.reason)
+            self._drop(key, "corrupt_dropped")
+            return None
+        indexed.expires_at = result.entry.expires_at
+        return result.entry if self._live(key) is not None else None
+
+    async def _learn_expiries(self) -> None:
+        """Read the headers of entries indexed by a scan, to know when they expire."""
+        unknown = [(k, e) for k, e in self._index.items() if e.expires_at is None]
+        if not unknown:
+            return
+        headers = await self._run(_read_headers, [self.path(k) for k, _ in unknown],
+                                  self.config.namespace, [k for k, _ in unknown])
+        for (key, indexed), header in zip(unknown, headers):
+            if self._index.get(key) is indexed:
+                self._apply_header(key, indexed, header)
+
+    def _apply_header(self, key: bytes, indexed: _Indexed,
+                      header: blockfile.Header | str | None) -> None:
+        if header is None:
+            self._drop(key, "vanished")
+        elif isinstance(header, str):
+            log.warning("kvstore: dropping corrupt block file %s: %s", self.path(key), header)
+            self._drop(key, "corrupt_dropped")
+        else:
+            indexed.expires_at = header.expires_at
+
+    # ------------------------------------------------------------------ mutations
+    async def _drain(self) -> None:
+        """The one task that writes and removes files, in queue order."""
+        while True:
+            op, key = await self._ops.get()
+            try:
+                if op == _STOP:
+                    return
+                await (self._write(key) if op == _WRITE else self._unlink(key))
+            except Exception:
+                log.exception("kvstore: %s of %s failed", op, self.path(key))
+            finally:
+                self._ops.task_done()
+
+    async def _write(self, key: bytes) -> None:
+        entry = self._pending[key]
+        try:
+            if await self._store(key, entry):
+                self._index[key] = _Indexed(blockfile.file_bytes(entry), entry.expires_at)
+                self._bytes += blockfile.file_bytes(entry)
+                self._counts["writes"] += 1
+        finally:
+            del self._pending[key]
+            self._pending_bytes -= entry.nbytes
+
+    async def _store(self, key: bytes, entry: BlockEntry) -> bool:
+        """Write one file, evicting LRU files first; False if it was not stored."""
+        num_bytes = blockfile.file_bytes(entry)
+        if entry.is_expired(self._clock()) or num_bytes > self.config.capacity_bytes:
+            self._counts["rejected"] += 1
+            return False
+        await self._make_room(num_bytes)
+        header = blockfile.encode_header(self.config.namespace, key, entry)
+        try:
+            await self._run(blockfile.write_block, self.path(key), header, entry.payload,
+                            self._next_stamp())
+        except OSError as exc:
+            self._counts["write_errors"] += 1
+            log.warning("kvstore: block %s not stored: %s", self.path(key), exc)
+            return False
+        return True
+
+    async def _make_room(self, num_bytes: int) -> None:
+        """Evict LRU files until `num_bytes` fit, removing them now (we are the writer task,
+        so no later write of a victim can overtake its removal)."""
+        while self._index and self.config.capacity_bytes - self._bytes < num_bytes:
+            key = next(iter(self._index))
+            self._forget(key, self._eviction_counter(key))
+            await self._unlink(key)
+
+    async def _unlink(self, key: bytes) -> None:
+        try:
+            await self._run(blockfile.unlink_quietly, self.path(key))
+        except OSError as exc:
+            log.warning("kvstore: could not remove %s: %s", self.path(key), exc)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("kvstore: TTL sweep failed")
+
+    # ------------------------------------------------------------------ plumbing
+    async def _run(self, fn, *args):
+        """Run blocking `fn(*args)` on the tier's I/O threads (one aiofiles executor hop)."""
+        return await aiofiles.os.wrap(fn)(*args, executor=self._executor)
+
+    async def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the fd drops the flock
+            self._lock_fd = None
+        self._closed = True
+        self._executor.shutdown(wait=False)
+
+
+def _open_dir(ns_dir: str) -> int:
+    """Create `ns_dir`, prove it writable, lock it; returns the lock fd. KVStoreError if not."""
+    try:
+        os.makedirs(ns_dir, exist_ok=True)
+        probe = os.path.join(ns_dir, f".probe{blockfile.TMP_SUFFIX}")
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+        os.unlink(probe)
+        fd = os.open(os.path.join(ns_dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise KVStoreError(f"KV disk dir {ns_dir!r} is unusable: "
+                           f"{exc.strerror or exc} ({type(exc).__name__})") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise KVStoreError(f"KV disk dir {ns_dir!r} is in use by another DiskTier") from exc
+    return fd
+
+
+def _read_headers(paths: list[str], ns: bytes,
+                  keys: list[bytes]) -> list[blockfile.Header | str | None]:
+    return [blockfile.read_header(p, ns, k) for p, k in zip(paths, keys)]
