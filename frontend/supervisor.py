@@ -1,0 +1,224 @@
+"""Supervisor: the engine worker processes of one server; starts them, restarts the dead ones
+with backoff, forwards signals, and never leaves one behind.
+
+Owns the worker processes and their addresses (ipc:// sockets in a private temp dir by default,
+or tcp://127.0.0.1 with free ports). No orphans, by three layers:
+* `close()` (also on `async with` exit, exceptions included): SIGTERM, grace, then SIGKILL;
+* an atexit hook SIGKILLs whatever is still running if the loop never got to `close()`;
+* each worker asks Linux for SIGKILL when its parent dies (`--parent-pid` -> PR_SET_PDEATHSIG),
+  which covers a SIGKILLed server. Each worker leads its own process group, killed as a whole.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+
+from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from frontend.engine_client import EngineClient
+
+log = logging.getLogger(__name__)
+
+# A worker that ran this long before dying restarts after the shortest backoff again.
+STABLE_AFTER_S = 30.0
+
+OnWorkerExit = Callable[[int, str], None]  # (pid, reason)
+
+
+class WorkerStatus(NamedTuple):
+    worker_id: str
+    role: str
+    address: str
+    pid: int  # 0 while no process runs
+    state: str  # "starting" | "running" | "backoff" | "stopped"
+    num_restarts: int
+    last_exit: str  # how the previous process ended, "" if none did
+
+
+class _Slot:
+    """One worker position: the process currently filling it and its restart history."""
+
+    def __init__(self, worker_id: str, role: str, address: str, backoff_s: float) -> None:
+        self.worker_id, self.role, self.address = worker_id, role, address
+        self.process: asyncio.subprocess.Process | None = None
+        self.state = "starting"
+        self.num_restarts = 0
+        self.last_exit = ""
+        self.started_at = 0.0
+        self.backoff_s = backoff_s
+
+    @property
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    def signal(self, signum: int) -> None:
+        if self.is_alive:
+            try:
+                os.killpg(self.process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def status(self) -> WorkerStatus:
+        pid = self.process.pid if self.is_alive else 0
+        return WorkerStatus(self.worker_id, self.role, self.address, pid, self.state,
+                            self.num_restarts, self.last_exit)
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig, *, roles: Sequence[str] = ("unified",),
+                 use_tcp: bool = False, restart_backoff_s: tuple[float, float] = (0.5, 10.0),
+                 worker_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self._min_backoff_s, self._max_backoff_s = restart_backoff_s
+        self._worker_args = list(worker_args)  # extra `duplex worker` flags
+        self._env = {**os.environ, **(env or {})}
+        self._dir = tempfile.mkdtemp(prefix="duplex-")
+        self._slots = [_Slot(f"{role}-{i}", role, self._address(role, i, use_tcp),
+                             self._min_backoff_s) for i, role in enumerate(roles)]
+        self._exit_listeners: list[OnWorkerExit] = []
+        self._tasks: list[asyncio.Task] = []
+        self._closing = asyncio.Event()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def addresses(self) -> list[str]:
+        return [slot.address for slot in self._slots]
+
+    @property
+    def is_healthy(self) -> bool:
+        return all(slot.state == "running" for slot in self._slots)
+
+    def status(self) -> list[WorkerStatus]:
+        return [slot.status() for slot in self._slots]
+
+    def attach(self, client: EngineClient) -> None:
+        """Wire a client to its worker: a worker the client finds dead (WorkerError, silence)
+        is killed and restarted; a process exit is reported to the client."""
+        client.on_worker_dead = lambda ready, reason: self.kill_worker(ready.worker_id,
+                                                                       pid=ready.pid)
+        self._exit_listeners.append(client.worker_exited)
+
+    async def start(self) -> None:
+        atexit.register(self._kill_all_now)
+        self._tasks = [asyncio.create_task(self._keep_alive(slot)) for slot in self._slots]
+
+    def kill_worker(self, worker_id: str, *, pid: int | None = None) -> None:
+        """SIGKILL a worker (it is then restarted); with `pid`, only if that process is still
+        the one running, so a late report cannot kill its replacement."""
+        for slot in self._slots:
+            if slot.worker_id == worker_id and (pid is None or slot.status().pid == pid):
+                slot.signal(signal.SIGKILL)
+
+    def forward_signal(self, signum: int) -> None:
+        for slot in self._slots:
+            slot.signal(signum)
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: SIGTERM (they abort their requests and exit), then SIGKILL."""
+        self._closing.set()
+        await asyncio.gather(*(self._stop(slot, grace_s) for slot in self._slots))
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        atexit.unregister(self._kill_all_now)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def __aenter__(self) -> Supervisor:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ process lifecycle
+    async def _keep_alive(self, slot: _Slot) -> None:
+        while not self._closing.is_set():
+            try:
+                await self._spawn(slot)
+            except OSError as e:
+                slot.last_exit = f"could not start: {e}"
+                log.error("worker %s %s", slot.worker_id, slot.last_exit)
+            else:
+                returncode = await slot.process.wait()
+                if self._closing.is_set():
+                    break
+                self._report_exit(slot, returncode)
+            await self._back_off(slot)
+
+    async def _spawn(self, slot: _Slot) -> None:
+        slot.state = "starting"
+        slot.process = await asyncio.create_subprocess_exec(
+            *self._command(slot), env=self._env, start_new_session=True)
+        slot.started_at = time.monotonic()
+        slot.state = "running"
+        log.info("started worker %s (pid %d) at %s", slot.worker_id, slot.process.pid,
+                 slot.address)
+        if self._closing.is_set():  # close() ran while we were spawning
+            slot.signal(signal.SIGKILL)
+
+    def _command(self, slot: _Slot) -> list[str]:
+        config_json = msgspec.json.encode(self.config).decode()
+        return [sys.executable, "-m", "engine.worker_cli", "--role", slot.role,
+                "--connect", slot.address, "--worker-id", slot.worker_id,
+                "--config-json", config_json, "--parent-pid", str(os.getpid()),
+                *self._worker_args]
+
+    def _report_exit(self, slot: _Slot, returncode: int) -> None:
+        slot.last_exit = _describe_exit(returncode)
+        log.error("worker %s (pid %d) %s", slot.worker_id, slot.process.pid, slot.last_exit)
+        for listener in self._exit_listeners:
+            listener(slot.process.pid, slot.last_exit)
+
+    async def _back_off(self, slot: _Slot) -> None:
+        if time.monotonic() - slot.started_at > STABLE_AFTER_S:
+            slot.backoff_s = self._min_backoff_s
+        slot.state = "backoff"
+        try:  # wakes early when close() starts
+            await asyncio.wait_for(self._closing.wait(), slot.backoff_s)
+        except asyncio.TimeoutError:
+            pass
+        slot.backoff_s = min(slot.backoff_s * 2, self._max_backoff_s)
+        slot.num_restarts += 1
+
+    async def _stop(self, slot: _Slot, grace_s: float) -> None:
+        if slot.is_alive:
+            slot.signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(slot.process.wait(), grace_s)
+            except asyncio.TimeoutError:
+                slot.signal(signal.SIGKILL)
+                await slot.process.wait()
+        slot.state = "stopped"
+
+    def _kill_all_now(self) -> None:
+        """atexit: no loop left to wait on, so SIGKILL without asking."""
+        self.forward_signal(signal.SIGKILL)
+
+    # ------------------------------------------------------------------ addresses
+    def _address(self, role: str, index: int, use_tcp: bool) -> str:
+        if use_tcp:
+            return f"tcp://127.0.0.1:{_free_port()}"
+        return f"ipc://{self._dir}/{role}-{index}.ipc"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode}"
