@@ -169,6 +169,8 @@ class _Packing:
     def _best_swap(self, heavy: int, tolerance: float) -> tuple[int, int] | None:
         mine = np.flatnonzero(self.item_rank == heavy)
         others = np.flatnonzero(self.item_rank != heavy)
+        if others.size == 0:
+            return None
         other_rank = self.item_rank[others]
         # delta[i, j]: load leaving the heavy rank when mine[i] and others[j] trade ranks
         delta = self.item_load[mine][:, None] - self.item_load[others][None, :]
