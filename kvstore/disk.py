@@ -51,7 +51,10 @@ _WRITE, _UNLINK, _STOP = "write", "unlink", "stop"
 @dataclasses.dataclass(frozen=True)
 class DiskConfig:
     root: str
-    namespace: bytes  # kvstore.keys.namespace(...) of the blocks this tier holds
+    # Model-level namespace: keys.namespace(model, dtype, block_size, layout), no tenant salt.
+    # Keys already chain from their tenant's namespace, so one tier serves every tenant of a
+    # model; this one guards against files of another model, dtype, block size or layout.
+    namespace: bytes
     capacity_bytes: int  # file bytes (header + payload) on disk, at most
     sweep_interval_s: float = 600.0  # background TTL sweep period
     io_threads: int = 4

@@ -1,0 +1,111 @@
+"""`KVStore`: the facade the engine talks to — host RAM in front of disk, one key space.
+
+Owns the policy between the tiers: new blocks go to host RAM; blocks the host evicts spill to
+disk (once: the disk tier deduplicates by key); disk hits are promoted back into host RAM.
+It owns no bytes itself. Counters are flat, ready for Prometheus.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+from kvstore.disk import DiskTier
+from kvstore.entry import BlockEntry
+from kvstore.host import HostTier
+
+HOST, DISK = "host", "disk"
+
+
+class KVStore:
+    def __init__(self, host_capacity_bytes: int = 0, disk: DiskTier | None = None, *,
+                 clock: Callable[[], float] = time.time, promote: bool = True) -> None:
+        """host_capacity_bytes = 0: no host tier. `disk` is started and closed by the store."""
+        self.host = (HostTier(host_capacity_bytes, clock=clock, on_evict=self._spill)
+                     if host_capacity_bytes > 0 else None)
+        self.disk = disk
+        self.promote = promote
+        self._counts = dict.fromkeys(("hits_host", "hits_disk", "misses", "spills"), 0)
+
+    async def start(self) -> None:
+        if self.disk is not None:
+            await self.disk.start()
+
+    async def close(self) -> None:
+        if self.disk is not None:
+            await self.disk.close()
+
+    async def flush(self) -> None:
+        """Wait for queued disk writes and removals."""
+        if self.disk is not None:
+            await self.disk.flush()
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier of each leading present key ("host" or "disk"), stopping at the first miss.
+        Index only: a later `get_many` may still miss (expiry learnt, file found damaged)."""
+        tiers = []
+        for key in keys:
+            tier = self._tier_of(key)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[BlockEntry | None]:
+        """Entries for `keys`, None where absent; disk reads run concurrently."""
+        entries = [self._get_host(key) for key in keys]
+        missing = [i for i, entry in enumerate(entries) if entry is None]
+        if self.disk is not None and missing:
+            found = await asyncio.gather(*(self.disk.get(keys[i]) for i in missing))
+            for i, entry in zip(missing, found):
+                entries[i] = entry
+                self._on_disk_read(keys[i], entry)
+        self._counts["misses"] += sum(entry is None for entry in entries)
+        return entries
+
+    def put(self, key: bytes, entry: BlockEntry, *, write_through: bool = False) -> None:
+        """Store in host RAM; straight to disk as well with `write_through`, or when there
+        is no host tier or the host cannot take it."""
+        in_host = self.host is not None and self.host.put(key, entry)
+        if self.disk is not None and (write_through or not in_host):
+            self.disk.put(key, entry)
+
+    def stats(self) -> dict[str, float]:
+        host = self.host.stats() if self.host is not None else {}
+        disk = self.disk.stats() if self.disk is not None else {}
+        flat = dict(self._counts)
+        flat.update(bytes_host=host.get("bytes", 0), bytes_disk=disk.get("bytes", 0),
+                    entries_host=host.get("entries", 0), entries_disk=disk.get("entries", 0),
+                    evictions_host=host.get("evictions", 0),
+                    evictions_disk=disk.get("evictions", 0),
+                    expirations=host.get("expirations", 0) + disk.get("expirations", 0),
+                    corrupt_dropped=disk.get("corrupt_dropped", 0),
+                    write_errors=disk.get("write_errors", 0))
+        flat.update({f"disk_{name}": value for name, value in disk.items()
+                     if f"{name}_disk" not in flat and name not in flat})
+        return {name: float(value) for name, value in flat.items()}
+
+    def _tier_of(self, key: bytes) -> str | None:
+        if self.host is not None and self.host.contains(key):
+            return HOST
+        if self.disk is not None and self.disk.contains(key):
+            return DISK
+        return None
+
+    def _get_host(self, key: bytes) -> BlockEntry | None:
+        entry = self.host.get(key) if self.host is not None else None
+        if entry is not None:
+            self._counts["hits_host"] += 1
+        return entry
+
+    def _on_disk_read(self, key: bytes, entry: BlockEntry | None) -> None:
+        if entry is None:
+            return
+        self._counts["hits_disk"] += 1
+        if self.promote and self.host is not None:
+            self.host.put(key, entry)
+
+    def _spill(self, key: bytes, entry: BlockEntry) -> None:
+        """HostTier eviction hook: keep the block on disk (no-op if already there)."""
+        if self.disk is not None and self.disk.put(key, entry):
+            self._counts["spills"] += 1
