@@ -37,3 +37,34 @@ def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
     assert slot_mapping.shape == (k.shape[0],), (
         f"slot_mapping must be [num_tokens={k.shape[0]}], got {tuple(slot_mapping.shape)}")
     assert k.device == k_cache.device == slot_mapping.device, "all tensors must be on one device"
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k_token,
+                     stride_v_token, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token: copy its `[num_kv_heads * head_dim]` row of k and v to its slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < tl.where(slot >= 0, ROW, 0)  # a padding token writes nothing
+    k = tl.load(k_ptr + token * stride_k_token + offs, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_token + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton launcher; same contract as `store_kv_ref`."""
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    require_triton(k, v, k_cache, v_cache, slot_mapping)
+    num_kv_heads, head_dim = k.shape[1:]
+    for name, t in (("k", k), ("v", v)):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, (
+            f"{name} must have contiguous [num_kv_heads, head_dim] rows (a token-strided view is "
+            f"fine), got strides {t.stride()}")
+    row = num_kv_heads * head_dim
+    if k.shape[0] == 0:
+        return
+    _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0),
+                                    v.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))

@@ -61,3 +61,66 @@ def _check(positions, q, k, cos_sin_cache) -> None:
     assert cos_sin_cache.dim() == 2 and rotary_dim % 2 == 0 and rotary_dim <= q.shape[-1], (
         f"cos_sin_cache must be [max_positions, rotary_dim <= head_dim, even], "
         f"got {tuple(cos_sin_cache.shape)}")
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, token, stride_token, stride_head, num_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  IS_NEOX: tl.constexpr):
+    """Rotate the first 2 * HALF dims of every head of one token; out is contiguous."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    if IS_NEOX:
+        first, second = dims, dims + HALF
+    else:
+        first, second = 2 * dims, 2 * dims + 1
+    src = x_ptr + token * stride_token + heads * stride_head
+    x1 = tl.load(src + first, mask=mask, other=0.0)
+    x2 = tl.load(src + second, mask=mask, other=0.0)
+    dst = out_ptr + (token * num_heads + heads) * stride_head
+    tl.store(dst + first, (x1 * cos - x2 * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + second, (x2 * cos + x1 * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
+                   stride_q_token, stride_k_token, num_heads, num_kv_heads, stride_cache,
+                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """One program per token: look up its cos/sin row once, rotate all q and k heads."""
+    token = tl.program_id(0)
+    pos = tl.load(positions_ptr + token)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cache_ptr + pos * stride_cache
+    cos = tl.load(row + dims, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty)
+    sin = tl.load(row + HALF + dims, mask=dims < HALF, other=0.0).to(q_ptr.dtype.element_ty)
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_q_token, HEAD_DIM, num_heads, cos, sin,
+                  HALF, BLOCK_H, BLOCK_HALF, IS_NEOX)
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_k_token, HEAD_DIM, num_kv_heads, cos, sin,
+                  HALF, BLOCK_H, BLOCK_HALF, IS_NEOX)
+
+
+def rotary_embedding_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            cos_sin_cache: torch.Tensor, is_neox: bool = True):
+    """Triton launcher; same contract as `rotary_embedding_ref` (returns new tensors)."""
+    _check(positions, q, k, cos_sin_cache)
+    require_triton(positions, q, k, cos_sin_cache)
+    head_dim = q.shape[-1]
+    for name, t in (("q", q), ("k", k)):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, (
+            f"{name} must have contiguous [heads, head_dim] rows, got strides {t.stride()}")
+    assert cos_sin_cache.stride(1) == 1, "cos_sin_cache rows must be contiguous"
+    rotary_dim = cos_sin_cache.shape[-1]
+    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format)
+    if rotary_dim < head_dim:  # pass-through dims
+        q_out[..., rotary_dim:] = q[..., rotary_dim:]
+        k_out[..., rotary_dim:] = k[..., rotary_dim:]
+    if q.shape[0]:
+        _rotary_kernel[(q.shape[0],)](
+            positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), k.stride(0),
+            q.shape[1], k.shape[1], cos_sin_cache.stride(0), HEAD_DIM=head_dim,
+            HALF=rotary_dim // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2), IS_NEOX=is_neox)
+    return q_out, k_out

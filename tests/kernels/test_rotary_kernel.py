@@ -55,3 +55,28 @@ def test_partial_rotary_and_gptj_against_definition():
     assert torch.equal(q_rot[..., 8:], q[..., 8:])
     q_neox, _ = rotary_embedding_ref(positions, q, k, cache, is_neox=True)
     assert torch.equal(q_neox[..., 8:], q[..., 8:])
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_triton_matches_reference(device, is_neox, rotary_dim):
+    from kernels.rotary import rotary_embedding_triton
+    cache = rope_cos_sin_cache(rotary_dim, 50)
+    positions = torch.tensor([0, 49, 7, 7, 20])
+    q, k = _qk(5, 16, torch.float32, seed=3)
+    expected = rotary_embedding_ref(positions, q, k, cache, is_neox)
+    got = rotary_embedding_triton(positions.to(device), q.to(device), k.to(device),
+                                  cache.to(device), is_neox)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g.cpu(), e, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_triton_large_bf16():
+    from kernels.rotary import rotary_embedding_triton
+    cache = rope_cos_sin_cache(128, 8192).cuda()
+    positions = torch.randint(0, 8192, (4096,), device="cuda")
+    q, k = (t.cuda() for t in _qk(4096, 128, torch.bfloat16))
+    for e, g in zip(rotary_embedding_ref(positions, q, k, cache),
+                    rotary_embedding_triton(positions, q, k, cache)):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
