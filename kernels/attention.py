@@ -147,3 +147,129 @@ def check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -
         f"{tuple(seq_lens.shape)}")
     assert q.device == k_cache.device == block_tables.device == seq_lens.device, (
         "q, caches, block_tables, query_start_loc and seq_lens must be on one device")
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
+        seq_lens_ptr, scale, soft_cap, sliding_window, stride_q_token, stride_q_head,
+        stride_o_token, stride_o_head, stride_cache_block, stride_cache_slot,
+        stride_cache_head, stride_block_table, block_size,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Program (sequence, kv head, row tile). A row is a (query, head in the kv head's group)
+    pair, so decode (one query, GROUP heads) and prefill share the kernel and a kv tile is
+    loaded once for the whole group. Online softmax over key tiles of BLOCK_N positions,
+    each position looked up through the block table."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile_is_empty(tl.program_id(2), q_len, GROUP, BLOCK_M):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * GROUP
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = seq_len - q_len + q_idx  # [BLOCK_M]
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_q_token
+                + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # key range that any row of this tile can see
+    first_q = seq_len - q_len + (tl.program_id(2) * BLOCK_M) // GROUP
+    hi = tl.minimum(seq_len, seq_len - q_len + tl.max(tl.where(row_ok, q_idx, 0)) + 1)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, first_q - sliding_window + 1) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < seq_len
+        block = tl.load(block_tables_ptr + seq * stride_block_table + k_pos // block_size,
+                        mask=k_ok, other=0)
+        slot_off = (block.to(tl.int64) * stride_cache_block
+                    + (k_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head)
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if HAS_SOFT_CAP:
+            s = soft_cap * tanh(s / soft_cap)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l_i == 0
+    tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_o_token
+             + head[:, None] * stride_o_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def tile_is_empty(tile, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    return tile * BLOCK_M >= q_len * GROUP
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp (no libdevice needed, interpreter-safe); exact limits at +-inf."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           max_query_len: int | None = None, block_m: int = 64,
+                           block_n: int = 64) -> torch.Tensor:
+    """Triton launcher; same contract as `paged_attention_ref`. Pass `max_query_len` to avoid
+    a device sync; block_m/block_n are tile sizes (powers of two, >= 16)."""
+    check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    require_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be the contiguous dim"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+        f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share a layout"
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    num_seqs = block_tables.shape[0]
+    group = q.shape[1] // k_cache.shape[2]
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    out = torch.empty_like(q)
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    grid = (num_seqs, k_cache.shape[2], triton.cdiv(max_query_len * group, block_m))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
+        1.0 if soft_cap is None else float(soft_cap),
+        0 if sliding_window is None else int(sliding_window),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[1],
+        GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
+        HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
+        FP32_DOT=q.dtype == torch.float32)
+    return out

@@ -34,3 +34,29 @@ def test_reference_rejects_bad_inputs_in_plain_words():
     args[3] = args[3].long()
     with pytest.raises(AssertionError, match="block_tables must be int32"):
         paged_attention_ref(*args, 1.0)
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (3, None), (None, 4.0),
+                                                      (5, 4.0)])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2)])
+def test_triton_matches_reference(device, sliding_window, soft_cap, num_heads, num_kv_heads):
+    from kernels.attention import paged_attention_triton
+    batch = make_paged_batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    expected = paged_attention_ref(*attention_args(batch), 0.3, sliding_window, soft_cap)
+    args = [t.to(device) for t in attention_args(batch)]
+    got = paged_attention_triton(*args, 0.3, sliding_window, soft_cap, block_m=16, block_n=16)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 256])
+def test_triton_large(dtype, sliding_window):
+    from kernels.attention import paged_attention_triton
+    seqs = [(1000, 1)] * 24 + [(700, 300), (513, 513), (2048, 17)]
+    batch = make_paged_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                             dtype=dtype, device="cuda")
+    args = attention_args(batch)
+    expected = paged_attention_ref(*args, 128 ** -0.5, sliding_window)
+    got = paged_attention_triton(*args, 128 ** -0.5, sliding_window)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
