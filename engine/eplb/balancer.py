@@ -23,13 +23,15 @@ class Balancer:
 
     def __init__(self, num_layers: int, num_experts: int, num_ranks: int, num_redundant: int,
                  interval_steps: int = 3000, window_steps: int | None = None,
-                 slots_per_rank: int | tuple[int, ...] | None = None):
+                 slots_per_rank: int | tuple[int, ...] | None = None,
+                 move_tolerance: float = 0.01):
         if interval_steps < 1:
             raise ValueError("interval_steps must be >= 1")
         self.num_ranks = num_ranks
         self.num_redundant = num_redundant
         self.interval_steps = interval_steps
         self.slots_per_rank = slots_per_rank
+        self.move_tolerance = move_tolerance  # see compute_placement
         self.stats = ExpertLoadStats(num_layers, num_experts, window_steps or interval_steps)
         # Before any statistics every expert counts as equally loaded.
         self.placement: Placement = compute_placement(
@@ -46,7 +48,8 @@ class Balancer:
             return None
         self._steps_since_plan = 0
         plan = compute_placement(self.stats.load(), self.num_ranks, self.num_redundant,
-                                 self.slots_per_rank, previous=self.placement)
+                                 self.slots_per_rank, previous=self.placement,
+                                 move_tolerance=self.move_tolerance)
         if plan == self.placement:
             return None
         self.pending = plan
