@@ -167,8 +167,12 @@ class Worker:
                 deltas = await self._in_core_thread(self._core.step)
             else:
                 deltas = self._core.step()
+                await asyncio.sleep(0)  # let receive and heartbeat run between steps
         finally:
             self._is_stepping = False
+        # A request the worker already ended (abort, deadline) gets no second final delta,
+        # whether or not the core reports its own end too.
+        deltas = [delta for delta in deltas if delta.req_id in self._live_req_ids]
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._live_req_ids.discard(delta.req_id)
