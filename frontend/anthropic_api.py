@@ -1,0 +1,235 @@
+"""Anthropic-compatible HTTP API: POST /v1/messages and /v1/messages/count_tokens.
+
+Anthropic messages (system, text / tool_use / tool_result blocks) are converted to the
+OpenAI-shaped dicts the recipe renders; the pipeline's events become content blocks, or the
+SSE sequence message_start, ping, (content_block_start, content_block_delta*,
+content_block_stop)*, message_delta, message_stop; a failed request ends with one `error`
+event instead. As in Anthropic's API, `input_tokens` counts the prompt tokens not read
+from the cache and `cache_read_input_tokens` those that were (zero included).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING, AsyncIterator
+
+from aiohttp import web
+
+from frontend.errors import invalid
+from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
+                                 resolve_max_tokens, sampling_params)
+from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
+                               AnthropicUsage, ContentBlockDelta, ContentBlockStart,
+                               ContentBlockStop, CountTokensRequest, CountTokensResponse,
+                               InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
+                               MessageStop, Ping, SseStream, StopInfo, TextBlock, TextDelta,
+                               ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
+from frontend.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+
+if TYPE_CHECKING:
+    from frontend.server import AppState
+
+log = logging.getLogger("duplex.anthropic")
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class AnthropicApi:
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/messages", self.messages),
+                web.post("/v1/messages/count_tokens", self.count_tokens)]
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        with self.state.admit():
+            body = await read_json(request, MessagesRequest)
+            job = self._job(request, body)
+            msg_id = f"msg_{request[REQ_ID]}"
+            async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
+                if body.stream:
+                    return await _stream(request, msg_id, self.state.model_name, job, events)
+                [result] = await collect(events, 1)
+            if result.final.failed:
+                raise result.final.api_error()
+            return json_response(_response(msg_id, self.state.model_name, result))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body = await read_json(request, CountTokensRequest)
+        return json_response(CountTokensResponse(len(self._encode(body))))
+
+    def _encode(self, body: CountTokensRequest) -> list[int]:
+        self.state.check_model(body.model)
+        tools = [tool_dict(t) for t in body.tools] if body.tools else None
+        return self.state.encode_chat(chat_messages(body), tools)
+
+    def _job(self, request: web.Request, body: MessagesRequest) -> Job:
+        state = self.state
+        prompt_ids = self._encode(body)
+        max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
+        params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
+                                 top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
+                                 stop_token_ids=state.stop_token_ids)
+        parse_tools = bool(body.tools) and not (body.tool_choice and
+                                                body.tool_choice.type == "none")
+        return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
+                   params=params, parse_tools=parse_tools, retention=body.retention,
+                   cache_salt=state.keys.tenant_salt(request, body.cache_salt))
+
+
+# ================================================================ request conversion
+def chat_messages(body: CountTokensRequest) -> list[dict]:
+    """Anthropic system + messages -> OpenAI-shaped dicts (tool results become tool turns)."""
+    out: list[dict] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "\n".join(
+            block.text for block in body.system)
+        out.append({"role": "system", "content": system})
+    for i, message in enumerate(body.messages):
+        out += _convert(message, f"messages[{i}]")
+    return out
+
+
+def _convert(message: AnthropicMessage, where: str) -> list[dict]:
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(message.content):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock) and message.role == "assistant":
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+        elif isinstance(block, ToolResultBlock) and message.role == "user":
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": _tool_result_text(block)})
+        else:
+            raise invalid(f"{where}.content[{j}]: a {message.role} message cannot hold a "
+                          f"{type(block).__name__} block", param=f"{where}.content[{j}].type")
+    text = "\n".join(texts)
+    if message.role == "assistant":
+        turn: dict = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            turn["tool_calls"] = calls
+        return [turn]
+    return results + ([{"role": "user", "content": text}] if texts or not results else [])
+
+
+def _tool_result_text(block: ToolResultBlock) -> str:
+    if block.content is None or isinstance(block.content, str):
+        return block.content or ""
+    return "\n".join(part.text for part in block.content)
+
+
+def tool_dict(tool: AnthropicTool) -> dict:
+    function: dict = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+# ================================================================ response formatting
+def _usage(usage: Usage) -> AnthropicUsage:
+    return AnthropicUsage(input_tokens=usage.prompt_tokens - usage.cached_tokens,
+                          output_tokens=usage.completion_tokens,
+                          cache_read_input_tokens=usage.cached_tokens,
+                          cache_creation_input_tokens=0)
+
+
+def _tool_input(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        log.warning("tool call arguments are not JSON: %.200r", arguments)
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _response(msg_id: str, model: str, result: ChoiceResult) -> AnthropicResponse:
+    final = result.final
+    content: list = [TextBlock(result.text)] if result.text or not result.tool_calls else []
+    content += [ToolUseBlock(id=c.id, name=c.name, input=_tool_input(c.arguments))
+                for c in result.tool_calls.values()]
+    return AnthropicResponse(msg_id, model, content, _stop_reason(final),
+                             final.stop_sequence, _usage(final.usage))
+
+
+def _stop_reason(final) -> str:
+    if final.stop_sequence is not None:
+        return "stop_sequence"
+    return _STOP_REASONS.get(final.finish_reason, "end_turn")
+
+
+class _Blocks:
+    """Numbers the content blocks of a streamed message: a text block opens on first text
+    and closes when a tool call starts; each tool call is a block of its own."""
+
+    def __init__(self, sse: SseStream) -> None:
+        self.sse = sse
+        self.num_blocks = 0
+        self.open_text: int | None = None
+        self.tool_blocks: dict[int, int] = {}  # tool call index -> block index
+
+    async def text(self, text: str) -> None:
+        if self.open_text is None:
+            self.open_text = await self._start(TextBlock(""))
+        await self._send(ContentBlockDelta(self.open_text, TextDelta(text)))
+
+    async def tool_event(self, event) -> None:
+        if isinstance(event, ToolCallStart):
+            await self.close_text()
+            self.tool_blocks[event.index] = await self._start(
+                ToolUseBlock(id=event.id, name=event.name, input={}))
+        elif isinstance(event, ToolCallArgsDelta):
+            await self._send(ContentBlockDelta(self.tool_blocks[event.index],
+                                               InputJsonDelta(event.json_text)))
+        elif isinstance(event, ToolCallEnd):
+            await self._send(ContentBlockStop(self.tool_blocks.pop(event.index)))
+
+    async def close_all(self) -> None:
+        await self.close_text()
+        for index in sorted(self.tool_blocks.values()):
+            await self._send(ContentBlockStop(index))
+        self.tool_blocks.clear()
+
+    async def close_text(self) -> None:
+        if self.open_text is not None:
+            await self._send(ContentBlockStop(self.open_text))
+            self.open_text = None
+
+    async def _start(self, block) -> int:
+        index, self.num_blocks = self.num_blocks, self.num_blocks + 1
+        await self._send(ContentBlockStart(index, block))
+        return index
+
+    async def _send(self, event) -> None:
+        await self.sse.send(event, event=event.__struct_config__.tag)
+
+
+async def _stream(request: web.Request, msg_id: str, model: str, job: Job,
+                  events: AsyncIterator[Event]) -> web.StreamResponse:
+    sse = await SseStream.open(request, {"X-Request-Id": request[REQ_ID]})
+    blocks = _Blocks(sse)
+    start_usage = AnthropicUsage(len(job.prompt_token_ids), 0, 0, 0)
+    with contextlib.suppress(ConnectionResetError):  # client gone: the caller aborts
+        await sse.send(MessageStart(AnthropicResponse(msg_id, model, [], None, None, start_usage)),
+                       event="message_start")
+        await sse.send(Ping(), event="ping")
+        async for event in events:
+            if isinstance(event, Delta):
+                if event.text:
+                    await blocks.text(event.text)
+                for tool_event in event.tool_events:
+                    await blocks.tool_event(tool_event)
+            elif event.failed:
+                await sse.send(event.api_error().anthropic_body(), event="error")
+            else:
+                if blocks.num_blocks == 0:  # an empty answer is still one text block
+                    await blocks.text("")
+                await blocks.close_all()
+                await sse.send(MessageDelta(StopInfo(_stop_reason(event), event.stop_sequence),
+                                            _usage(event.usage)), event="message_delta")
+                await sse.send(MessageStop(), event="message_stop")
+    return await sse.close()

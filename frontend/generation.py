@@ -1,0 +1,450 @@
+"""The one per-request pipeline every API shares (OpenAI, Anthropic, WebSocket).
+
+    AddRequest ─▶ engine deltas ─▶ detokenize ─▶ stop strings ─▶ tool calls ─▶ Delta* Final
+
+`Pipeline.run(job)` yields, per choice, `Delta` events and then exactly one `Final`. A stop
+string ends the choice at once: the engine stream is closed, which aborts the request on the
+worker, and the stop text never reaches the client. `n > 1` runs n child requests
+concurrently and interleaves their events (tagged by `index`). Closing the iterator early
+(client gone) closes every engine stream, so every child is aborted on the worker.
+The APIs only format these events; they never see token deltas.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import AsyncIterator, NamedTuple
+
+import msgspec
+
+from engine.messages import AddRequest, RequestDelta
+from engine.sampling_params import SamplingParams
+from frontend.errors import ApiError, from_sampling_error, invalid
+from frontend.protocol import SamplingFields
+from frontend.stop import StopChecker
+from frontend.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallParser, ToolCallStart
+
+log = logging.getLogger("duplex.generation")
+
+# A worker that ignores a deadline is cut off this long after it, so nothing hangs.
+DEADLINE_GRACE_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One API request, already tokenized and validated."""
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    parse_tools: bool = False
+    retention: str = "chat"
+    cache_salt: str = ""
+
+
+class TokenInfo(NamedTuple):
+    """A sampled token with its text, logprob and top alternatives as (text, logprob)."""
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(NamedTuple):
+    ttft_s: float
+    tokens_per_s: float
+    e2e_s: float
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one engine step added to choice `index`, after detokenizing and stop strings."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenInfo]
+    tool_events: list  # ToolCallStart | ToolCallArgsDelta | ToolCallEnd, in order
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+    accepted_mask: list[bool] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Final:
+    """The one terminal event of choice `index`.
+
+    finish_reason: "stop" | "length" | "tool_calls" (the client's answer ended) or
+    "error" | "timeout" | "abort" (it did not; `error` says why)."""
+    index: int
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    stop_sequence: str | None = None
+    error: str = ""
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason in ("error", "timeout", "abort")
+
+    def api_error(self) -> ApiError:
+        """How a failed choice is reported: a lost worker or an abort is worth retrying."""
+        kind = "timeout" if self.finish_reason == "timeout" else "unavailable"
+        return ApiError(kind, self.error, code=self.finish_reason)
+
+
+Event = Delta | Final
+
+
+def total_usage(finals: list[Final], n: int = 1) -> Usage:
+    """Usage of a request: each prompt counts once (choices k*n .. k*n+n-1 share prompt k),
+    completions add up."""
+    firsts = [f.usage for f in finals if f.index % n == 0]
+    by_tier: dict[str, int] = {}
+    for usage in firsts:
+        for tier, num in usage.cached_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + num
+    return Usage(sum(u.prompt_tokens for u in firsts),
+                 sum(f.usage.completion_tokens for f in finals),
+                 sum(u.cached_tokens for u in firsts), by_tier)
+
+
+@dataclasses.dataclass
+class ToolCallResult:
+    id: str
+    name: str
+    arguments: str = ""  # JSON text, as the model wrote it
+
+
+@dataclasses.dataclass
+class ChoiceResult:
+    """A whole choice, for non-streaming responses."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenInfo] = dataclasses.field(default_factory=list)
+    tool_calls: dict[int, ToolCallResult] = dataclasses.field(default_factory=dict)
+    final: Final | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        for event in delta.tool_events:
+            if isinstance(event, ToolCallStart):
+                self.tool_calls[event.index] = ToolCallResult(event.id, event.name)
+            elif isinstance(event, ToolCallArgsDelta):
+                self.tool_calls[event.index].arguments += event.json_text
+
+
+async def collect(events: AsyncIterator[Event], num_choices: int) -> list[ChoiceResult]:
+    results = [ChoiceResult(i) for i in range(num_choices)]
+    async for event in events:
+        if isinstance(event, Delta):
+            results[event.index].add(event)
+        else:
+            results[event.index].final = event
+    return results
+
+
+# ---------------------------------------------------------------- building a job
+def sampling_params(**fields) -> SamplingParams:
+    """SamplingParams from API fields; None means "not given". Bad values -> 400."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    if isinstance(given.get("stop"), str):
+        given["stop"] = [given["stop"]]
+    try:
+        return SamplingParams(**given)
+    except ValueError as e:
+        raise from_sampling_error(e) from None
+
+
+def params_from_fields(fields: SamplingFields, max_tokens: int, stop_token_ids: list[int],
+                       logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from the sampling fields the OpenAI APIs and the WebSocket share."""
+    return sampling_params(
+        max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+        top_k=fields.top_k, min_p=fields.min_p, seed=fields.seed, stop=fields.stop,
+        presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
+        repetition_penalty=fields.repetition_penalty, min_tokens=fields.min_tokens,
+        ignore_eos=fields.ignore_eos, skip_special_tokens=fields.skip_special_tokens,
+        include_stop_str_in_output=fields.include_stop_str_in_output, logprobs=logprobs,
+        stop_token_ids=[] if fields.ignore_eos else stop_token_ids)
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       param: str = "max_tokens", default: int | None = None) -> int:
+    """The generation budget: what was asked, else `default`, else the rest of the context."""
+    if num_prompt_tokens == 0:
+        raise invalid("the prompt is empty", param="messages")
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise invalid(f"the prompt has {num_prompt_tokens} tokens, more than this model's "
+                      f"context length of {max_model_len} leaves room for",
+                      param="messages", code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < 1:
+        raise invalid(f"{param} must be at least 1, got {requested}", param=param)
+    if requested > room:
+        raise invalid(f"{param} is {requested}, but the context length of {max_model_len} "
+                      f"leaves room for {room} after the {num_prompt_tokens}-token prompt",
+                      param=param, code="context_length_exceeded")
+    return requested
+
+
+def check_n(n: int, max_n: int) -> None:
+    if not 1 <= n <= max_n:
+        raise invalid(f"n must be between 1 and {max_n}, got {n}", param="n")
+
+
+# ---------------------------------------------------------------- the pipeline
+class Pipeline:
+    """Owns the path from an engine's token deltas to API-neutral output events."""
+
+    def __init__(self, engine, recipe, metrics, *, request_timeout_s: float = 0.0) -> None:
+        self.engine = engine
+        self.recipe = recipe
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+        self._token_text: dict[int, str] = {}
+
+    async def run(self, jobs: Job | list[Job]) -> AsyncIterator[Event]:
+        """Events of every choice of every job, interleaved; choice `index` counts across
+        jobs (job k's sample j is `k * n + j`). Each choice ends with exactly one Final."""
+        jobs = [jobs] if isinstance(jobs, Job) else jobs
+        choices = [_Choice(self, job, sample, k * job.n + sample)
+                   for k, job in enumerate(jobs) for sample in range(job.n)]
+        source = (self._run_choice(choices[0]) if len(choices) == 1
+                  else self._fan_out(choices))
+        async with contextlib.aclosing(source) as events:
+            async for event in events:
+                yield event
+
+    async def _fan_out(self, choices: list[_Choice]) -> AsyncIterator[Event]:
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            async with contextlib.aclosing(self._run_choice(choice)) as events:
+                async for event in events:
+                    queue.put_nowait(event)
+
+        tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+        try:
+            num_open = len(choices)
+            while num_open:
+                event = await queue.get()
+                num_open -= isinstance(event, Final)
+                yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_choice(self, choice: _Choice) -> AsyncIterator[Event]:
+        msg = choice.add_request()
+        cutoff = msg.deadline + DEADLINE_GRACE_S if msg.deadline else None
+        final = None
+        async with contextlib.aclosing(self.engine.generate(msg)) as deltas:
+            while final is None:
+                try:
+                    async with asyncio.timeout(_seconds_until(cutoff)):
+                        delta = await anext(deltas)
+                except StopAsyncIteration:
+                    final = choice.fail("error", "the engine stream ended without a result")
+                    break
+                except TimeoutError:
+                    final = choice.fail("timeout", "request timed out")
+                    break
+                except Exception as e:  # noqa: BLE001 - the engine failed: end this stream
+                    log.exception("engine stream failed req_id=%s", msg.req_id)
+                    final = choice.fail("error", f"engine error: {e}")
+                    break
+                event, final = choice.on_delta(delta)
+                if event is not None:
+                    yield event
+        self.metrics.observe_final(final)
+        _log_final(msg.req_id, final)
+        yield final
+
+    def token_info(self, top_logprob) -> TokenInfo:
+        top = [(self.token_text(t), lp) for t, lp in top_logprob.top]
+        return TokenInfo(top_logprob.token_id, self.token_text(top_logprob.token_id),
+                         top_logprob.logprob, top)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.recipe.decode([token_id])
+        return text
+
+
+class _Choice:
+    """The state of one choice while its deltas arrive (detokenizer, stop, tool parser)."""
+
+    def __init__(self, pipeline: Pipeline, job: Job, sample: int, index: int) -> None:
+        self.pipeline = pipeline
+        self.job = job
+        self.sample = sample  # which of the job's n samples this is
+        self.index = index  # its place among all choices of the API request
+        params = job.params
+        self.detokenizer = pipeline.recipe.new_detokenizer(params.skip_special_tokens)
+        self.stop = (StopChecker(params.stop, params.include_stop_str_in_output)
+                     if params.stop else None)
+        self.tools = ToolCallParser() if job.parse_tools else None
+        self.has_tool_calls = False
+        self.raw_tail = ""  # recent text before stop checking, to name the stop string hit
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self.cached_by_tier: dict[str, int] = {}
+        self.num_draft_proposed = 0
+        self.num_draft_accepted = 0
+        self.start = time.time()
+        self.first_token_at = 0.0
+        self.deadline = 0.0
+
+    def add_request(self) -> AddRequest:
+        job, params = self.job, self.job.params
+        req_id = job.req_id if job.n == 1 else f"{job.req_id}-{self.sample}"
+        if self.sample and params.seed is not None:  # n samples of one seed: vary it
+            params = msgspec.structs.replace(params, seed=(params.seed + self.sample) % 2**63)
+        timeout = self.pipeline.request_timeout_s
+        self.deadline = self.start + timeout if timeout > 0 else 0.0
+        return AddRequest(req_id=req_id, prompt_token_ids=job.prompt_token_ids, params=params,
+                          arrival_time=self.start, cache_salt=job.cache_salt,
+                          retention=job.retention, deadline=self.deadline)
+
+    def on_delta(self, delta: RequestDelta) -> tuple[Delta | None, Final | None]:
+        """One engine delta -> (an output event or None, the Final if the choice ended)."""
+        self._count(delta)
+        text, stopped = self._stop_check(self._detokenize(delta.new_token_ids))
+        finish_reason = "stop" if stopped else delta.finish_reason
+        if finish_reason is not None and not stopped and not _failed(finish_reason):
+            text += self._flush()
+        text, tool_events = self._parse_tools(text, finish_reason is not None)
+        event = self._event(delta, text, tool_events)
+        if finish_reason is None:
+            return event, None
+        if _failed(finish_reason):
+            return event, self.fail(self._failure(finish_reason), delta.error)
+        stop_sequence = self._stop_sequence() if stopped else None
+        return event, self.finish(finish_reason, stop_sequence)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return self.detokenizer.push(token_ids) if token_ids else ""
+
+    def finish(self, finish_reason: str, stop_sequence: str | None = None) -> Final:
+        if finish_reason == "stop" and self.has_tool_calls:
+            finish_reason = "tool_calls"
+        return Final(self.index, finish_reason, self._usage(), self._timings(),
+                     stop_sequence=stop_sequence, num_draft_proposed=self.num_draft_proposed,
+                     num_draft_accepted=self.num_draft_accepted)
+
+    def fail(self, finish_reason: str, error: str) -> Final:
+        final = self.finish(finish_reason)
+        final.error = error or {"error": "the engine worker failed",
+                                "timeout": "request timed out",
+                                "abort": "request aborted by the server"}[finish_reason]
+        return final
+
+    # ------------------------------------------------------------ steps
+    def _count(self, delta: RequestDelta) -> None:
+        if delta.new_token_ids and not self.first_token_at:
+            self.first_token_at = time.time()
+        self.num_tokens += len(delta.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.cached_tokens_by_tier:
+            self.cached_by_tier = dict(delta.cached_tokens_by_tier)
+        self.num_draft_proposed += delta.num_draft_proposed
+        self.num_draft_accepted += delta.num_draft_accepted
+        self.pipeline.metrics.observe_delta(len(delta.new_token_ids), delta.num_draft_proposed,
+                                            delta.num_draft_accepted)
+
+    def _stop_check(self, text: str) -> tuple[str, bool]:
+        if self.stop is None:
+            return text, False
+        self.raw_tail = (self.raw_tail + text)[-self._tail_len():]
+        return self.stop.push(text)
+
+    def _flush(self) -> str:
+        """Text held back by the detokenizer and the stop checker, at a normal end."""
+        text = self.detokenizer.flush()
+        if self.stop is None:
+            return text
+        emitted, stopped = self._stop_check(text)
+        return emitted if stopped else emitted + self.stop.flush()
+
+    def _parse_tools(self, text: str, is_last: bool) -> tuple[str, list]:
+        if self.tools is None:
+            return text, []
+        events = self.tools.push(text) if text else []
+        if is_last:
+            events += self.tools.finish()
+        plain = "".join(e.text for e in events if isinstance(e, TextDelta))
+        tool_events = [e for e in events if not isinstance(e, TextDelta)]
+        self.has_tool_calls |= bool(tool_events)
+        return plain, tool_events
+
+    def _event(self, delta: RequestDelta, text: str, tool_events: list) -> Delta | None:
+        if not (text or tool_events or delta.new_token_ids):
+            return None
+        logprobs = [self.pipeline.token_info(lp) for lp in delta.logprobs]
+        return Delta(self.index, text, list(delta.new_token_ids), logprobs, tool_events,
+                     delta.num_draft_proposed, delta.num_draft_accepted,
+                     list(delta.accepted_draft_mask))
+
+    def _failure(self, finish_reason: str) -> str:
+        if finish_reason == "abort" and self.deadline and time.time() >= self.deadline:
+            return "timeout"
+        return finish_reason
+
+    def _stop_sequence(self) -> str | None:
+        hits = [(self.raw_tail.find(s), s) for s in self.job.params.stop if s in self.raw_tail]
+        return min(hits)[1] if hits else None
+
+    def _tail_len(self) -> int:
+        return 2 * max(len(s) for s in self.job.params.stop) + 64
+
+    def _usage(self) -> Usage:
+        return Usage(len(self.job.prompt_token_ids), self.num_tokens, self.num_cached_tokens,
+                     self.cached_by_tier)
+
+    def _timings(self) -> Timings:
+        end = time.time()
+        if not self.first_token_at:
+            return Timings(0.0, 0.0, end - self.start)
+        decode_s = end - self.first_token_at
+        rate = (self.num_tokens - 1) / decode_s if self.num_tokens > 1 and decode_s > 0 else 0.0
+        return Timings(self.first_token_at - self.start, rate, end - self.start)
+
+
+def _failed(finish_reason: str) -> bool:
+    return finish_reason in ("error", "abort")
+
+
+def _seconds_until(cutoff: float | None) -> float | None:
+    return None if cutoff is None else max(0.0, cutoff - time.time())
+
+
+def _log_final(req_id: str, final: Final) -> None:
+    log.info("request finished req_id=%s finish_reason=%s prompt_tokens=%d "
+             "completion_tokens=%d cached_tokens=%d ttft_s=%.4f e2e_s=%.4f%s",
+             req_id, final.finish_reason, final.usage.prompt_tokens,
+             final.usage.completion_tokens, final.usage.cached_tokens, final.timings.ttft_s,
+             final.timings.e2e_s, f" error={final.error!r}" if final.error else "")
+

@@ -1,0 +1,322 @@
+"""The aiohttp application: shared request state, admission, errors, and the ops endpoints.
+
+`AppState` owns what every API handler shares (engine client, recipe, pipeline, metrics,
+admission); `build_app` assembles the OpenAI, Anthropic and WebSocket routes with
+/health, /v1/status, /metrics, /openapi.json and the web UI. One middleware checks API
+keys, renders every error in the calling API's shape, counts requests and logs them.
+
+Admission is bounded: past `max_queued_requests` requests in flight (running or waiting
+anywhere) a request is refused at once with 429/529 and Retry-After; while draining, or
+while no worker is ready, with 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from frontend import anthropic_api, openai_api, openapi, ws
+from frontend.auth import ApiKeys
+from frontend.errors import ApiError, invalid
+from frontend.generation import Pipeline
+from frontend.metrics import Metrics, kv_usage
+from frontend.protocol import REQ_ID, json_response
+
+log = logging.getLogger("duplex.server")
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+_ANTHROPIC_PREFIX = "/v1/messages"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    served_model_names: tuple[str, ...] = ()  # empty: the model's own name
+    max_queued_requests: int = 256
+    max_n: int = 8
+    request_timeout_s: float = 600.0  # 0: no deadline
+    api_keys: tuple[str, ...] = ()
+    client_max_size: int = 16 * 1024 * 1024
+    web_dir: Path | None = WEB_DIR
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if not 1 <= self.max_n <= 128:
+            raise ValueError(f"max_n must be in [1, 128], got {self.max_n}")
+        if self.request_timeout_s < 0:
+            raise ValueError(f"request_timeout_s must be >= 0, got {self.request_timeout_s}")
+
+
+class Admission:
+    """Owns the count of requests the frontend accepted and has not finished."""
+
+    def __init__(self, limit: int, metrics: Metrics) -> None:
+        self.limit = limit
+        self.metrics = metrics
+        self.num_active = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def slot(self):
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise ApiError("unavailable", "the server is shutting down")
+        if self.num_active >= self.limit:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise ApiError("overloaded", f"the server is at its limit of {self.limit} queued "
+                           "requests; retry later", code="overloaded")
+        self._change(+1)
+        try:
+            yield
+        finally:
+            self._change(-1)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait for the admitted ones; True if all finished."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def _change(self, step: int) -> None:
+        self.num_active += step
+        self.metrics.in_flight.set(self.num_active)
+        if self.num_active == 0:
+            self._idle.set()
+        else:
+            self._idle.clear()
+
+
+class AppState:
+    """What every handler shares. The engine client and recipe are built by `serve`
+    (or fakes in tests); everything else is derived from them here."""
+
+    def __init__(self, engine, recipe, options: ServerOptions = ServerOptions(),
+                 metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.recipe = recipe
+        self.options = options
+        self.metrics = metrics or Metrics()
+        self.pipeline = Pipeline(engine, recipe, self.metrics,
+                                 request_timeout_s=options.request_timeout_s)
+        self.admission = Admission(options.max_queued_requests, self.metrics)
+        self.keys = ApiKeys(list(options.api_keys))
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------ readiness and admission
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.engine.ready) and not self.admission.draining
+
+    def admit(self) -> contextlib.AbstractContextManager:
+        """A slot for one request; raises ApiError (overloaded / unavailable) at once."""
+        if not self.admission.draining and not self.engine.ready:
+            self.metrics.rejected.labels("not_ready").inc()
+            raise ApiError("unavailable", "no engine worker is ready; retry shortly")
+        return self.admission.slot()
+
+    # ------------------------------------------------------------ model facts
+    @property
+    def model_name(self) -> str:
+        if self.options.served_model_names:
+            return self.options.served_model_names[0]
+        info = self.engine.ready_info
+        return info.model_name if info is not None else "duplex"
+
+    @property
+    def max_model_len(self) -> int:
+        info = self.engine.ready_info
+        if info is None:
+            raise ApiError("unavailable", "no engine worker is ready; retry shortly")
+        return info.max_model_len
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self.recipe.eos_token_ids)
+
+    def check_model(self, name: str | None) -> None:
+        info = self.engine.ready_info
+        known = set(self.options.served_model_names) | {self.model_name}
+        if info is not None:
+            known.add(info.model_name)
+        if name is not None and name not in known:
+            raise ApiError("not_found", f"the model {name!r} does not exist; this server "
+                           f"serves {self.model_name!r}", param="model", code="model_not_found")
+
+    # ------------------------------------------------------------ tokenizing
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, template: str | None = None) -> list[int]:
+        if not messages:
+            raise invalid("messages must not be empty", param="messages")
+        try:
+            return self.recipe.encode_chat(messages, tools=tools,
+                                           add_generation_prompt=add_generation_prompt,
+                                           template=template)
+        except (ValueError, TypeError) as e:  # RecipeError is a ValueError
+            raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
+
+    def encode_prompt(self, text: str) -> list[int]:
+        try:
+            return self.recipe.encode_prompt(text)
+        except (ValueError, TypeError) as e:
+            raise invalid(f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = getattr(self.recipe, "vocab_size", None)
+        if vocab_size is not None and any(t >= vocab_size for t in token_ids):
+            raise invalid(f"token ids must be below the vocabulary size {vocab_size}",
+                          param=param)
+
+    # ------------------------------------------------------------ what /v1/status reports
+    def status(self) -> dict:
+        info, stats = self.engine.ready_info, self.engine.stats()
+        self.metrics.update_engine(stats, info, bool(self.engine.ready))
+        proposed = self.metrics.num_draft_proposed
+        accepted = self.metrics.num_draft_accepted
+        return {
+            "status": self.health_status(),
+            "model": self.model_name,
+            "max_model_len": info.max_model_len if info else None,
+            "running": stats.num_running if stats else 0,
+            "waiting": stats.num_waiting if stats else 0,
+            "in_flight": self.admission.num_active,
+            "kv_usage": kv_usage(stats) if stats else 0.0,
+            "kv_blocks_used": stats.num_kv_blocks_used if stats else 0,
+            "kv_blocks_total": stats.num_kv_blocks_total if stats else 0,
+            "hit_rate": (stats.num_cached_prompt_tokens / stats.num_prompt_tokens
+                         if stats and stats.num_prompt_tokens else 0.0),
+            "throughput_tokens_per_s": self.metrics.throughput(),
+            "layout": self.layout(),
+            "batch_invariant": bool(info and info.batch_invariant),
+            "speculation": {"mode": info.speculation if info else "off",
+                            "draft_proposed": proposed, "draft_accepted": accepted,
+                            "acceptance_rate": accepted / proposed if proposed else 0.0},
+        }
+
+    def layout(self) -> dict:
+        layout = getattr(self.engine, "layout", None)
+        if isinstance(layout, dict):
+            return layout
+        info = self.engine.ready_info
+        return {info.role: 1} if info else {}
+
+    def health_status(self) -> str:
+        if self.admission.draining:
+            return "draining"
+        return "ok" if self.engine.ready else "unavailable"
+
+
+# ================================================================ the application
+def build_app(state: AppState) -> web.Application:
+    app = web.Application(client_max_size=state.options.client_max_size,
+                          middlewares=[_middleware(state)])
+    app.router.add_routes(openai_api.OpenAIApi(state).routes())
+    app.router.add_routes(anthropic_api.AnthropicApi(state).routes())
+    app.router.add_routes(ws.WebSocketApi(state).routes())
+    app.router.add_routes(OpsApi(state).routes())
+    _add_web_ui(app, state.options.web_dir)
+    return app
+
+
+class OpsApi:
+    """/health, /v1/status, /metrics, /openapi.json."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/health", self.health), web.get("/v1/status", self.status),
+                web.get("/metrics", self.metrics), web.get("/openapi.json", self.openapi)]
+
+    async def health(self, _: web.Request) -> web.Response:
+        state = self.state
+        body = {"status": state.health_status(), "model": state.model_name,
+                "in_flight": state.admission.num_active}
+        return json_response(body, status=200 if state.is_ready else 503)
+
+    async def status(self, _: web.Request) -> web.Response:
+        return json_response(self.state.status())
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        engine = self.state.engine
+        self.state.metrics.update_engine(engine.stats(), engine.ready_info, bool(engine.ready))
+        return web.Response(body=self.state.metrics.render(), headers={
+            "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def openapi(self, _: web.Request) -> web.Response:
+        return json_response(openapi.spec())
+
+
+def _add_web_ui(app: web.Application, web_dir: Path | None) -> None:
+    index = web_dir / "index.html" if web_dir else None
+
+    async def root(_: web.Request) -> web.StreamResponse:
+        if index is not None and index.is_file():
+            return web.FileResponse(index)
+        return json_response({"name": "duplex", "openapi": "/openapi.json",
+                              "health": "/health"})
+
+    app.router.add_get("/", root)
+    if web_dir is not None and web_dir.is_dir():
+        app.router.add_static("/", web_dir, follow_symlinks=False)
+
+
+def _middleware(state: AppState):
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        request[REQ_ID] = uuid.uuid4().hex[:24]
+        start = time.perf_counter()
+        status = "disconnected"
+        try:
+            if state.keys.is_protected(request.path) and not state.keys.is_allowed(request):
+                raise ApiError("authentication", "invalid or missing API key: send it as "
+                               "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                               code="invalid_api_key")
+            response = await _render_errors(request, handler)
+            status = str(response.status)
+            return response
+        finally:
+            endpoint = _endpoint(request)
+            state.metrics.requests.labels(endpoint, status).inc()
+            log.info("http req_id=%s method=%s endpoint=%s status=%s duration_s=%.4f",
+                     request[REQ_ID], request.method, endpoint, status,
+                     time.perf_counter() - start)
+    return middleware
+
+
+async def _render_errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return render_error(request, e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return render_error(request, ApiError.from_status(e.status, e.text or e.reason))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # noqa: BLE001 - a bug must still answer in the API's shape
+        log.exception("unhandled error req_id=%s path=%s", request[REQ_ID], request.path)
+        return render_error(request, ApiError("internal", "internal server error"))
+
+
+def render_error(request: web.Request, error: ApiError) -> web.Response:
+    if request.path.startswith(_ANTHROPIC_PREFIX):
+        return json_response(error.anthropic_body(), error.anthropic_status(), error.headers)
+    return json_response(error.openai_body(), error.openai_status(), error.headers)
+
+
+def _endpoint(request: web.Request) -> str:
+    """A bounded label: the route's pattern, never the raw path of an unknown URL."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "other"
