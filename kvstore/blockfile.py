@@ -210,27 +210,94 @@ def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
-def write_block(path: str, header: bytes, payload, stamp_ns: int) -> None:
-    """Atomically create `path` (temp file in the same dir, fsync, rename, fsync dir).
-    Raises OSError; a failed write leaves no temp file behind."""
-    directory, name = os.path.split(path)
+class WriteItem(NamedTuple):
+    path: str
+    header: bytes
+    payload: object  # bytes-like
+    stamp_ns: int  # mtime to give the file (last-access order)
+
+
+def write_blocks(items: list[WriteItem], fsync: bool = True) -> list[OSError | None]:
+    """Atomically create each item's file (temp file in the same dir, fsync, rename, fsync
+    dir); per item None, or the OSError that stopped it (then no file, no temp file).
+
+    Done in phases — write every temp file, fsync them, rename them, fsync each directory
+    once — so a directory is synced once per batch, not once per file. Without `fsync` the
+    rename is still atomic and the CRC still catches torn files: a crash can then lose
+    entries, never turn them into wrong bytes.
+    """
+    errors: list[OSError | None] = [None] * len(items)
+    temps: dict[int, tuple[str, int]] = {}
+    for i, item in enumerate(items):
+        try:
+            temps[i] = _write_temp(item, fsync)
+        except OSError as exc:
+            errors[i] = exc
+    for i, (tmp, fd) in temps.items():
+        errors[i] = _fsync_close(fd, fsync)
+    for i, (tmp, _) in temps.items():
+        if errors[i] is None:
+            errors[i] = _rename(tmp, items[i].path)
+        else:
+            unlink_quietly(tmp)
+    if fsync:
+        _fsync_dirs(items, errors)
+    return errors
+
+
+def _write_temp(item: WriteItem, fsync: bool) -> tuple[str, int]:
+    """Write header and payload to a new temp file next to item.path; (temp path, open fd)."""
+    directory, name = os.path.split(item.path)
     if not os.path.isdir(directory):
         os.makedirs(directory, exist_ok=True)
-        fsync_dir(os.path.dirname(directory))
+        if fsync:
+            fsync_dir(os.path.dirname(directory))
     tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        try:
-            _write_chunks(fd, [header, payload])
-            _touch(fd, stamp_ns)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        _write_chunks(fd, [item.header, item.payload])
+        _touch(fd, item.stamp_ns)
     except BaseException:
+        os.close(fd)
         unlink_quietly(tmp)
         raise
-    fsync_dir(directory)
+    return tmp, fd
+
+
+def _fsync_close(fd: int, fsync: bool) -> OSError | None:
+    try:
+        if fsync:
+            os.fsync(fd)
+        return None
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(fd)
+
+
+def _rename(tmp: str, path: str) -> OSError | None:
+    """Rename a synced temp file into place; if that fails, remove it."""
+    try:
+        os.replace(tmp, path)
+        return None
+    except OSError as exc:
+        unlink_quietly(tmp)
+        return exc
+
+
+def _fsync_dirs(items: list[WriteItem], errors: list[OSError | None]) -> None:
+    """Make the renames durable; a directory that cannot be synced loses its new files."""
+    by_dir: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        if errors[i] is None:
+            by_dir.setdefault(os.path.dirname(item.path), []).append(i)
+    for directory, indices in by_dir.items():
+        try:
+            fsync_dir(directory)
+        except OSError as exc:
+            for i in indices:
+                unlink_quietly(items[i].path)
+                errors[i] = exc
 
 
 def _write_chunks(fd: int, chunks: list) -> None:

@@ -46,6 +46,7 @@ _COUNTERS = ("hits", "misses", "writes", "dedup_skipped", "write_dropped", "reje
              "write_errors", "evictions", "expirations", "corrupt_dropped", "vanished",
              "read_races", "read_errors", "temp_removed")
 _WRITE, _UNLINK, _STOP = "write", "unlink", "stop"
+_MAX_BATCH = 64  # queue ops the writer takes at once (one fsync round covers a batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,9 @@ class DiskConfig:
     sweep_interval_s: float = 600.0  # background TTL sweep period
     io_threads: int = 4
     max_pending_bytes: int = 256 * 2**20  # queued, unwritten payload; beyond it puts are dropped
+    # fsync files and directories. False keeps writes atomic (rename) and reads verified
+    # (CRC), but a crash may lose recent entries; for tests and throwaway caches.
+    fsync: bool = True
 
     def __post_init__(self) -> None:
         if len(self.namespace) != KEY_BYTES:
@@ -293,59 +297,74 @@ class DiskTier:
 
     # ------------------------------------------------------------------ mutations
     async def _drain(self) -> None:
-        """The one task that writes and removes files, in queue order."""
+        """The one task that writes and removes files, in queue order, a batch at a time."""
         while True:
-            op, key = await self._ops.get()
+            ops = [await self._ops.get()]
+            while not self._ops.empty() and len(ops) < _MAX_BATCH:
+                ops.append(self._ops.get_nowait())
             try:
-                if op == _STOP:
-                    return
-                await (self._write(key) if op == _WRITE else self._unlink(key))
+                for op, keys in _runs(ops):
+                    if op == _STOP:
+                        return
+                    await (self._write_batch(keys) if op == _WRITE else self._unlink(keys))
             except Exception:
-                log.exception("kvstore: %s of %s failed", op, self.path(key))
+                log.exception("kvstore: disk writer failed on a batch of %d ops", len(ops))
             finally:
-                self._ops.task_done()
+                for _ in ops:
+                    self._ops.task_done()
 
-    async def _write(self, key: bytes) -> None:
-        entry = self._pending[key]
+    async def _write_batch(self, keys: list[bytes]) -> None:
+        """Write queued entries, in chunks that fit the cap; a key leaves `_pending` only
+        once it is indexed or known not stored, so it is always findable meanwhile."""
+        entries = [self._pending[key] for key in keys]
         try:
-            if await self._store(key, entry):
+            accepted = [(k, e) for k, e in zip(keys, entries) if self._is_storable(e)]
+            for chunk in _chunks(accepted, self.config.capacity_bytes):
+                await self._store(chunk)
+        finally:
+            for key, entry in zip(keys, entries):
+                del self._pending[key]
+                self._pending_bytes -= entry.nbytes
+
+    def _is_storable(self, entry: BlockEntry) -> bool:
+        if entry.is_expired(self._clock()):
+            self._counts["expirations"] += 1
+            return False
+        if blockfile.file_bytes(entry) > self.config.capacity_bytes:
+            self._counts["rejected"] += 1
+            return False
+        return True
+
+    async def _store(self, chunk: list[tuple[bytes, BlockEntry]]) -> None:
+        """Write one chunk of files after evicting LRU files to make room for all of it."""
+        await self._make_room(sum(blockfile.file_bytes(e) for _, e in chunk))
+        items = [blockfile.WriteItem(self.path(k), blockfile.encode_header(
+            self.config.namespace, k, e), e.payload, self._next_stamp()) for k, e in chunk]
+        errors = await self._run(blockfile.write_blocks, items, self.config.fsync)
+        for (key, entry), error in zip(chunk, errors):
+            if error is None:
                 self._index[key] = _Indexed(blockfile.file_bytes(entry), entry.expires_at)
                 self._bytes += blockfile.file_bytes(entry)
                 self._counts["writes"] += 1
-        finally:
-            del self._pending[key]
-            self._pending_bytes -= entry.nbytes
-
-    async def _store(self, key: bytes, entry: BlockEntry) -> bool:
-        """Write one file, evicting LRU files first; False if it was not stored."""
-        num_bytes = blockfile.file_bytes(entry)
-        if entry.is_expired(self._clock()) or num_bytes > self.config.capacity_bytes:
-            self._counts["rejected"] += 1
-            return False
-        await self._make_room(num_bytes)
-        header = blockfile.encode_header(self.config.namespace, key, entry)
-        try:
-            await self._run(blockfile.write_block, self.path(key), header, entry.payload,
-                            self._next_stamp())
-        except OSError as exc:
-            self._counts["write_errors"] += 1
-            log.warning("kvstore: block %s not stored: %s", self.path(key), exc)
-            return False
-        return True
+            else:
+                self._counts["write_errors"] += 1
+                log.warning("kvstore: block %s not stored: %s", self.path(key), error)
 
     async def _make_room(self, num_bytes: int) -> None:
         """Evict LRU files until `num_bytes` fit, removing them now (we are the writer task,
         so no later write of a victim can overtake its removal)."""
+        victims = []
         while self._index and self.config.capacity_bytes - self._bytes < num_bytes:
-            key = next(iter(self._index))
-            self._forget(key, self._eviction_counter(key))
-            await self._unlink(key)
+            victims.append(next(iter(self._index)))
+            self._forget(victims[-1], self._eviction_counter(victims[-1]))
+        if victims:
+            await self._unlink(victims)
 
-    async def _unlink(self, key: bytes) -> None:
+    async def _unlink(self, keys: list[bytes]) -> None:
         try:
-            await self._run(blockfile.unlink_quietly, self.path(key))
+            await self._run(_unlink_all, [self.path(key) for key in keys])
         except OSError as exc:
-            log.warning("kvstore: could not remove %s: %s", self.path(key), exc)
+            log.warning("kvstore: could not remove %d block files: %s", len(keys), exc)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -391,3 +410,34 @@ def _open_dir(ns_dir: str) -> int:
 def _read_headers(paths: list[str], ns: bytes,
                   keys: list[bytes]) -> list[blockfile.Header | str | None]:
     return [blockfile.read_header(p, ns, k) for p, k in zip(paths, keys)]
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        blockfile.unlink_quietly(path)
+
+
+def _runs(ops: list[tuple[str, bytes]]) -> list[tuple[str, list[bytes]]]:
+    """Consecutive ops of one kind grouped, order kept: [(op, [key, ...]), ...]."""
+    runs: list[tuple[str, list[bytes]]] = []
+    for op, key in ops:
+        if runs and runs[-1][0] == op:
+            runs[-1][1].append(key)
+        else:
+            runs.append((op, [key]))
+    return runs
+
+
+def _chunks(pairs: list[tuple[bytes, BlockEntry]],
+            max_bytes: int) -> list[list[tuple[bytes, BlockEntry]]]:
+    """Split (key, entry) pairs into runs whose files total at most `max_bytes` each."""
+    chunks: list[list[tuple[bytes, BlockEntry]]] = []
+    total = max_bytes + 1
+    for pair in pairs:
+        size = blockfile.file_bytes(pair[1])
+        if total + size > max_bytes:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(pair)
+        total += size
+    return chunks
