@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.eplb.placement import Placement, _max_over_mean, rank_load
+from engine.eplb.placement import Placement, imbalance, rank_load
 
 
 class ExpertLoadStats:
@@ -58,4 +58,4 @@ class ExpertLoadStats:
 
     def imbalance(self, placement: Placement) -> np.ndarray:
         """[num_layers]: max rank load / mean rank load over the window under `placement`."""
-        return _max_over_mean(self.rank_load(placement))
+        return imbalance(self._window_sum, placement)
