@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", choices=("zipf", "drift", "file"), default="zipf",
                    help="routing model: static Zipf, drifting hotspot, or a recorded file")
     w.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent s (default 1.0)")
-    w.add_argument("--drift-period", type=float, default=50.0,
-                   help="drift: steps for the hot window to advance one expert (default 50)")
+    w.add_argument("--drift-period", type=float, default=200.0,
+                   help="drift: steps for the hot window to advance one expert (default 200)")
     w.add_argument("--trace", type=Path, default=None,
                    help="file: .npy or .json counts [steps, layers, experts]")
     w.add_argument("--experts", type=int, default=256)
