@@ -199,6 +199,7 @@ class Supervisor:
             except asyncio.TimeoutError:
                 slot.signal(signal.SIGKILL)
                 await slot.process.wait()
+            slot.last_exit = _describe_exit(slot.process.returncode)
         slot.state = "stopped"
 
     def _kill_all_now(self) -> None:

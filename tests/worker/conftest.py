@@ -92,8 +92,8 @@ async def start_engine():
 
     yield start
     for engine in engines:
-        await engine.client.close()
         await engine.supervisor.close(grace_s=2.0)
+        await engine.client.close()
 
 
 class RawFrontend:
