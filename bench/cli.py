@@ -1,0 +1,69 @@
+"""`duplex bench <sub>`: one dispatcher for the benchmarks, each defined in its own module.
+
+Each entry names a module exposing ``add_arguments(parser)`` and ``run(args) -> int``. A
+module is imported only when its subcommand is parsed, so `duplex bench compare` never loads
+aiohttp or torch; a module missing from this build answers "not available" with exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("bench.serve", "drive an OpenAI-compatible server with a workload"),
+    "compare": ("bench.compare", "compare result files side by side"),
+    "baseline-server": ("bench.baseline_server",
+                        "plain transformers OpenAI-compatible server to compare against"),
+    "offline": ("bench.offline", "offline engine throughput, no server"),
+    "eplb": ("bench.eplb", "expert-parallel load balancing benchmark"),
+}
+
+
+class _LazyParser(argparse.ArgumentParser):
+    """A subcommand parser that imports its module's arguments only when it is used."""
+
+    def __init__(self, *args, module: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.module, self.is_loaded = module, False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self.is_loaded:
+            self.is_loaded = True
+            try:
+                importlib.import_module(self.module).add_arguments(self)
+            except ModuleNotFoundError as e:
+                if e.name != self.module:
+                    raise
+                namespace = namespace or argparse.Namespace()
+                namespace._bench_missing = self.module
+                return namespace, []
+        return super().parse_known_args(args, namespace)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK",
+                                parser_class=_LazyParser)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, module=module,
+                           prog=f"duplex bench {name}")
+        p.set_defaults(_bench_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "_bench_missing", None):
+        print(f"duplex bench {args.bench_command}: not available in this build "
+              f"({args._bench_missing})", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._bench_module).run(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.cli ...`, the same as `duplex bench ...`."""
+    parser = argparse.ArgumentParser(prog="duplex bench")
+    add_arguments(parser)
+    return run(parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
