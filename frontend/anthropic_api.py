@@ -149,7 +149,7 @@ def _tool_input(arguments: str) -> dict:
 
 def _response(msg_id: str, model: str, result: ChoiceResult) -> AnthropicResponse:
     final = result.final
-    content: list = [TextBlock(result.text)] if result.text or not result.tool_calls else []
+    content: list = [TextBlock(text=result.text)] if result.text or not result.tool_calls else []
     content += [ToolUseBlock(id=c.id, name=c.name, input=_tool_input(c.arguments))
                 for c in result.tool_calls.values()]
     return AnthropicResponse(msg_id, model, content, _stop_reason(final),
@@ -174,7 +174,7 @@ class _Blocks:
 
     async def text(self, text: str) -> None:
         if self.open_text is None:
-            self.open_text = await self._start(TextBlock(""))
+            self.open_text = await self._start(TextBlock(text=""))
         await self._send(ContentBlockDelta(self.open_text, TextDelta(text)))
 
     async def tool_event(self, event) -> None:

@@ -86,7 +86,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def from_validation(err: msgspec.ValidationError | msgspec.DecodeError) -> ApiError:
     """A msgspec decode failure -> 400 naming the field, e.g. `messages[0].role`."""
-    if isinstance(err, msgspec.DecodeError):
+    if not isinstance(err, msgspec.ValidationError):  # (ValidationError is a DecodeError)
         return invalid(f"request body is not valid JSON: {err}")
     text, _, where = str(err).partition(" - at `$")
     path = where.rstrip("`").lstrip(".")

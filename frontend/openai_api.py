@@ -278,7 +278,7 @@ def _chat_completion(reply: _Reply, results: list[ChoiceResult]) -> ChatCompleti
         choices.append(ChatChoice(r.index, AssistantMessage(content, tool_calls=calls or None),
                                   r.final.finish_reason, logprobs))
     return ChatCompletion(reply.id, reply.created, reply.model, choices,
-                          usage_struct(finals))
+                          usage_struct(finals, reply.num_choices))
 
 
 def _chat_logprobs(infos: list[TokenInfo]) -> ChoiceLogprobs:
@@ -339,7 +339,7 @@ async def _stream_chat(request: web.Request, reply: _Reply, events: AsyncIterato
                                                   event.finish_reason)]))
         else:
             if include_usage:
-                await sse.send(chunk([], usage=usage_struct(finals)))
+                await sse.send(chunk([], usage=usage_struct(finals, reply.num_choices)))
         await sse.send(b"[DONE]")
     return await sse.close()
 

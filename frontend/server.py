@@ -258,17 +258,23 @@ class OpsApi:
 
 
 def _add_web_ui(app: web.Application, web_dir: Path | None) -> None:
-    index = web_dir / "index.html" if web_dir else None
+    """/ serves web/index.html; other GETs outside /v1/ serve files under web/, if any."""
+    root = web_dir.resolve() if web_dir is not None else None
 
-    async def root(_: web.Request) -> web.StreamResponse:
-        if index is not None and index.is_file():
-            return web.FileResponse(index)
+    async def index(_: web.Request) -> web.StreamResponse:
+        if root is not None and (root / "index.html").is_file():
+            return web.FileResponse(root / "index.html")
         return json_response({"name": "duplex", "openapi": "/openapi.json",
                               "health": "/health"})
 
-    app.router.add_get("/", root)
-    if web_dir is not None and web_dir.is_dir():
-        app.router.add_static("/", web_dir, follow_symlinks=False)
+    async def static_file(request: web.Request) -> web.StreamResponse:
+        path = (root / request.match_info["path"]).resolve() if root is not None else None
+        if path is None or not path.is_relative_to(root) or not path.is_file():
+            raise ApiError("not_found", f"no such resource: {request.path}")
+        return web.FileResponse(path)
+
+    app.router.add_get("/", index)
+    app.router.add_get(r"/{path:(?!v1/).+}", static_file)
 
 
 def _middleware(state: AppState):
