@@ -8,8 +8,9 @@ core call (add, abort, stats) runs on the loop thread while no step is in flight
 is never entered by two threads at once. While a step computes (torch releases the GIL) the
 loop keeps receiving, heartbeating and queueing control messages.
 
-Lifecycle: connect -> build the core -> warm-up step -> send Ready -> serve -> exit 0 after
-Shutdown, or send WorkerError and exit 1 on any unexpected exception.
+Lifecycle: connect -> build the core -> warm-up step -> serve, sending Ready on each
+(re)connection -> exit 0 after Shutdown, or send WorkerError and exit 1 on any unexpected
+exception.
 """
 from __future__ import annotations
 
@@ -88,7 +89,6 @@ class Worker:
         self._channel = worker_channel(ctx, self._address, self.worker_id)
         try:
             await self._start_core()
-            await self._send(self._ready_message())
             await self._serve_with_background_tasks()
             return 0
         except Exception as e:  # noqa: BLE001 - every failure must become a WorkerError
@@ -123,7 +123,8 @@ class Worker:
 
     async def _serve_with_background_tasks(self) -> None:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._receive_forever()),
+            tasks = [group.create_task(self._announce_forever()),
+                     group.create_task(self._receive_forever()),
                      group.create_task(self._heartbeat_forever())]
             await self._serve()
             for task in tasks:
@@ -231,6 +232,12 @@ class Worker:
             self._abort(list(self._live_req_ids), finish_reason="abort", error=SHUTDOWN_ERROR)
 
     # ------------------------------------------------------------------ background tasks
+    async def _announce_forever(self) -> None:
+        """Send Ready on every (re)connection: the frontend may be a new process that has
+        never heard of us. The first one follows model load and warm-up."""
+        async for _ in self._channel.handshakes():
+            await self._send(self._ready_message())
+
     async def _receive_forever(self) -> None:
         while True:
             received = await self._channel.receiver.get()

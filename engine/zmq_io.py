@@ -14,12 +14,13 @@ raises on bad input, so a hostile peer cannot crash the loop that reads from it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.messages import (MAX_FRAME_BYTES, BadFrame, decode_from_worker, decode_to_worker,
                              encode)
@@ -101,10 +102,22 @@ class MessageSender:
 class Channel:
     """One socket with its typed sender and receiver."""
 
-    def __init__(self, socket: zmq.asyncio.Socket, decode: Decode, **limits: int) -> None:
+    def __init__(self, socket: zmq.asyncio.Socket, decode: Decode, *,
+                 watch_handshakes: bool = False, **limits: int) -> None:
         self.socket = socket
         self.sender = MessageSender(socket)
         self.receiver = MessageReceiver(socket, decode, **limits)
+        # Made before the socket connects, so that the first handshake is seen too.
+        self._monitor = (socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                         if watch_handshakes else None)
+
+    async def handshakes(self) -> AsyncIterator[str]:
+        """Yield the peer endpoint each time a connection completes its handshake: the first
+        connect and every reconnect (the peer may be a restarted process)."""
+        assert self._monitor is not None, "channel made without watch_handshakes=True"
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            yield event["endpoint"].decode(errors="replace")
 
     @property
     def address(self) -> str:
@@ -113,17 +126,21 @@ class Channel:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket; with linger > 0, queued messages get that long to leave first."""
+        if self._monitor is not None:
+            self.socket.disable_monitor()
+            self._monitor.close(linger=0)
         self.socket.close(linger=linger_ms)
 
 
 def worker_channel(ctx: zmq.asyncio.Context, address: str, worker_id: str,
                    **limits: int) -> Channel:
-    """The worker's side: a DEALER that connects to the frontend and reconnects on its own.
-    Messages sent before the frontend is up wait in the DEALER's queue."""
+    """The worker's side: a DEALER that connects to the frontend and reconnects on its own
+    (`handshakes()` tells when). Messages sent while disconnected wait in its queue."""
     socket = ctx.socket(zmq.DEALER)
     socket.setsockopt(zmq.ROUTING_ID, worker_id.encode())
+    channel = Channel(socket, decode_to_worker, watch_handshakes=True, **limits)
     socket.connect(address)
-    return Channel(socket, decode_to_worker, **limits)
+    return channel
 
 
 def frontend_channel(ctx: zmq.asyncio.Context, address: str, **limits: int) -> Channel:

@@ -151,6 +151,9 @@ class EngineClient:
 
     # ------------------------------------------------------------------ worker liveness
     def _on_ready(self, msg: Ready, peer: bytes) -> None:
+        if self.ready and _same_worker(self.ready_info, msg):  # it reconnected: keep going
+            self._worker_peer, self._last_seen = peer, time.monotonic()
+            return
         if self.ready:  # a new Ready without a death notice: the old worker is gone
             self._worker_died(f"worker {msg.worker_id} restarted")
         log.info("engine worker %s ready (role %s, model %s, pid %d)", msg.worker_id, msg.role,
@@ -210,3 +213,7 @@ class EngineClient:
         except zmq.ZMQError as e:
             log.warning("cannot reach engine worker: %s", e)
             return False
+
+
+def _same_worker(old: Ready, new: Ready) -> bool:
+    return (old.worker_id, old.pid) == (new.worker_id, new.pid)

@@ -18,7 +18,8 @@ from engine.messages import (MAX_FRAME_BYTES, AbortRequests, Heartbeat, Outputs,
                              Shutdown, WorkerError)
 from engine.worker import DEADLINE_ERROR, SHUTDOWN_ERROR, Worker
 
-from .conftest import HEARTBEAT_S, add_request, subprocess_env, tokens, worker_command
+from .conftest import (HEARTBEAT_S, RawFrontend, add_request, subprocess_env, tokens,
+                       worker_command)
 from .fake_core import CRASH_TOKEN, FakeCore, expected_tokens
 from .test_zmq_io import HOSTILE_TO_WORKER, PICKLED_DICT
 
@@ -231,3 +232,22 @@ async def test_worker_process_survives_hostile_frames_and_idles_without_spinning
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def test_worker_announces_itself_again_to_a_restarted_frontend(tmp_path):
+    """A frontend that restarts (a worker on another host outlives it) gets a fresh Ready."""
+    address = f"ipc://{tmp_path}/restart.ipc"
+    first = RawFrontend(address)
+    harness = Harness(first)
+    assert (await first.next(Ready)).pid == os.getpid()
+    first.close()
+
+    second = RawFrontend(address)
+    try:
+        assert (await second.next(Ready)).pid == os.getpid()
+        await second.send(add_request("again", [1], max_tokens=2))
+        assert tokens(await second.deltas_until_finished({"again"})) == [2, 3]
+    finally:
+        harness.task.cancel()
+        await asyncio.gather(harness.task, return_exceptions=True)
+        second.close()
