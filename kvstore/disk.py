@@ -177,13 +177,14 @@ class DiskTier:
         return self._live(key, drop=False) is not None
 
     def evict(self, num_bytes: int) -> int:
-        """Evict LRU files until `num_bytes` are free under the cap; returns how many.
-        Files are removed by the writer task (see `flush`)."""
+        """Evict LRU files until `num_bytes` are free under the cap; returns how many
+        unexpired ones went. Files are removed by the writer task (see `flush`)."""
         num_evicted = 0
         while self._index and self.config.capacity_bytes - self._bytes < num_bytes:
             key = next(iter(self._index))
-            self._drop(key, self._eviction_counter(key))
-            num_evicted += 1
+            counter = self._eviction_counter(key)
+            self._drop(key, counter)
+            num_evicted += counter == "evictions"
         return num_evicted
 
     async def sweep(self) -> int:
