@@ -290,7 +290,8 @@ class Pipeline:
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.recipe.decode([token_id])
+            text = self._token_text[token_id] = self.recipe.decode(
+                [token_id], skip_special_tokens=False)
         return text
 
 

@@ -172,7 +172,7 @@ class AppState:
             raise invalid(f"cannot tokenize the prompt: {e}", param="prompt") from None
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab_size = getattr(self.recipe, "vocab_size", None)
+        vocab_size = _vocab_size(self.recipe)
         if vocab_size is not None and any(t >= vocab_size for t in token_ids):
             raise invalid(f"token ids must be below the vocabulary size {vocab_size}",
                           param=param)
@@ -214,6 +214,12 @@ class AppState:
         if self.admission.draining:
             return "draining"
         return "ok" if self.engine.ready else "unavailable"
+
+
+def _vocab_size(recipe) -> int | None:
+    size = getattr(recipe, "vocab_size", None)
+    tokenizer = getattr(recipe, "tokenizer", None)
+    return size if size is not None or tokenizer is None else len(tokenizer)
 
 
 # ================================================================ the application
@@ -284,11 +290,7 @@ def _middleware(state: AppState):
         start = time.perf_counter()
         status = "disconnected"
         try:
-            if state.keys.is_protected(request.path) and not state.keys.is_allowed(request):
-                raise ApiError("authentication", "invalid or missing API key: send it as "
-                               "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                               code="invalid_api_key")
-            response = await _render_errors(request, handler)
+            response = await _render_errors(request, handler, state.keys)
             status = str(response.status)
             return response
         finally:
@@ -300,8 +302,12 @@ def _middleware(state: AppState):
     return middleware
 
 
-async def _render_errors(request: web.Request, handler) -> web.StreamResponse:
+async def _render_errors(request: web.Request, handler, keys: ApiKeys) -> web.StreamResponse:
     try:
+        if keys.is_protected(request.path) and not keys.is_allowed(request):
+            raise ApiError("authentication", "invalid or missing API key: send it as "
+                           "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                           code="invalid_api_key")
         return await handler(request)
     except ApiError as e:
         return render_error(request, e)

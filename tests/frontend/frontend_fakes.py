@@ -60,7 +60,7 @@ class FakeRecipe:
             text = "<tools>" + json.dumps(tools) + "\n" + text
         return self.encode_prompt(text + ("<assistant>" if add_generation_prompt else ""))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
     def new_detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:

@@ -1,0 +1,140 @@
+"""`duplex serve`: the API server process (aiohttp on uvloop) and its engine worker.
+
+    1 parse flags -> EngineConfig + ServerOptions
+    2 load the recipe (tokenizer, chat template) of the model
+    3 start the supervisor (worker process) and the EngineClient talking to it
+    4 serve HTTP at once (/health says 503 until the worker is ready); print the URL when ready
+    5 on SIGTERM / SIGINT: refuse new requests (503), let in-flight ones finish for up to
+      --shutdown-timeout, end the rest with one terminal error each, stop the worker, exit 0
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.args import add_engine_arguments, engine_config_from_args
+from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
+from frontend.server import AppState, ServerOptions, build_app
+
+log = logging.getLogger("duplex.serve")
+
+# After the drain timeout, streams still open get their terminal error; this long to send it.
+FINAL_FLUSH_S = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    group.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="accept this API key (Bearer or x-api-key); repeatable; none: open")
+    group.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
+                       help="requests in flight (running + waiting) before answering 429/529")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                       help="on SIGTERM, seconds to let in-flight requests finish")
+    group.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                       help="deadline of one request in seconds (0: none)")
+    group.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                       help="model name(s) clients use; the first is reported (default: the "
+                            "model's name)")
+    group.add_argument("--max-n", type=int, default=8, metavar="N",
+                       help="largest n (choices per request)")
+    group.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
+                       help="largest request body accepted")
+    group.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"], help="log level")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        config = engine_config_from_args(args)
+        options = ServerOptions(
+            served_model_names=tuple(args.served_model_name) or (model_name(config.model),),
+            max_queued_requests=args.max_queued_requests, max_n=args.max_n,
+            request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
+            client_max_size=args.max_body_bytes)
+        model_path = resolve_model_path(config.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"duplex serve: {e}", file=sys.stderr)
+        return 2
+    import uvloop
+    return uvloop.run(serve(config, options, model_path, args.host, args.port,
+                            args.shutdown_timeout))
+
+
+def model_name(model: str | None) -> str:
+    """The name clients use by default: the default model's, or the file / directory name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+async def serve(config: EngineConfig, options: ServerOptions, model_path: str, host: str,
+                port: int, shutdown_timeout_s: float) -> int:
+    from frontend.engine_client import EngineClient
+    from frontend.recipe import Recipe
+    from frontend.supervisor import Supervisor
+
+    recipe = Recipe.from_model(model_path)
+    supervisor = Supervisor(config)
+    engine = EngineClient(supervisor.addresses[0])
+    supervisor.attach(engine)
+    state = AppState(engine, recipe, options)
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    stop = _stop_event()
+    try:
+        await engine.start()
+        await supervisor.start()
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        log.info("listening host=%s port=%d (waiting for the engine worker)", host, port)
+        await _announce_when_ready(engine, stop, f"http://{host}:{port}", options)
+        await stop.wait()
+        log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
+                 state.admission.num_active, shutdown_timeout_s)
+        if not await state.admission.drain(shutdown_timeout_s):
+            log.warning("drain timed out; ending in-flight=%d with an error",
+                        state.admission.num_active)
+    except OSError as e:
+        print(f"duplex serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.close()  # every open stream gets its one terminal error event
+        await state.admission.drain(FINAL_FLUSH_S)
+        await runner.cleanup()
+        await supervisor.close()
+    log.info("stopped")
+    return 0
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
+async def _announce_when_ready(engine, stop: asyncio.Event, url: str,
+                               options: ServerOptions) -> None:
+    """Print the URL once the worker is ready (or give up waiting when asked to stop)."""
+    ready = asyncio.ensure_future(engine.wait_ready())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([ready, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not ready.done():
+        ready.cancel()
+        return
+    info = ready.result()
+    print(f"Duplex is serving {options.served_model_names[0]} at {url} "
+          f"(max_model_len={info.max_model_len}, worker={info.role})", flush=True)
