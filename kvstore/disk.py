@@ -138,7 +138,9 @@ class DiskTier:
     # ------------------------------------------------------------------ API
     def put(self, key: bytes, entry: BlockEntry) -> bool:
         """Queue `entry` for writing; False if it is already stored or queued, expired,
-        or the queue is full. Never blocks, never raises for I/O."""
+        or the queue is full. Never blocks, never raises for I/O. Before `start` it only
+        queues. A key a restart indexed counts as stored until its header is read (by a
+        `get` or `sweep`), even if it turns out to have expired."""
         if self._closed or self._pending_bytes + entry.nbytes > self.config.max_pending_bytes:
             self._counts["write_dropped"] += 1
             return False

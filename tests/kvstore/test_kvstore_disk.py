@@ -162,8 +162,10 @@ def flip(path: str, offset: int) -> None:
 
 # ---------------------------------------------------------------- foreign files
 @pytest.mark.parametrize("other_ns", [
-    namespace("other-model", "float16", 4, "L2-K-V"), namespace("test-model", "bfloat16", 4, "L2-K-V"),
-    namespace("test-model", "float16", 8, "L2-K-V"), namespace("test-model", "float16", 4, "L1")],
+    namespace("other-model", "float16", 4, "L2-K-V"),
+    namespace("test-model", "bfloat16", 4, "L2-K-V"),
+    namespace("test-model", "float16", 8, "L2-K-V"),
+    namespace("test-model", "float16", 4, "L1")],
     ids=["model", "dtype", "block_size", "layout"])
 async def test_file_of_another_namespace_at_the_keys_path_is_a_miss(disk_factory, tmp_path,
                                                                    other_ns, caplog):
@@ -227,7 +229,8 @@ async def test_leftover_temp_files_are_removed_at_start(disk_factory):
 async def test_read_racing_an_eviction_is_a_miss(disk_factory, monkeypatch, read_first):
     tier = await disk_factory()
     keys = await stored(tier, 2)
-    release = await hold_reads(monkeypatch, read_first, lambda: tier.evict(tier.config.capacity_bytes))
+    evict_all = lambda: tier.evict(tier.config.capacity_bytes)  # noqa: E731
+    release = await hold_reads(monkeypatch, read_first, evict_all)
     task = asyncio.create_task(tier.get(keys[0]))
     await release(tier)
     assert await task is None
