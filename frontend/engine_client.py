@@ -81,7 +81,8 @@ class EngineClient:
 
     async def generate(self, msg: AddRequest) -> AsyncIterator[RequestDelta]:
         """Submit one request and yield its deltas; the last one has a finish_reason.
-        Stop iterating (or cancel the consumer) to abort the request on the worker."""
+        Cancelling the consumer, or `aclose()` on the iterator, aborts the request on the
+        worker at once; an iterator merely dropped aborts when it is garbage-collected."""
         if msg.req_id in self._streams:
             raise ValueError(f"request id {msg.req_id!r} is already in flight")
         stream: asyncio.Queue[RequestDelta] = asyncio.Queue()

@@ -88,8 +88,9 @@ class FakeCore:
             self.requests[req_id] = (msg, num_generated)
         else:
             del self.requests[req_id]
+        num_prompt_tokens = len(msg.prompt_token_ids) if num_generated == 1 else 0
         return RequestDelta(req_id, [token], finish_reason=finish_reason,
-                            num_prompt_tokens=len(msg.prompt_token_ids) if num_generated == 1 else 0)
+                            num_prompt_tokens=num_prompt_tokens)
 
     @staticmethod
     def _max_tokens(msg: AddRequest) -> int:

@@ -127,7 +127,8 @@ async def test_deadline_is_enforced(start_worker, raw_frontend):
     elapsed = time.time() - start
 
     finals = {d.req_id: (d.finish_reason, d.error) for d in deltas if d.finish_reason}
-    assert finals == {"late": ("abort", DEADLINE_ERROR), "dead-on-arrival": ("error", DEADLINE_ERROR)}
+    assert finals == {"late": ("abort", DEADLINE_ERROR),
+                      "dead-on-arrival": ("error", DEADLINE_ERROR)}
     assert 0.3 <= elapsed < 2.0
     assert harness.core.aborted_req_ids == ["late"]
 
@@ -227,6 +228,10 @@ async def test_worker_process_survives_hostile_frames_and_idles_without_spinning
     assert _cpu_seconds(worker_process.pid) - cpu_before < 0.25
     assert heartbeat.stats.extra["num_rejected_frames"] == len(hostile)
     assert worker_process.poll() is None
+    worker_process.terminate()
+    _, log = worker_process.communicate(timeout=10)
+    assert worker_process.returncode == 0  # SIGTERM: a clean shutdown
+    assert log.count(b"rejected frame #") == len(hostile)
 
 
 def _cpu_seconds(pid: int) -> float:
