@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"duplex bench compare: {e}", file=sys.stderr)
         return 2
     text = compare_markdown(columns)
-    print(text)
+    print(text, end="")
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
     return 0

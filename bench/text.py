@@ -9,11 +9,11 @@ tokenizer such a window is a whole number of pre-tokens, so
     encode(a + b) == encode(a) + encode(b)      for windows a and b,
 
 which is what lets workloads build prompts of exact lengths and prefixes that stay shared
-token for token. Every window is checked by re-encoding it.
+token for token. Every window is checked by re-encoding it. `text` puts a few random whole
+words in front of a window so that separately drawn texts never share a prefix by accident.
 """
 from __future__ import annotations
 
-import itertools
 import random
 from typing import NamedTuple
 
@@ -21,7 +21,8 @@ from bench.corpus import PARAGRAPHS
 
 _WORD_MARKS = ("Ġ", "▁")       # byte-level BPE and SentencePiece spellings of a leading space
 _MIN_PASSES = 8
-_MAX_ATTEMPTS = 64
+_MAX_ATTEMPTS = 1000
+_HEAD_WORDS = 4
 
 
 class Window(NamedTuple):
@@ -39,6 +40,9 @@ class TextSource:
         self._word_starts: list[bool] = []
         for _ in range(_MIN_PASSES):
             self._extend()
+        # Whole words: a word start followed by another word start.
+        self._word_ids = sorted({self._ids[i] for i in range(len(self._ids) - 1)
+                                 if self._word_starts[i] and self._word_starts[i + 1]})
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -46,29 +50,39 @@ class TextSource:
     def count(self, text: str) -> int:
         return len(self.encode(text))
 
+    def text(self, num_tokens: int, rng: random.Random) -> Window:
+        """`num_tokens` tokens: a head of random whole words, then corpus prose.
+
+        The head makes texts drawn separately differ from their first token on (the corpus
+        alone has only a few thousand start positions), so unrelated prompts never share a
+        prefix by accident.
+        """
+        head = self.words(min(_HEAD_WORDS, num_tokens), rng)
+        if num_tokens == len(head.token_ids):
+            return head
+        body = self.window(num_tokens - len(head.token_ids), rng)
+        return Window(head.text + body.text, head.token_ids + body.token_ids)
+
+    def words(self, num_words: int, rng: random.Random) -> Window:
+        """`num_words` random one-token words from the corpus (each one token, space first)."""
+        ids = [rng.choice(self._word_ids) for _ in range(num_words)]
+        return Window(self.tokenizer.decode(ids), ids)
+
     def window(self, num_tokens: int, rng: random.Random) -> Window:
-        """Text of exactly `num_tokens` tokens, from a position chosen by `rng`."""
+        """Corpus prose of exactly `num_tokens` tokens, from a position chosen by `rng`."""
         if num_tokens < 1:
             raise ValueError(f"a text window needs at least one token, got {num_tokens}")
         while len(self._ids) < 2 * num_tokens + 2:
             self._extend()
         for _ in range(_MAX_ATTEMPTS):
-            start = self._aligned_start(num_tokens, rng.randrange(len(self._ids) - num_tokens))
-            if start is None:
+            start = rng.randrange(len(self._ids) - num_tokens)
+            if not (self._word_starts[start] and self._word_starts[start + num_tokens]):
                 continue
             ids = self._ids[start:start + num_tokens]
             text = self.tokenizer.decode(ids)
             if self.encode(text) == ids:
                 return Window(text, ids)
         raise RuntimeError(f"no stable {num_tokens}-token window in the corpus for this tokenizer")
-
-    def _aligned_start(self, num_tokens: int, first: int) -> int | None:
-        """First i >= first (wrapping once) where [i, i + num_tokens) is word-aligned."""
-        limit = len(self._ids) - num_tokens
-        for i in itertools.chain(range(first, limit), range(0, first)):
-            if self._word_starts[i] and self._word_starts[i + num_tokens]:
-                return i
-        return None
 
     def _extend(self) -> None:
         order = list(PARAGRAPHS)

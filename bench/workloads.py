@@ -105,7 +105,7 @@ def build_workload(name: str, text: TextSource, options: WorkloadOptions) -> Wor
 def random_workload(text: TextSource, options: WorkloadOptions) -> Workload:
     rng = random.Random(f"random:{options.seed}")
     conversations = [
-        _single(i, [_user(text.window(options.input_len, rng).text)], options.output_len)
+        _single(i, [_user(text.text(options.input_len, rng).text)], options.output_len)
         for i in range(options.num_requests)]
     return Workload("random", conversations, _params(options, "num_requests", "input_len",
                                                       "output_len"))
@@ -115,8 +115,8 @@ def shared_prefix_workload(text: TextSource, options: WorkloadOptions) -> Worklo
     rng = random.Random(f"shared-prefix:{options.seed}")
     prompts = []
     for _ in range(options.num_groups):
-        system = _system(text.window(options.system_len, rng).text)
-        prompts += [[system, _user(text.window(options.input_len, rng).text)]
+        system = _system(text.text(options.system_len, rng).text)
+        prompts += [[system, _user(text.text(options.input_len, rng).text)]
                     for _ in range(options.prompts_per_group)]
     rng.shuffle(prompts)
     conversations = [_single(i, messages, options.output_len) for i, messages in enumerate(prompts)]
@@ -126,10 +126,10 @@ def shared_prefix_workload(text: TextSource, options: WorkloadOptions) -> Worklo
 
 def multi_turn_workload(text: TextSource, options: WorkloadOptions) -> Workload:
     rng = random.Random(f"multi-turn:{options.seed}")
-    system = _system(text.window(options.system_len, rng).text)
+    system = _system(text.text(options.system_len, rng).text)
     conversations = []
     for i in range(options.num_conversations):
-        turns = [Turn((_user(text.window(options.input_len, rng).text),), options.output_len)
+        turns = [Turn((_user(text.text(options.input_len, rng).text),), options.output_len)
                  for _ in range(options.num_turns)]
         turns[0] = Turn((system, *turns[0].messages), options.output_len)
         conversations.append(Conversation(i, tuple(turns)))
@@ -140,14 +140,14 @@ def multi_turn_workload(text: TextSource, options: WorkloadOptions) -> Workload:
 def agent_workload(text: TextSource, options: WorkloadOptions) -> Workload:
     """Each step after the first appends a tool result; the model's reply follows each step."""
     rng = random.Random(f"agent:{options.seed}")
-    system = _system(text.window(options.system_len, rng).text)
+    system = _system(text.text(options.system_len, rng).text)
     headers = (AGENT_HEADER,) if options.agent_mark in ("header", "both") else ()
     tools = (_TOOL,) if options.agent_mark in ("tools", "both") else ()
     conversations = []
     for i in range(options.num_conversations):
-        task = _user(text.window(options.input_len, rng).text)
+        task = _user(text.text(options.input_len, rng).text)
         turns = [Turn((system, task), options.output_len)]
-        turns += [Turn((_tool_result(text.window(options.tool_output_len, rng).text),),
+        turns += [Turn((_tool_result(text.text(options.tool_output_len, rng).text),),
                        options.output_len) for _ in range(options.num_turns - 1)]
         conversations.append(Conversation(i, tuple(turns), headers=headers, tools=tools))
     return Workload("agent", conversations, _params(
@@ -201,7 +201,7 @@ def _block(text: TextSource, blocks: dict[int, str], hash_id: int,
            options: WorkloadOptions) -> str:
     if hash_id not in blocks:
         rng = random.Random(f"mooncake:{options.seed}:{hash_id}")
-        blocks[hash_id] = text.window(options.tokens_per_block, rng).text
+        blocks[hash_id] = text.text(options.tokens_per_block, rng).text
     return blocks[hash_id]
 
 
