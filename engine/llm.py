@@ -1,0 +1,146 @@
+"""Offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(conversations, params)`.
+
+An in-process frontend around EngineCore: it tokenizes with the same recipe layer as the
+server (so `chat` is injection-safe), steps the engine until every request finishes, and
+detokenizes with the same incremental detokenizer and stop-string checker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.messages import AddRequest, RequestDelta, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    num_cached_tokens: int
+    stop_reason: int | str | None = None
+
+
+class _Tracker:
+    """Per-request output state: tokens, text after stop strings, logprobs."""
+
+    def __init__(self, recipe, prompt_ids: list[int], params: SamplingParams) -> None:
+        from frontend.stop import StopChecker
+
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.text = ""
+        self.detok = recipe.new_detokenizer(params.skip_special_tokens) if recipe else None
+        self.stop = StopChecker(params.stop, params.include_stop_str_in_output) \
+            if params.stop and recipe else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached = 0
+
+    def push(self, delta: RequestDelta) -> bool:
+        """Take one delta; True when this request is done (engine finish or a stop string)."""
+        self.token_ids += delta.new_token_ids
+        self.logprobs += delta.logprobs
+        self.num_cached = delta.num_cached_tokens
+        text = self.detok.push(delta.new_token_ids) if self.detok else ""
+        if delta.finish_reason and self.detok:
+            text += self.detok.flush()
+        if self.stop is not None:
+            text, hit = self.stop.push(text)
+            if hit:
+                self.text += text
+                self.finish_reason, self.stop_reason = "stop", "stop_string"
+                return True
+            if delta.finish_reason:
+                text += self.stop.flush()
+        self.text += text
+        if delta.finish_reason:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            return True
+        return False
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.prompt_ids, self.token_ids, self.text, self.finish_reason,
+                             self.logprobs if self.params.logprobs is not None else None,
+                             self.num_cached, self.stop_reason)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: bool = True,
+                 progress: bool = True, **engine_kwargs) -> None:
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.engine = EngineCore(self.config, progress=progress)
+        self.recipe = None
+        if tokenizer:
+            from frontend.recipe import Recipe
+
+            self.recipe = Recipe.from_model(self.engine.model_path)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [self._encode(p) for p in prompts]
+        return self._run(token_lists, params, use_tqdm)
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if self.recipe is None:
+            raise ValueError("LLM.chat needs the tokenizer (LLM(tokenizer=True))")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        token_lists = [self.recipe.encode_chat(c, tools=tools) for c in conversations]
+        return self._run(token_lists, params, use_tqdm)
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.recipe is None:
+                raise ValueError("string prompts need the tokenizer (LLM(tokenizer=True))")
+            return self.recipe.encode_prompt(prompt)
+        return list(prompt)
+
+    def _run(self, token_lists: list[list[int]], params, use_tqdm: bool) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else \
+            [params] * len(token_lists)
+        if len(params_list) != len(token_lists):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(token_lists)} prompts")
+        trackers: dict[str, _Tracker] = {}
+        for ids, p in zip(token_lists, params_list):
+            req_id = f"llm-{next(self._ids)}"
+            self.engine.add_request(AddRequest(req_id, ids, p))
+            trackers[req_id] = _Tracker(self.recipe, ids, p)
+        self._drive(trackers, use_tqdm)
+        return [t.output() for t in trackers.values()]
+
+    def _drive(self, trackers: dict[str, _Tracker], use_tqdm: bool) -> None:
+        pending = set(trackers)
+        bar = tqdm(total=len(trackers), desc="generating", disable=not use_tqdm)
+        try:
+            while pending:
+                for delta in self.engine.step():
+                    if delta.req_id in pending and trackers[delta.req_id].push(delta):
+                        pending.discard(delta.req_id)
+                        bar.update(1)
+                        if not delta.finish_reason:  # a stop string ended it early
+                            self.engine.abort_requests([delta.req_id])
+        except BaseException:
+            self.engine.abort_requests(list(pending))
+            self.engine.step()
+            raise
+        finally:
+            bar.close()

@@ -1,0 +1,101 @@
+"""BlockPool and KVCacheManager: exact block ids, ref counts, prefix hits, LRU eviction."""
+from __future__ import annotations
+
+import pytest
+
+from engine.block_pool import BlockPool
+from engine.kv_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from kvstore import keys as kvkeys
+
+BS = 4
+
+
+def make_kv(num_blocks: int, evicted=None) -> KVCacheManager:
+    pool = BlockPool(num_blocks, on_evict=(lambda b, k: evicted.append(b)) if evicted is not None
+                     else None)
+    ns = kvkeys.namespace("test-model", "float32", BS)
+    return KVCacheManager(pool, BS, lambda salt: kvkeys.namespace("m", "f", BS,
+                                                                  tenant_salt=salt.encode()) if salt else ns)
+
+
+def req(tokens, rid="r", salt="") -> Request:
+    return Request(rid, tokens, SamplingParams(temperature=0), (), cache_salt=salt)
+
+
+def test_allocate_free_counts_and_order():
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.num_free_blocks == 1 and pool.num_used_blocks == 3
+    with pytest.raises(MemoryError):
+        pool.allocate(2)
+    pool.free([2, 1, 0])
+    assert pool.allocate(4) == [3, 2, 1, 0], "least recently freed first"
+
+
+def test_double_free_is_caught():
+    pool = BlockPool(2)
+    ids = pool.allocate(1)
+    pool.free(ids)
+    with pytest.raises(AssertionError):
+        pool.free(ids)
+
+
+def test_prefix_hit_reuses_blocks_and_leaves_one_token():
+    kv = make_kv(8)
+    a = req(list(range(10)))  # 2 full blocks + 2 tokens
+    assert kv.allocate_slots(a, 10)
+    assert a.block_ids == [0, 1, 2]
+    a.num_computed_tokens = 10
+    kv.publish(a)
+    assert a.num_published_blocks == 2
+    b = req(list(range(8)) + [99, 98, 97], "b")
+    hit = kv.find_cached_blocks(b)
+    assert hit == [0, 1]
+    assert kv.allocate_slots(b, 3, hit)
+    assert b.block_ids == [0, 1, 3] and b.num_computed_tokens == 8
+    assert kv.pool.ref_cnt[:4] == [2, 2, 1, 1]
+    # exactly two full blocks: the hit stops one block short so one token is computed
+    c = req(list(range(8)), "c")
+    assert kv.find_cached_blocks(c) == [0]
+
+
+def test_eviction_is_lru_and_deepest_first():
+    evicted = []
+    kv = make_kv(4, evicted)
+    a = req(list(range(12)))
+    assert kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    kv.publish(a)
+    kv.free(a)  # blocks 0,1,2 cached; freed deepest first
+    assert kv.pool.num_free_blocks == 4
+    assert kv.pool.allocate(1) == [3]  # the empty block goes first (it was free longest)
+    assert kv.pool.allocate(1) == [2] and evicted == [2], "deepest cached block evicted first"
+    b = req(list(range(12)), "b")
+    assert kv.find_cached_blocks(b) == [0, 1]
+
+
+def test_tenants_never_share_blocks():
+    kv = make_kv(8)
+    a = req(list(range(9)), "a", salt="tenant-a")
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.publish(a)
+    assert kv.find_cached_blocks(req(list(range(9)), "b", salt="tenant-b")) == []
+    assert kv.find_cached_blocks(req(list(range(9)), "c", salt="tenant-a")) == [0, 1]
+
+
+def test_failed_allocation_changes_nothing():
+    kv = make_kv(3)
+    a = req(list(range(8)))
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.publish(a)
+    kv.free(a)
+    b = req(list(range(8)) + list(range(50, 70)), "b")
+    hit = kv.find_cached_blocks(b)
+    assert hit == [0, 1]
+    assert not kv.allocate_slots(b, 20, hit)  # needs 5 more blocks, only 1 is free
+    assert b.block_ids == [] and kv.pool.ref_cnt == [0, 0, 0]
+    assert kv.pool.lookup(b.block_keys[0]) == 0, "the cached prefix survives a failed attempt"
