@@ -110,7 +110,14 @@ def _normalize_message(where: str, message: Any) -> dict:
             raise RecipeError(f"{where}.tool_calls must be a list")
         out["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", call)
                              for j, call in enumerate(tool_calls)]
-    return out
+    return _in_order_of(message, out)
+
+
+def _in_order_of(original: dict, normalized: dict) -> dict:
+    """`normalized` with keys in the client's order (templates may iterate or dump them)."""
+    order = [key for key in original if key in normalized]
+    order += [key for key in normalized if key not in original]
+    return {key: normalized[key] for key in order}
 
 
 def _text_content(where: str, content: Any) -> str:
@@ -138,14 +145,13 @@ def _tool_call(where: str, call: Any) -> dict:
     function = call.get("function")
     if not isinstance(function, dict):
         raise RecipeError(f"{where}.function must be an object")
-    out = {}
+    out = {"type": "function"}
     if call.get("id") is not None:
         out["id"] = _string(f"{where}.id", call["id"])
-    out["type"] = "function"
-    out["function"] = {"name": _string(f"{where}.function.name", function.get("name")),
-                       "arguments": _arguments(f"{where}.function.arguments",
-                                               function.get("arguments", "{}"))}
-    return out
+    name = _string(f"{where}.function.name", function.get("name"))
+    arguments = _arguments(f"{where}.function.arguments", function.get("arguments", "{}"))
+    out["function"] = _in_order_of(function, {"name": name, "arguments": arguments})
+    return _in_order_of(call, out)
 
 
 def _arguments(where: str, arguments: Any) -> Any:
@@ -176,14 +182,11 @@ def _tool(where: str, tool: Any) -> dict:
     if not isinstance(function, dict):
         raise RecipeError(f"{where}.function must be an object")
     _string(f"{where}.function.name", function.get("name"))
-    for key in ("description",):
-        if function.get(key) is not None:
-            _string(f"{where}.function.{key}", function[key])
+    if function.get("description") is not None:
+        _string(f"{where}.function.description", function["description"])
     if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
         raise RecipeError(f"{where}.function.parameters must be an object")
-    extra = {key: value for key, value in tool.items() if key not in ("type", "function")}
-    return {"type": "function", "function": _json_value(f"{where}.function", function),
-            **_json_value(where, extra)}
+    return _in_order_of(tool, {"type": "function", **_json_value(where, tool)})
 
 
 def _json_value(where: str, value: Any, depth: int = 0) -> Any:
@@ -258,6 +261,12 @@ class _UserText(str):
 
     def __iter__(self):
         return (self._ledger.wrap(char) for char in self._real)
+
+    def __repr__(self):   # printing a list or dict of user text shows reprs
+        return self._ledger.placeholder(repr(self._real))
+
+    def __format__(self, spec):
+        return self._ledger.placeholder(format(self._real, spec))
 
     def join(self, iterable):
         return self._ledger.wrap(self._real.join(self._ledger.real(item) for item in iterable))
