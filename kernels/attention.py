@@ -60,7 +60,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_positions: in
     blocks = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
     # index_select of whole blocks as rows is several times faster than cache[blocks]
     rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.flatten())
-    return rows.view(blocks.shape[0], num_blocks * block_size, *cache.shape[2:]).float()
+    return rows.view(blocks.shape[0], blocks.shape[1] * block_size, *cache.shape[2:]).float()
 
 
 def attention_mask(q_pos: torch.Tensor, num_positions: int,

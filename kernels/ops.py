@@ -78,3 +78,11 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if is_batch_invariant() and not logits.is_cuda:
         return bi.bi_log_softmax(logits, dim)
     return torch.log_softmax(logits.float(), dim=dim)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU; batch invariant on CPU when that mode is on (torch's silu is not, see
+    kernels.batch_invariant)."""
+    if is_batch_invariant() and not x.is_cuda:
+        return bi.bi_silu(x)
+    return torch.nn.functional.silu(x)
