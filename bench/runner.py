@@ -97,6 +97,7 @@ async def run_load(conversations: list[Conversation], config: LoadConfig) -> Loa
         run = _Run(config, session, num_planned)
         drive = asyncio.create_task(run.drive(conversations))
         done, _ = await asyncio.wait({drive}, timeout=config.max_duration_s)
+        end = time.perf_counter()
         timed_out = not done
         if timed_out:
             drive.cancel()
@@ -104,7 +105,7 @@ async def run_load(conversations: list[Conversation], config: LoadConfig) -> Loa
                 await drive
         else:
             drive.result()
-    duration_s = config.max_duration_s if timed_out else time.perf_counter() - run.start
+    duration_s = config.max_duration_s if timed_out else end - run.start
     run.progress.close()
     return LoadResult(run.records, duration_s, num_planned, timed_out, config.mode(conversations))
 

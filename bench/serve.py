@@ -90,7 +90,13 @@ def default_label(workload: str, load: LoadConfig, mode: str) -> str:
 # ----- CLI -----------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    target = parser.add_argument_group("server")
+    _add_server_arguments(parser.add_argument_group("server"))
+    _add_workload_arguments(parser.add_argument_group("workload"))
+    _add_load_arguments(parser.add_argument_group("load"))
+    _add_report_arguments(parser.add_argument_group("report"))
+
+
+def _add_server_arguments(target) -> None:
     target.add_argument("--url", default="http://127.0.0.1:8000")
     target.add_argument("--endpoint", default="/v1/chat/completions")
     target.add_argument("--model", default="SmolLM2-135M-Instruct",
@@ -102,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF file or HF directory whose tokenizer sizes prompts "
                              "(default: the default model)")
 
-    work = parser.add_argument_group("workload")
+
+def _add_workload_arguments(work) -> None:
     work.add_argument("--workload", choices=WORKLOADS, default="random")
     defaults = WorkloadOptions()
     for name, help_text in (
@@ -132,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="ask the server to generate exactly max_tokens (ignore_eos)")
 
-    load = parser.add_argument_group("load")
+
+def _add_load_arguments(load) -> None:
     load.add_argument("--concurrency", type=int, default=None,
                       help="closed loop with N clients (default 1); with --request-rate, a "
                            "cap on requests in flight")
@@ -151,7 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="seconds one request may take")
     load.add_argument("--seed", type=int, default=0)
 
-    out = parser.add_argument_group("report")
+
+def _add_report_arguments(out) -> None:
     out.add_argument("--out", default=DEFAULT_OUT, help="directory for JSON, Markdown, PNG")
     out.add_argument("--label", default=None, help="file name stem (default from the run)")
     out.add_argument("--ttft-slo-ms", type=float, default=None)
@@ -168,29 +177,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     try:
-        load, rates, workload_options = _load_config(args), _rates(args.sweep_rates), \
-            _workload_options(args)
+        load, rates = _load_config(args), _rates(args.sweep_rates)
+        workload_options = dataclasses.asdict(_workload_options(args))
     except ValueError as e:
-        print(f"duplex bench serve: {e}", file=sys.stderr)
-        return 2
+        return _usage_error(e)
     machine = _machine(args)
     print(report.machine_markdown(machine), flush=True)
-    workload = make_workload(args.workload, args.tokenizer,
-                             **dataclasses.asdict(workload_options))
-    if not rates:
-        result = _finish(bench(workload, load, slo, args.label), args, machine)
-        return 0 if result["summary"]["completed"] else 1
+    try:
+        workload = make_workload(args.workload, args.tokenizer, **workload_options)
+    except (OSError, ValueError) as e:
+        return _usage_error(e)
+    slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
+    summaries = [_run_once(args, workload, load, slo, machine)] if not rates else \
+        _run_sweep(args, workload, load, slo, machine, rates)
+    return 0 if any(s["completed"] for s in summaries) else 1
+
+
+def _run_once(args, workload: Workload, load: LoadConfig, slo: Slo, machine) -> dict:
+    return _finish(bench(workload, load, slo, args.label), args, machine)["summary"]
+
+
+def _run_sweep(args, workload: Workload, load: LoadConfig, slo: Slo, machine,
+               rates: list[float]) -> list[dict]:
     points = []
     for rate in rates:
-        rate_load = dataclasses.replace(load, request_rate=rate)
-        result = _finish(bench(workload, rate_load, slo, _rate_label(args, workload, rate)),
-                         args, machine)
-        points.append({"request_rate": rate, "label": result["label"],
-                       "summary": result["summary"]})
+        label = f"{args.label or workload.name}-r{rate:g}"
+        result = bench(workload, dataclasses.replace(load, request_rate=rate), slo, label)
+        _finish(result, args, machine)
+        points.append({"request_rate": rate, "label": label, "summary": result["summary"]})
     _finish_sweep(args, workload, machine, points)
-    return 0 if any(p["summary"]["completed"] for p in points) else 1
+    return [p["summary"] for p in points]
+
+
+def _usage_error(error: Exception) -> int:
+    print(f"duplex bench serve: {error}", file=sys.stderr)
+    return 2
 
 
 def _load_config(args: argparse.Namespace) -> LoadConfig:
@@ -252,10 +274,6 @@ def _finish(result: dict, args: argparse.Namespace, machine: dict | None) -> dic
                                       result["label"]))
     print(text + "\n" + "\n".join(f"wrote {p}" for p in paths), flush=True)
     return result
-
-
-def _rate_label(args: argparse.Namespace, workload: Workload, rate: float) -> str:
-    return f"{args.label or workload.name}-r{rate:g}"
 
 
 def _finish_sweep(args: argparse.Namespace, workload: Workload, machine: dict | None,

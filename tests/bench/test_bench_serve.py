@@ -132,10 +132,13 @@ async def test_concurrency_caps_requests_in_flight_under_a_rate(fake_server):
     assert most == 2
 
 
-def test_bad_flags_exit_2(capsys):
+def test_bad_flags_exit_2(tokenizer, tmp_path, capsys):
     assert cli.main(["serve", "--header", "no-colon", "--skip-machine"]) == 2
     assert cli.main(["serve", "--sweep-rates", "1,-2", "--skip-machine"]) == 2
     assert "--sweep-rates" in capsys.readouterr().err
+    assert cli.main(["serve", "--workload", "mooncake", "--trace", str(tmp_path / "none"),
+                     "--skip-machine"]) == 2
+    assert "No such file" in capsys.readouterr().err
 
 
 def test_slo_passes_through_the_api(fake_server, tokenizer):

@@ -1,0 +1,214 @@
+"""`duplex bench offline`: the engine against plain transformers, no server, one process.
+
+Side by side on the same machine in one run:
+  1. 32 requests (prompt 20–400 tokens, output 16–256 tokens, ignore_eos): Duplex's
+     continuous batching vs transformers `generate` on padded static batches.
+  2. batch-1 decode tokens/s for both.
+  3. the machine's fp32 GEMM rate at the model's own GEMM shapes (M = 1, 32, 64) and the
+     engine's whole decode step at batch 1, 32, 64 as a fraction of it: the share of the
+     step that is useful matmul, the rest being attention, sampling and overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model path (default: SmolLM2 GGUF)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=20)
+    parser.add_argument("--max-prompt", type=int, default=400)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--hf-batch-size", type=int, default=8,
+                        help="static batch size for the transformers baseline")
+    parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--step-batches", default="1,32,64")
+    parser.add_argument("--step-context", type=int, default=128,
+                        help="context length of each sequence in the decode-step measurement")
+    parser.add_argument("--weights-dtype", default="float32")
+    parser.add_argument("--batch-invariant", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+
+
+def make_workload(tokenizer, n: int, prompt_range, output_range, seed: int):
+    from bench.text import TextSource
+
+    rng = random.Random(seed)
+    source = TextSource(tokenizer, seed)
+    prompts = [source.text(rng.randint(*prompt_range), rng).token_ids for _ in range(n)]
+    outputs = [rng.randint(*output_range) for _ in range(n)]
+    return prompts, outputs
+
+
+def run_engine(llm, prompts, outputs) -> dict:
+    from engine.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+    llm.generate(prompts[:2], params[:2])  # warm-up
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(r.token_ids) for r in results)
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed}
+
+
+def run_hf(model, prompts, outputs, batch_size: int) -> dict:
+    import torch
+
+    start = time.perf_counter()
+    useful = 0
+    for i in range(0, len(prompts), batch_size):
+        batch, lens = prompts[i:i + batch_size], outputs[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
+                                 min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
+        assert out.shape[1] - width == max(lens)
+        useful += sum(lens)  # a static batch runs to its longest request; count only asked-for tokens
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": useful, "output_tok_s": useful / elapsed}
+
+
+def batch1_engine(llm, prompt, num_tokens: int) -> float:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    llm.generate([prompt], params)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def batch1_hf(model, prompt, num_tokens: int) -> float:
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        model.generate(input_ids=ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                       do_sample=False, pad_token_id=0)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def gemm_shapes(args) -> list[tuple[int, int]]:
+    """(N, K) of every weight GEMM of one decoder layer (fused the way the engine runs them)."""
+    q = args.num_heads * args.head_dim
+    kv = args.num_kv_heads * args.head_dim
+    return [(q + 2 * kv, args.hidden_size), (args.hidden_size, q),
+            (2 * args.intermediate_size, args.hidden_size),
+            (args.hidden_size, args.intermediate_size)]
+
+
+def isolated_gemm_seconds(args, m: int, repeats: int = 20) -> tuple[float, float]:
+    """Time of one decode step's weight GEMMs (all layers + LM head for m rows), run alone
+    on the model's own shapes; returns (seconds, GFLOP)."""
+    import torch
+
+    shapes = gemm_shapes(args) * args.num_layers + [(args.vocab_size, args.hidden_size)]
+    weights = {(n, k): torch.randn(n, k) for n, k in set(shapes)}
+    x = {k: torch.randn(m, k) for _, k in set(shapes)}
+    flop = sum(2.0 * m * n * k for n, k in shapes)
+    for n, k in shapes:
+        torch.nn.functional.linear(x[k], weights[(n, k)])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for n, k in shapes:
+            torch.nn.functional.linear(x[k], weights[(n, k)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), flop / 1e9
+
+
+def decode_step_seconds(llm, batch: int, context: int, steps: int = 12) -> float:
+    """Median wall time of one engine step with `batch` sequences all decoding."""
+    from engine.messages import AddRequest
+    from engine.sampling_params import SamplingParams
+
+    core = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    rng = random.Random(batch)
+    ids = [f"step-{batch}-{i}" for i in range(batch)]
+    for req_id in ids:
+        prompt = [rng.randrange(100, 20000) for _ in range(context)]
+        core.add_request(AddRequest(req_id, prompt, params))
+    while any(r.num_output_tokens == 0 for r in core.requests.values()):
+        core.step()  # prefill everything first
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    core.abort_requests(ids)
+    core.step()
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench.hf import load_model, load_tokenizer
+    from bench.machine import measure_machine
+    from engine.config import resolve_model_path
+    from engine.llm import LLM
+
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(path)
+    machine = measure_machine()
+    llm = LLM(path, weights_dtype=args.weights_dtype, batch_invariant=args.batch_invariant,
+              max_num_seqs=max(64, args.num_requests), progress=False, tokenizer=False)
+    prompts, outputs = make_workload(tokenizer, args.num_requests,
+                                     (args.min_prompt, args.max_prompt),
+                                     (args.min_output, args.max_output), args.seed)
+    result = {"command": "duplex bench offline", "args": vars(args), "machine": machine,
+              "torch_threads": torch.get_num_threads()}
+    result["engine"] = run_engine(llm, prompts, outputs)
+    result["engine_batch1_tok_s"] = batch1_engine(llm, prompts[0], args.batch1_tokens)
+    result["steps"] = []
+    for b in [int(x) for x in args.step_batches.split(",")]:
+        step_s = decode_step_seconds(llm, b, args.step_context)
+        gemm_s, gflop = isolated_gemm_seconds(llm.engine.args, b)
+        result["steps"].append({"batch": b, "step_ms": step_s * 1e3, "gemm_ms": gemm_s * 1e3,
+                                "gemm_gflops": gflop / gemm_s, "step_gflops": gflop / step_s,
+                                "fraction_of_gemm_rate": gemm_s / step_s})
+    if not args.skip_hf:
+        model = load_model(path)
+        result["hf"] = run_hf(model, prompts, outputs, args.hf_batch_size)
+        result["hf_batch1_tok_s"] = batch1_hf(model, prompts[0], args.batch1_tokens)
+        result["speedup"] = result["engine"]["output_tok_s"] / result["hf"]["output_tok_s"]
+        result["batch1_speedup"] = result["engine_batch1_tok_s"] / result["hf_batch1_tok_s"]
+    print(markdown(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"machine: {m['cpu']}, {r['torch_threads']} torch threads, peak fp32 GEMM "
+             f"{m['peak_gflops']:.1f} GFLOP/s, copy bandwidth {m['bandwidth_gbs']:.1f} GB/s", "",
+             "| workload | Duplex | transformers | ratio |", "|---|---|---|---|"]
+    hf = r.get("hf")
+    e = r["engine"]
+    lines.append(f"| {r['args']['num_requests']} requests, output tok/s | {e['output_tok_s']:.1f} | "
+                 + (f"{hf['output_tok_s']:.1f} | {r['speedup']:.2f}x |" if hf else "– | – |"))
+    lines.append(f"| batch 1 decode tok/s | {r['engine_batch1_tok_s']:.1f} | "
+                 + (f"{r['hf_batch1_tok_s']:.1f} | {r['batch1_speedup']:.2f}x |" if hf else "– | – |"))
+    lines += ["", "| decode batch | step ms | GEMMs alone ms | GEMM GFLOP/s alone | step GFLOP/s "
+              "| step at % of GEMM rate |", "|---|---|---|---|---|---|"]
+    for s in r["steps"]:
+        lines.append(f"| {s['batch']} | {s['step_ms']:.1f} | {s['gemm_ms']:.1f} | "
+                     f"{s['gemm_gflops']:.1f} | {s['step_gflops']:.1f} | "
+                     f"{100 * s['fraction_of_gemm_rate']:.0f} % |")
+    return "\n".join(lines)
