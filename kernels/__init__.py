@@ -1,0 +1,16 @@
+"""Duplex kernels. Each kernel is a triple: triton kernel, launcher with plain-words asserts,
+torch reference. The engine calls `kernels.ops`, which picks triton on CUDA and the torch
+reference (or, in batch-invariant mode, `kernels.batch_invariant`) on CPU.
+
+    ops.py              dispatch: store_kv, paged_attention, rms_norm, rotary_embedding,
+                        matmul, linear, log_softmax, silu
+    kv_store.py         paged KV cache write (slot = block_id * block_size + offset)
+    attention.py        varlen paged attention: decode + prefill over a cached prefix, GQA,
+                        sliding window, soft cap
+    rms_norm.py         RMSNorm (Llama / Gemma3 offset), fused residual add
+    rotary.py           RoPE from a cos/sin cache (neox and GPT-J layouts)
+    matmul.py           plain matmul/linear; batch-invariant persistent triton matmul
+    batch_invariant.py  the batch-invariant switch and its CPU implementations
+    bench.py            triton vs torch eager timings on CUDA
+    _triton.py          the optional triton import
+"""

@@ -166,8 +166,6 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile_is_empty(tl.program_id(2), q_len, GROUP, BLOCK_M):
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len * GROUP
@@ -183,6 +181,7 @@ def _paged_attention_kernel(
     # key range that any row of this tile can see
     first_q = seq_len - q_len + (tl.program_id(2) * BLOCK_M) // GROUP
     hi = tl.minimum(seq_len, seq_len - q_len + tl.max(tl.where(row_ok, q_idx, 0)) + 1)
+    hi = tl.where(tl.sum(row_ok.to(tl.int32)) > 0, hi, 0)  # a tile past q_len does nothing
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, first_q - sliding_window + 1) // BLOCK_N * BLOCK_N
@@ -226,11 +225,6 @@ def _paged_attention_kernel(
     tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_o_token
              + head[:, None] * stride_o_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit
-def tile_is_empty(tile, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    return tile * BLOCK_M >= q_len * GROUP
 
 
 @triton.jit

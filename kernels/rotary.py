@@ -72,9 +72,11 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_token, stride_head, num_heads, c
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
     if IS_NEOX:
-        first, second = dims, dims + HALF
+        first = dims
+        second = dims + HALF
     else:
-        first, second = 2 * dims, 2 * dims + 1
+        first = 2 * dims
+        second = 2 * dims + 1
     src = x_ptr + token * stride_token + heads * stride_head
     x1 = tl.load(src + first, mask=mask, other=0.0)
     x2 = tl.load(src + second, mask=mask, other=0.0)

@@ -60,3 +60,21 @@ def test_triton_large(dtype, sliding_window):
     expected = paged_attention_ref(*args, 128 ** -0.5, sliding_window)
     got = paged_attention_triton(*args, 128 ** -0.5, sliding_window)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_triton_token_identical_in_prefill_and_decode():
+    """Per-row programs with key tiles at absolute positions: batch invariant on GPU too."""
+    from kernel_factories import pack_paged_batch
+    from kernels.attention import paged_attention_triton
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(600, 8, 128, generator=gen).half() for _ in range(2))
+    q = torch.randn(600, 32, 128, generator=gen).half()
+    other = tuple(torch.randn(300, n, 128, generator=gen).half() for n in (8, 8, 32))
+    batch = pack_paged_batch([(k, v, q[-50:])], block_size=16, device="cuda")
+    prefill = paged_attention_triton(*attention_args(batch), 0.1)
+    for pos in (550, 599):
+        batch = pack_paged_batch([other, (k[:pos + 1], v[:pos + 1], q[pos:pos + 1])],
+                                 block_size=16, device="cuda")
+        decode = paged_attention_triton(*attention_args(batch), 0.1)
+        assert torch.equal(decode[-1], prefill[pos - 550])
