@@ -80,6 +80,7 @@ class Rendered(NamedTuple):
 ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant", "tool": "tool"}
 _MAX_JSON_DEPTH = 64
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -100,7 +101,7 @@ def _normalize_message(where: str, message: Any) -> dict:
     if content is None and not (role == "assistant" and tool_calls):
         raise RecipeError(f"{where}.content is required")
     out = {"role": ROLES[role], "content": _text_content(where, content or "")}
-    for key in ("name", "tool_call_id", "reasoning_content"):
+    for key in ("name", "tool_call_id", *_REASONING_KEYS):
         if message.get(key) is not None:
             out[key] = _string(f"{where}.{key}", message[key])
     if tool_calls:
@@ -110,7 +111,11 @@ def _normalize_message(where: str, message: Any) -> dict:
             raise RecipeError(f"{where}.tool_calls must be a list")
         out["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", call)
                              for j, call in enumerate(tool_calls)]
-    return _in_order_of(message, out)
+    out = _in_order_of(message, out)
+    reasoning = next((out[key] for key in _REASONING_KEYS if key in out), None)
+    if reasoning is not None:   # as transformers does: templates read one name or the other
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
+    return out
 
 
 def _in_order_of(original: dict, normalized: dict) -> dict:
@@ -294,20 +299,21 @@ for _name in ("__getitem__", "strip", "lstrip", "rstrip", "split", "rsplit", "sp
     setattr(_UserText, _name, _lift(_name))
 
 
+_PLACEHOLDER = re.compile(_MARK_OPEN + r"(\d{8})\.(\d+)" + _MARK_CLOSE)
+_JSON_ASCII_PLACEHOLDER = re.compile(r"\\ue000(\d{8})\.(\d+)\\ue001")   # ensure_ascii form
+
+
 class _Ledger:
-    """The placeholders of one symbolic render and the real text each stands for."""
+    """The placeholders of one symbolic render and the real text each stands for. A random
+    nonce in every placeholder: lookalikes in template text are not taken for ours."""
 
     def __init__(self):
-        nonce = f"{secrets.randbelow(10 ** 8):08d}"
+        self._nonce = f"{secrets.randbelow(10 ** 8):08d}"
         self._texts: list[str] = []
-        self._prefix = _MARK_OPEN + nonce + "."
-        self._pattern = re.compile(re.escape(self._prefix) + r"(\d+)" + _MARK_CLOSE)
-        escaped = json.dumps(self._prefix)[1:-1]
-        self._json_ascii = re.compile(re.escape(escaped) + r"(\d+)" + re.escape("\\ue001"))
 
     def placeholder(self, real: str) -> str:
         self._texts.append(real)
-        return f"{self._prefix}{len(self._texts) - 1}{_MARK_CLOSE}"
+        return f"{_MARK_OPEN}{self._nonce}.{len(self._texts) - 1}{_MARK_CLOSE}"
 
     def wrap(self, real: str) -> _UserText:
         return _UserText(self, real)
@@ -359,25 +365,31 @@ class _Ledger:
 
     def escape_json(self, text: str, ensure_ascii: bool) -> str:
         """Swap each placeholder inside JSON text for one standing for the JSON-escaped text."""
-        pattern = self._json_ascii if ensure_ascii else self._pattern
+        pattern = _JSON_ASCII_PLACEHOLDER if ensure_ascii else _PLACEHOLDER
 
         def escaped(match: re.Match) -> str:
-            real = self._texts[int(match[1])]
+            if match[1] != self._nonce:
+                return match[0]
+            real = self._texts[int(match[2])]
             return self.placeholder(json.dumps(real, ensure_ascii=ensure_ascii)[1:-1])
 
         return pattern.sub(escaped, text)
 
     def resolve(self, rendered: str) -> Rendered:
         """The real text of a symbolic render, with the stretches the template wrote."""
-        pieces = self._pattern.split(rendered)   # [template, index, template, index, ...]
-        parts, spans, pos = [], [], 0
-        for i, piece in enumerate(pieces):
-            if i % 2:
-                piece = self._texts[int(piece)]
-            elif piece:
-                spans.append((pos, pos + len(piece)))
-            parts.append(piece)
-            pos += len(piece)
+        parts, spans, pos, start = [], [], 0, 0   # pos: in `rendered`; start: in the result
+        for match in _PLACEHOLDER.finditer(rendered):
+            if match[1] != self._nonce:
+                continue
+            parts.append(rendered[pos:match.start()])
+            parts.append(self._texts[int(match[2])])
+            if match.start() > pos:
+                spans.append((start, start + match.start() - pos))
+            start += match.start() - pos + len(parts[-1])
+            pos = match.end()
+        if pos < len(rendered):
+            spans.append((start, start + len(rendered) - pos))
+        parts.append(rendered[pos:])
         return Rendered("".join(parts), spans)
 
 
@@ -387,10 +399,9 @@ class _Ledger:
 class _Budget:
     """What the current render may still spend; `ledger` is set for the symbolic render."""
 
-    def __init__(self, limits: RenderLimits, ledger: _Ledger | None):
-        self.limits, self.ledger = limits, ledger
+    def __init__(self, limits: RenderLimits, ledger: _Ledger | None, deadline: float):
+        self.limits, self.ledger, self.deadline = limits, ledger, deadline
         self.steps_left = limits.steps
-        self.deadline = time.monotonic() + limits.seconds
 
     def tick(self) -> None:
         self.steps_left -= 1
@@ -642,8 +653,9 @@ def _env_call(name: str, arg: nodes.Expr, lineno: int) -> nodes.Call:
                       lineno=lineno)
 
 
-def _render(template, context: dict, limits: RenderLimits, ledger: _Ledger | None) -> str:
-    budget = _Budget(limits, ledger)
+def _render(template, context: dict, limits: RenderLimits, ledger: _Ledger | None,
+            deadline: float) -> str:
+    budget = _Budget(limits, ledger, deadline)
     token = _BUDGET.set(budget)
     try:
         chunks, size = [], 0
@@ -669,15 +681,17 @@ def render_chat(template_source: str, messages: list[dict], tools: list[dict] | 
     """Render validated messages (see `normalize_messages`) with template-written stretches
     marked: the faithful text, labelled through the symbolic render (module docstring)."""
     template = _compile(template_source, limits.template_chars)
+    deadline = time.monotonic() + limits.seconds   # for both renders together
     now = datetime.now()
     common = {**variables, "add_generation_prompt": add_generation_prompt, "documents": None,
               "strftime_now": now.strftime}
-    faithful = _render(template, {**common, "messages": messages, "tools": tools}, limits, None)
+    faithful = _render(template, {**common, "messages": messages, "tools": tools}, limits, None,
+                       deadline)
     ledger = _Ledger()
     symbolic_messages = [_symbolize_message(ledger, message) for message in messages]
     symbolic_tools = None if tools is None else [ledger.symbolize(t, ("type",)) for t in tools]
     symbolic = _render(template, {**common, "messages": symbolic_messages,
-                                  "tools": symbolic_tools}, limits, ledger)
+                                  "tools": symbolic_tools}, limits, ledger, deadline)
     rendered = ledger.resolve(symbolic)
     if rendered.text != faithful:
         raise RecipeError("the chat template transforms message text in a way the "
@@ -757,10 +771,13 @@ class Recipe:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
 
     def _encode_rendered(self, rendered: Rendered) -> list[int]:
+        starts = [start for start, _ in rendered.template_spans]
+        if any(not _inside(rendered.template_spans, starts, match.span())
+               for match in self._control_re.finditer(rendered.text)):
+            return self._encode_sections(rendered)   # user text holds a control token's text
         encoding = self.tokenizer(rendered.text, add_special_tokens=False,
                                   return_offsets_mapping=True)
         ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-        starts = [start for start, _ in rendered.template_spans]
         if all(_inside(rendered.template_spans, starts, offsets[i])
                for i, token_id in enumerate(ids) if token_id in self.control_token_ids):
             return list(ids)

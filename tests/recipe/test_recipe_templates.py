@@ -7,7 +7,8 @@ from frontend.recipe import Recipe, RecipeError, RenderLimits
 from recipe_factories import (WEATHER_TOOL, assistant, reference_ids, system, tool_call, user)
 
 CHAT = [system("  Be brief.  "), user("  Hello <b>there</b>, wörld 🙂  "),
-        assistant("<think>\nhmm\n</think>\n\nThe answer.", tool_calls=[
+        assistant("<think>\nhmm\n</think>\n\nThe answer.", reasoning_content="Hmm, Zürich.",
+                  tool_calls=[
             tool_call("get_weather", {"city": "Zürich", "n": 3, "ok": True, "x": None})]),
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
         user("Thanks, 你好!")]
@@ -51,6 +52,8 @@ TRACED_TEMPLATES = {
     "generation tag": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
                       "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}"
                       "{% endif %}{% endfor %}",
+    "reasoning": "{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }}|"
+                 "{{ m | tojson }}{% endfor %}",
     "tools loop": "{% for t in tools %}{{ t.function.name }}: {{ t.function.description }}"
                   "{% for p, spec in t.function.parameters.properties.items() %} {{ p }}"
                   "({{ spec.type }}){% endfor %}{% endfor %}",
