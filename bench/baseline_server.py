@@ -123,8 +123,8 @@ class BaselineEngine:
         return [job for job in batch if not job.is_cancelled]
 
     def _generate(self, jobs: list[_Job]) -> None:
-        inputs = self._inputs(jobs)
         try:
+            inputs = self._inputs(jobs)
             with torch.inference_mode():
                 self.model.generate(**inputs, **self._settings(jobs, inputs["input_ids"].shape[1]))
         except Exception as e:  # noqa: BLE001 — reported to every client of the batch

@@ -170,6 +170,8 @@ def _add_report_arguments(out) -> None:
     out.add_argument("--skip-machine", action="store_true",
                      help="do not measure GEMM GFLOP/s and memory bandwidth")
     out.add_argument("--gemm-shapes", default=None, metavar="MxNxK,...")
+    out.add_argument("--machine-device", default="cpu",
+                     help="torch device the machine figures are measured on (cpu, cuda)")
     out.add_argument("--model-gflop-per-token", type=float, default=None,
                      help="report decode compute as a fraction of peak (SmolLM2-135M: 0.27)")
     out.add_argument("--model-bytes-per-step", type=float, default=None,
@@ -254,7 +256,7 @@ def _machine(args: argparse.Namespace) -> dict | None:
         return None
     from bench.machine import DEFAULT_GEMM_SHAPES, measure_machine, parse_shapes
     shapes = parse_shapes(args.gemm_shapes) if args.gemm_shapes else DEFAULT_GEMM_SHAPES
-    return measure_machine(shapes)
+    return measure_machine(shapes, device=args.machine_device)
 
 
 def _finish(result: dict, args: argparse.Namespace, machine: dict | None) -> dict:
