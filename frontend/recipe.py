@@ -19,11 +19,12 @@ text with every character labelled "template" or "user". If the two texts differ
 did something to user text that cannot be traced, and the request fails (RecipeError) instead
 of guessing. Only roles and `"type": "function"`, validated against fixed values, stay plain.
 
-Encoding: the faithful text is tokenized exactly as transformers does; if every control token in
-the result lies inside one template-written stretch, those ids are the answer (benign chats take
-this path, so they match transformers by construction). Otherwise the text is cut at the
-template's control tokens and each section between them is tokenized with every control token
-switched off, so a user's `<|im_end|>` becomes the plain-text tokens for those characters.
+Encoding: when no control token's text occurs outside the template-written stretches, the
+faithful text is tokenized exactly as transformers does, and every control token in the result
+is checked (by its offsets) to lie inside one template stretch; benign chats take this path, so
+they match transformers by construction. Otherwise the text is cut at the template's control
+tokens and each section between them is tokenized with every control token switched off, so a
+user's `<|im_end|>` becomes the plain-text tokens for those characters.
 """
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ class RecipeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RenderLimits:
-    """What one template render may spend; a template that exceeds any of them fails."""
-    seconds: float = 1.0            # wall time
-    steps: int = 1_000_000          # loop iterations + calls + attribute and item lookups
+    """What rendering one chat may spend; a template that exceeds any of them fails."""
+    seconds: float = 1.0            # wall time, both renders together
+    steps: int = 1_000_000          # per render: loop iterations, calls, attribute/item lookups
     chars: int = 16_000_000         # longest string the template may build, output included
     template_chars: int = 256_000   # longest template source accepted
     int_arg: int = 100_000          # largest number a filter or method takes (widths, counts)

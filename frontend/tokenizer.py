@@ -1,9 +1,10 @@
 """Loading a model's tokenizer and naming its control tokens.
 
 Owns: the per-path tokenizer cache (in memory, and on disk for GGUF files: converting a GGUF
-vocabulary takes seconds, reloading the converted tokenizer a fraction of one), the rule for which added tokens are *control* tokens (the
-ones a user's text must never produce), and the text-only encoder that tokenizes a string with
-every control token switched off. Nothing here fetches from a model hub.
+vocabulary takes seconds, reloading the converted tokenizer a fraction of one), the rule for
+which added tokens are *control* tokens (the ones a user's text must never produce), and the
+text-only encoder that tokenizes a string with every control token switched off. Nothing here
+fetches from a model hub.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import uuid
 from pathlib import Path
@@ -180,29 +182,42 @@ class TextEncoder(NamedTuple):
 
 
 def text_encoder(tokenizer) -> TextEncoder:
-    """A `TextEncoder` sharing the tokenizer's model (cheap: no vocabulary is copied)."""
+    """A `TextEncoder` for a transformers fast tokenizer."""
     backend = tokenizer.backend_tokenizer
     control = set(control_tokens(tokenizer))
     kept = [token for token in tokenizer.added_tokens_decoder.values()
             if token.content not in control]
-    first = _text_only(backend, kept, backend.pre_tokenizer)
+    first = _text_only(backend, control, kept, backend.pre_tokenizer)
     rest_pre = _without_first_prefix(backend)
-    rest = first if rest_pre is None else _text_only(backend, kept, rest_pre)
+    rest = first if rest_pre is None else _text_only(backend, control, kept, rest_pre)
     return TextEncoder(first, rest)
 
 
-def _text_only(backend: Tokenizer, kept_added: list, pre_tokenizer) -> Tokenizer:
+def _text_only(backend: Tokenizer, control: set[str], kept: list, pre_tokenizer) -> Tokenizer:
+    """The backend without its control tokens. Cheap path: share the model and re-add the kept
+    added tokens. When their ids come out different, copy the tokenizer through JSON with each
+    control token renamed to an unguessable string, which keeps every id in place."""
     plain = Tokenizer(backend.model)
     plain.normalizer = backend.normalizer
+    plain.add_tokens([AddedToken(token.content, single_word=token.single_word,
+                                 lstrip=token.lstrip, rstrip=token.rstrip,
+                                 normalized=token.normalized, special=False) for token in kept])
+    if not _same_ids(plain, backend, kept):
+        spec = json.loads(backend.to_str())
+        disabled = f"\ue000disabled-{secrets.token_hex(8)}-"
+        for token in spec["added_tokens"]:
+            if token["content"] in control:
+                token["content"] = f"{disabled}{token['id']}"
+        spec["truncation"] = spec["padding"] = None
+        plain = Tokenizer.from_str(json.dumps(spec))
+        if not _same_ids(plain, backend, kept):
+            raise ValueError("cannot build a text-only copy of this tokenizer")
     plain.pre_tokenizer = pre_tokenizer
-    for token in kept_added:
-        plain.add_tokens([AddedToken(token.content, single_word=token.single_word,
-                                     lstrip=token.lstrip, rstrip=token.rstrip,
-                                     normalized=token.normalized, special=False)])
-        expected = backend.token_to_id(token.content)
-        if plain.token_to_id(token.content) != expected:
-            raise ValueError(f"cannot rebuild added token {token.content!r} (id {expected})")
     return plain
+
+
+def _same_ids(plain: Tokenizer, backend: Tokenizer, kept: list) -> bool:
+    return all(plain.token_to_id(t.content) == backend.token_to_id(t.content) for t in kept)
 
 
 def _without_first_prefix(backend: Tokenizer):

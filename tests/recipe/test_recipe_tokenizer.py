@@ -121,6 +121,19 @@ def test_markup_added_tokens_are_control_tokens():
     assert set(control_tokens(tokenizer)) == {"<think>", "[TOOL]"}
 
 
+def test_non_control_added_tokens_keep_their_ids():
+    """A kept added token whose id the cheap rebuild cannot reproduce: copied through JSON."""
+    vocab = {"a": 0, "[UNK]": 1}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken("<s>", special=True)])    # id 2, control
+    backend.add_tokens([AddedToken("tab", special=False)])           # id 3, kept
+    tokenizer = TokenizersBackend(tokenizer_object=backend)
+    encoder = text_encoder(tokenizer)
+    assert encoder.encode("a tab <s>", at_start=True).ids == [0, 3, 1]
+    assert tokenizer("a tab <s>", add_special_tokens=False)["input_ids"] == [0, 3, 2]
+
+
 def test_gguf_cache_round_trip(tmp_path, tools_tokenizer, monkeypatch):
     monkeypatch.setenv("DUPLEX_CACHE_DIR", str(tmp_path))
     entry = tokenizer_module._gguf_cache_dir(default_model_path())
