@@ -330,6 +330,7 @@ class MessagesRequest(CountTokensRequest, **_KW):
     top_k: Int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    ignore_eos: bool = False
     retention: Literal["chat", "agent"] = "chat"
     cache_salt: str | None = None
 

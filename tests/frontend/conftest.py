@@ -1,12 +1,9 @@
 """Fixtures for the frontend tests: an app on a real 127.0.0.1 port over fake engine + recipe."""
 from __future__ import annotations
 
-import frontend_stubs
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from frontend_fakes import FakeEngineClient, FakeRecipe
-
-frontend_stubs.install()  # until frontend.stop / frontend.tool_parser land
 
 from frontend.server import AppState, ServerOptions, build_app
 
