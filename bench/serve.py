@@ -50,6 +50,9 @@ def run_workload(url: str, workload: str | Workload = "random", *, tokenizer: st
     if isinstance(workload, str):
         workload_options = {k: v for k, v in options.items() if k not in load_names}
         workload_options.setdefault("seed", load.seed)
+        if load.num_requests:          # build no more than will be sent
+            workload_options.setdefault("num_requests", load.num_requests)
+            workload_options.setdefault("max_requests", load.num_requests)
         workload = make_workload(workload, tokenizer, **workload_options)
     return bench(workload, load, slo, label)
 
