@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -421,9 +422,15 @@ class _Budget:
                 raise RecipeError(f"chat template passed {value} to a function "
                                   f"(limit {self.limits.int_arg})")
 
+    def check_items(self, count: int) -> None:
+        if count > self.limits.steps:
+            raise RecipeError(f"chat template built a collection over {self.limits.steps} items")
+
     def check_result(self, value: Any) -> Any:
-        if isinstance(value, (str, list, tuple, dict)):
+        if isinstance(value, str):
             self.check_size(len(value))
+        elif isinstance(value, (list, tuple, dict, set)):
+            self.check_items(len(value))
         elif type(value) is int and value.bit_length() > 65536:
             raise RecipeError("chat template built an integer that is too large")
         return value
@@ -458,10 +465,18 @@ def _check_growth(name: str, subject: Any, args: tuple, budget: _Budget) -> None
     elif name == "expandtabs":
         width = args[0] if args and type(args[0]) is int else 8
         budget.check_size(len(subject) + subject.count("\t") * width)
-    elif name == "join" and args and isinstance(args[0], (list, tuple)):
-        budget.check_size(sum(len(str(item)) + len(subject) for item in args[0]))
     elif name == "format":
         _check_format(subject)
+
+
+def _join_items(sep: Any, items: Any, budget: _Budget) -> Any:
+    """The items of a join, listed if they come from an iterator, sized before joining."""
+    if not isinstance(items, (str, list, tuple, dict, set)):
+        items = list(itertools.islice(items, budget.limits.steps + 1))
+    budget.check_items(len(items))
+    if isinstance(sep, str):
+        budget.check_size(len(items) * len(sep))
+    return items
 
 
 def _guard_filter(name: str, filter_fn):
@@ -475,6 +490,10 @@ def _guard_filter(name: str, filter_fn):
         budget.check_args(values[1:], kwargs)
         if values:
             _check_growth(name, values[0], values[1:], budget)
+        if name == "join" and values:
+            separator = values[1] if len(values) > 1 else kwargs.get("d", "")
+            items = _join_items(separator, values[0], budget)
+            args = (*args[:len(args) - len(values)], items, *values[1:])
         if name == "tojson":
             _check_indent(kwargs.get("indent", values[2] if len(values) > 2 else None))
         return budget.check_result(filter_fn(*args, **kwargs))
@@ -571,8 +590,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         budget = _budget()
         budget.tick()
         budget.check_args(args, kwargs)
-        _check_growth(getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None), args,
-                      budget)
+        name, subject = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
+        _check_growth(name, subject, args, budget)
+        if name == "join" and isinstance(subject, str) and args:
+            args = (_join_items(subject, args[0], budget), *args[1:])
         return budget.check_result(super().call(__context, __obj, *args, **kwargs))
 
     def call_binop(self, context, operator, left, right):
@@ -580,13 +601,17 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         budget.tick()
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and type(count) is int:
+                if isinstance(seq, str) and type(count) is int:
                     budget.check_size(len(seq) * count)
+                elif isinstance(seq, (list, tuple)) and type(count) is int:
+                    budget.check_items(len(seq) * count)
         elif operator == "**" and type(left) is int and type(right) is int:
             if right > 4096 or left.bit_length() * max(right, 0) > 65536:
                 raise RecipeError("chat template raised a number to a huge power")
-        elif operator == "+" and isinstance(left, (str, list, tuple)) and hasattr(right, "__len__"):
+        elif operator == "+" and isinstance(left, str) and isinstance(right, str):
             budget.check_size(len(left) + len(right))
+        elif operator == "+" and isinstance(left, (list, tuple)) and hasattr(right, "__len__"):
+            budget.check_items(len(left) + len(right))
         elif operator == "%":
             _check_format(left)
         return budget.check_result(super().call_binop(context, operator, left, right))
