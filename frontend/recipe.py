@@ -41,6 +41,7 @@ from contextvars import ContextVar
 from datetime import datetime
 from typing import Any, NamedTuple
 
+import markupsafe
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
@@ -274,6 +275,9 @@ class _UserText(str):
 
     def __format__(self, spec):
         return self._ledger.placeholder(format(self._real, spec))
+
+    def __html__(self):   # the `escape` filter
+        return self._ledger.placeholder(str(markupsafe.escape(self._real)))
 
     def join(self, iterable):
         return self._ledger.wrap(self._real.join(self._ledger.real(item) for item in iterable))

@@ -12,9 +12,10 @@ class StopChecker:
     """Cuts a text stream at the first stop string; the stop string itself is dropped unless
     `include_stop_str`."""
 
-    def __init__(self, stop: list[str], include_stop_str: bool = False):
+    def __init__(self, stop: list[str] | None, include_stop_str: bool = False):
         if isinstance(stop, str):
             stop = [stop]
+        stop = stop or []
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop strings must be non-empty strings")
         self._stops = sorted(set(stop), key=len, reverse=True)
@@ -53,7 +54,8 @@ class StopChecker:
 
     def _partial_suffix(self, buffer: str) -> int:
         """Length of the longest tail of `buffer` that is a proper prefix of a stop string."""
-        for size in range(min(len(buffer), len(self._stops[0]) - 1), 0, -1):
+        longest = len(self._stops[0]) if self._stops else 0
+        for size in range(min(len(buffer), longest - 1), 0, -1):
             tail = buffer[-size:]
             if any(stop_str.startswith(tail) for stop_str in self._stops):
                 return size

@@ -70,6 +70,12 @@ def test_holds_only_a_possible_prefix():
     assert checker.flush() == "ab"
 
 
+def test_no_stop_strings():
+    for stops in (None, []):
+        checker = StopChecker(stops)
+        assert checker.push("abc") == ("abc", False) and checker.flush() == ""
+
+
 def test_empty_stop_strings_are_refused():
     with pytest.raises(ValueError):
         StopChecker(["ok", ""])

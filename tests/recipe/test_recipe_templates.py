@@ -30,6 +30,7 @@ TRACED_TEMPLATES = {
                       "{{ m.content | list | first | default('') }}|{{ m.content | reverse }}|"
                       "{{ m.content.center(40, '*') }}|{{ m.content.split() | join('_') }}|"
                       "{{ m.content.splitlines() | length }}|{{ '%s!' % m.content }}|"
+                      "{{ m.content | e }}|{{ m.content | truncate(9) }}|{{ m.content | capitalize }}|"
                       "{{ '{}?'.format(m.content) }}|{{ m.content == '5' }}{% endfor %}",
     "loops": "{% for m in messages %}{% if loop.index > 4 %}{% break %}{% endif %}"
              "{% if m.role == 'system' %}{% continue %}{% endif %}"
