@@ -1,6 +1,6 @@
 """The one per-request pipeline every API shares (OpenAI, Anthropic, WebSocket).
 
-    AddRequest ─▶ engine deltas ─▶ detokenize ─▶ stop strings ─▶ tool calls ─▶ Delta* Final
+    AddRequest ─▶ engine deltas ─▶ detokenize ─▶ stop strings ─▶ tool calls ─▶ Delta*, Final
 
 `Pipeline.run(job)` yields, per choice, `Delta` events and then exactly one `Final`. A stop
 string ends the choice at once: the engine stream is closed, which aborts the request on the
@@ -31,6 +31,8 @@ log = logging.getLogger("duplex.generation")
 
 # A worker that ignores a deadline is cut off this long after it, so nothing hangs.
 DEADLINE_GRACE_S = 5.0
+_FAILURE_MESSAGES = {"error": "the engine worker failed", "timeout": "request timed out",
+                     "abort": "request aborted by the server"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,21 +335,24 @@ class _Choice:
     def on_delta(self, delta: RequestDelta) -> tuple[Delta | None, Final | None]:
         """One engine delta -> (an output event or None, the Final if the choice ended)."""
         self._count(delta)
-        text, stopped = self._stop_check(self._detokenize(delta.new_token_ids))
-        finish_reason = "stop" if stopped else delta.finish_reason
-        if finish_reason is not None and not stopped and not _failed(finish_reason):
-            text += self._flush()
-        text, tool_events = self._parse_tools(text, finish_reason is not None)
+        engine_finish = delta.finish_reason
+        completed = engine_finish is not None and not _failed(engine_finish)
+        text = self.detokenizer.push(delta.new_token_ids) if delta.new_token_ids else ""
+        if completed:
+            text += self.detokenizer.flush()
+        text, stopped = self._stop_check(text)
+        if completed and not stopped and self.stop is not None:
+            text += self.stop.flush()
+        ended = stopped or engine_finish is not None
+        text, tool_events = self._parse_tools(text, ended)
         event = self._event(delta, text, tool_events)
-        if finish_reason is None:
+        if not ended:
             return event, None
-        if _failed(finish_reason):
-            return event, self.fail(self._failure(finish_reason), delta.error)
-        stop_sequence = self._stop_sequence() if stopped else None
-        return event, self.finish(finish_reason, stop_sequence)
-
-    def _detokenize(self, token_ids: list[int]) -> str:
-        return self.detokenizer.push(token_ids) if token_ids else ""
+        if stopped:
+            return event, self.finish("stop", self._stop_sequence())
+        if not completed:
+            return event, self.fail(self._failure(engine_finish), delta.error)
+        return event, self.finish(engine_finish)
 
     def finish(self, finish_reason: str, stop_sequence: str | None = None) -> Final:
         if finish_reason == "stop" and self.has_tool_calls:
@@ -358,9 +363,7 @@ class _Choice:
 
     def fail(self, finish_reason: str, error: str) -> Final:
         final = self.finish(finish_reason)
-        final.error = error or {"error": "the engine worker failed",
-                                "timeout": "request timed out",
-                                "abort": "request aborted by the server"}[finish_reason]
+        final.error = error or _FAILURE_MESSAGES[finish_reason]
         return final
 
     # ------------------------------------------------------------ steps
@@ -381,14 +384,6 @@ class _Choice:
             return text, False
         self.raw_tail = (self.raw_tail + text)[-self._tail_len():]
         return self.stop.push(text)
-
-    def _flush(self) -> str:
-        """Text held back by the detokenizer and the stop checker, at a normal end."""
-        text = self.detokenizer.flush()
-        if self.stop is None:
-            return text
-        emitted, stopped = self._stop_check(text)
-        return emitted if stopped else emitted + self.stop.flush()
 
     def _parse_tools(self, text: str, is_last: bool) -> tuple[str, list]:
         if self.tools is None:

@@ -126,7 +126,8 @@ class Metrics:
 
 
 def kv_usage(stats: WorkerStats) -> float:
-    return stats.num_kv_blocks_used / stats.num_kv_blocks_total if stats.num_kv_blocks_total else 0.0
+    total = stats.num_kv_blocks_total
+    return stats.num_kv_blocks_used / total if total else 0.0
 
 
 def _cached_by_tier(num_cached: int, by_tier: dict[str, int]) -> dict[str, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
 
 from aiohttp import web
 
@@ -80,21 +80,21 @@ class OpenAIApi:
         with self.state.admit():
             body = await read_json(request, CompletionRequest)
             prompts = self._completion_prompts(body)
-            jobs = [self._completion_job(request, body, ids, k)
-                    for k, ids in enumerate(prompts)]
-            echoes = [self.state.recipe.decode(ids) if body.echo else "" for ids in prompts]
+            jobs = [self._completion_job(request, body, p.token_ids, k)
+                    for k, p in enumerate(prompts)]
             reply = _Reply(f"cmpl-{request[REQ_ID]}", self.state.model_name,
                            len(jobs) * body.n)
+            echoes = [prompts[i // body.n].text if body.echo else ""
+                      for i in range(reply.num_choices)]
             async with contextlib.aclosing(self.state.pipeline.run(jobs)) as events:
                 if body.stream:
                     include_usage = bool(body.stream_options and body.stream_options.include_usage)
                     return await _stream_completion(request, reply, events, include_usage,
-                                                    [echoes[i // body.n] for i in
-                                                     range(reply.num_choices)], body.n)
+                                                    echoes, body.n)
                 results = await collect(events, reply.num_choices)
             return json_response(self._completion(reply, body, results, prompts, echoes))
 
-    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    def _completion_prompts(self, body: CompletionRequest) -> list[_Prompt]:
         state = self.state
         state.check_model(body.model)
         check_n(body.n, state.options.max_n)
@@ -105,10 +105,14 @@ class OpenAIApi:
         prompts = _split_prompts(body.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise invalid(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-        token_lists = [state.encode_prompt(p) if isinstance(p, str) else p for p in prompts]
-        for ids in token_lists:
-            state.check_token_ids(ids, "prompt")
-        return token_lists
+        out = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                out.append(_Prompt(state.encode_prompt(prompt), prompt))
+            else:
+                state.check_token_ids(prompt, "prompt")
+                out.append(_Prompt(prompt, state.recipe.decode(prompt) if body.echo else ""))
+        return out
 
     def _completion_job(self, request: web.Request, body: CompletionRequest,
                         prompt_ids: list[int], k: int) -> Job:
@@ -122,18 +126,17 @@ class OpenAIApi:
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
     def _completion(self, reply: _Reply, body: CompletionRequest, results: list[ChoiceResult],
-                    prompts: list[list[int]], echoes: list[str]) -> Completion:
+                    prompts: list[_Prompt], echoes: list[str]) -> Completion:
         finals = _finals_or_raise(results)
         choices = []
         for r in results:
-            prompt_ids, echo = prompts[r.index // body.n], echoes[r.index // body.n]
             logprobs = None
             if body.logprobs is not None:
-                echoed = ([self.state.pipeline.token_text(t) for t in prompt_ids]
-                          if body.echo else [])
+                echoed = ([self.state.pipeline.token_text(t)
+                           for t in prompts[r.index // body.n].token_ids] if body.echo else [])
                 logprobs = _completion_logprobs(r.logprobs, echoed)
-            choices.append(CompletionChoice(r.index, echo + r.text, r.final.finish_reason,
-                                            logprobs))
+            choices.append(CompletionChoice(r.index, echoes[r.index] + r.text,
+                                            r.final.finish_reason, logprobs))
         return Completion(reply.id, reply.created, reply.model, choices,
                           usage=usage_struct(finals, body.n))
 
@@ -237,6 +240,11 @@ def _split_prompts(prompt) -> list[str | list[int]]:
         return list(prompt)
     raise invalid("prompt must be a string, a list of strings, a list of token ids or a "
                   "list of non-empty token-id lists", param="prompt")
+
+
+class _Prompt(NamedTuple):
+    token_ids: list[int]
+    text: str  # as given, or decoded from token ids (for echo)
 
 
 # ================================================================ response formatting

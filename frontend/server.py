@@ -228,7 +228,9 @@ def build_app(state: AppState) -> web.Application:
                           middlewares=[_middleware(state)])
     app.router.add_routes(openai_api.OpenAIApi(state).routes())
     app.router.add_routes(anthropic_api.AnthropicApi(state).routes())
-    app.router.add_routes(ws.WebSocketApi(state).routes())
+    ws_api = ws.WebSocketApi(state)
+    app.router.add_routes(ws_api.routes())
+    app.on_shutdown.append(ws_api.close_all)
     app.router.add_routes(OpsApi(state).routes())
     _add_web_ui(app, state.options.web_dir)
     return app

@@ -152,3 +152,14 @@ def _refs(node):
     elif isinstance(node, list):
         for value in node:
             yield from _refs(value)
+
+
+async def test_app_shutdown_closes_sockets_and_aborts(make_harness):
+    h = await make_harness(FakeEngineClient(step_s=0.05))
+    socket = await h.client.ws_connect("/v1/ws")
+    await socket.send_json({"type": "chat", "id": "s", "messages": HI})
+    await socket.receive_str()
+    await h.client.app.shutdown()
+    message = await asyncio.wait_for(socket.receive(), 2)
+    assert message.type.name in ("CLOSE", "CLOSED") and socket.close_code == 1001
+    await wait_for(lambda: h.engine.aborted == [h.engine.added[0].req_id])
