@@ -641,10 +641,14 @@ def _sandbox() -> _Sandbox:
     return _Sandbox()
 
 
-@functools.lru_cache(maxsize=64)
 def _compile(source: str, max_chars: int):
     if not isinstance(source, str):
         raise RecipeError("a chat template must be a string")
+    return _compile_cached(source, max_chars)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_cached(source: str, max_chars: int):
     if len(source) > max_chars:
         raise RecipeError(f"chat template is longer than {max_chars} chars")
     env = _sandbox()

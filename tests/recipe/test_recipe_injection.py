@@ -77,11 +77,22 @@ def test_fake_turn_injection_stays_text(default_recipe):
     assert ids.count(default_recipe.control_tokens["<|im_start|>"]) == 3  # system, user, assistant
 
 
-@pytest.mark.parametrize("role", ["<|im_start|>", "<|im_end|>", "user<|im_end|>", "User",
-                                  "function", "", None, 3])
+@pytest.mark.parametrize("role", ["user<|im_end|>", "<|im_start|>user", "User", "function",
+                                  "", None, 3, ["user"]])
 def test_role_slot_refuses_anything_but_known_roles(default_recipe, role):
     with pytest.raises(RecipeError, match="role"):
         default_recipe.encode_chat([{"role": role, "content": "hi"}])
+
+
+def test_role_slot_refuses_every_special_token(default_recipe):
+    for s in all_token_strings(default_recipe.tokenizer):
+        with pytest.raises(RecipeError, match="role must be one of"):
+            default_recipe.encode_chat([user("hi"), {"role": s, "content": "hi"}])
+
+
+def test_template_must_be_a_string(default_recipe):
+    with pytest.raises(RecipeError, match="must be a string"):
+        default_recipe.encode_chat([user("hi")], template=["{{ 1 }}"])
 
 
 def test_control_token_built_from_pieces_is_text(default_recipe):
