@@ -97,11 +97,12 @@ class Metrics:
 
     # ------------------------------------------------------------ copied from the engine
     def update_engine(self, stats: WorkerStats | None, ready: Ready | None,
-                      is_ready: bool) -> None:
+                      is_ready: bool, layout: dict[str, int]) -> None:
         self.engine_ready.set(1 if is_ready else 0)
+        for role, num_workers in layout.items():
+            self.workers.labels(role).set(num_workers)
         if ready is not None:
             self.batch_invariant.set(1 if ready.batch_invariant else 0)
-            self.workers.labels(ready.role).set(1)
         if stats is not None:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)

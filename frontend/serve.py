@@ -89,7 +89,7 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
     supervisor = Supervisor(config)
     engine = EngineClient(supervisor.addresses[0])
     supervisor.attach(engine)
-    state = AppState(engine, recipe, options)
+    state = AppState(engine, recipe, options, supervisor=supervisor)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     stop = _stop_event()
     try:

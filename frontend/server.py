@@ -12,6 +12,7 @@ while no worker is ready, with 503.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -102,9 +103,10 @@ class AppState:
     (or fakes in tests); everything else is derived from them here."""
 
     def __init__(self, engine, recipe, options: ServerOptions = ServerOptions(),
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, supervisor=None) -> None:
         self.engine = engine
         self.recipe = recipe
+        self.supervisor = supervisor  # frontend.supervisor.Supervisor, None in tests
         self.options = options
         self.metrics = metrics or Metrics()
         self.pipeline = Pipeline(engine, recipe, self.metrics,
@@ -178,9 +180,14 @@ class AppState:
                           param=param)
 
     # ------------------------------------------------------------ what /v1/status reports
+    def refresh_metrics(self) -> None:
+        """Copy the engine's latest stats and the worker layout into the gauges."""
+        self.metrics.update_engine(self.engine.stats(), self.engine.ready_info,
+                                   bool(self.engine.ready), self.layout())
+
     def status(self) -> dict:
+        self.refresh_metrics()
         info, stats = self.engine.ready_info, self.engine.stats()
-        self.metrics.update_engine(stats, info, bool(self.engine.ready))
         proposed = self.metrics.num_draft_proposed
         accepted = self.metrics.num_draft_accepted
         return {
@@ -197,18 +204,26 @@ class AppState:
                          if stats and stats.num_prompt_tokens else 0.0),
             "throughput_tokens_per_s": self.metrics.throughput(),
             "layout": self.layout(),
+            "workers": self.workers(),
             "batch_invariant": bool(info and info.batch_invariant),
             "speculation": {"mode": info.speculation if info else "off",
                             "draft_proposed": proposed, "draft_accepted": accepted,
                             "acceptance_rate": accepted / proposed if proposed else 0.0},
         }
 
-    def layout(self) -> dict:
-        layout = getattr(self.engine, "layout", None)
-        if isinstance(layout, dict):
-            return layout
+    def layout(self) -> dict[str, int]:
+        """Worker processes by role, e.g. {"unified": 1} or {"prefill": 2, "decode": 1}."""
+        if self.supervisor is not None:
+            return dict(collections.Counter(w.role for w in self.supervisor.status()))
         info = self.engine.ready_info
         return {info.role: 1} if info else {}
+
+    def workers(self) -> list[dict]:
+        if self.supervisor is None:
+            return []
+        return [{"id": w.worker_id, "role": w.role, "state": w.state, "pid": w.pid,
+                 "restarts": w.num_restarts, "last_exit": w.last_exit}
+                for w in self.supervisor.status()]
 
     def health_status(self) -> str:
         if self.admission.draining:
@@ -256,8 +271,7 @@ class OpsApi:
         return json_response(self.state.status())
 
     async def metrics(self, _: web.Request) -> web.Response:
-        engine = self.state.engine
-        self.state.metrics.update_engine(engine.stats(), engine.ready_info, bool(engine.ready))
+        self.state.refresh_metrics()
         return web.Response(body=self.state.metrics.render(), headers={
             "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

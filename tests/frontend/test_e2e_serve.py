@@ -117,6 +117,10 @@ def test_announces_url_and_is_healthy(server):
     assert requests.get(server.url + "/health").json()["status"] == "ok"
     models = oai(server).models.list()
     assert models.data[0].id == DEFAULT_MODEL_NAME
+    status = requests.get(server.url + "/v1/status").json()
+    assert status["layout"] == {"unified": 1} and status["max_model_len"] == 2048
+    [worker] = status["workers"]
+    assert worker["state"] == "running" and worker["pid"] == server.worker_pids()[0]
 
 
 def test_openai_chat_streaming_matches_non_streaming_and_hits_the_cache(server):
@@ -223,6 +227,8 @@ def test_worker_sigkill_gives_one_terminal_error_per_stream_then_recovers(server
     server.wait_health(503, 10)
     server.wait_health(200, STARTUP_S)
     assert server.worker_pids() != [worker_pid]
+    [worker] = requests.get(server.url + "/v1/status").json()["workers"]
+    assert worker["restarts"] == 1 and "SIGKILL" in worker["last_exit"]
     reply = oai(server).chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION,
                                                 max_tokens=4, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length")
