@@ -63,11 +63,12 @@ class RenderLimits:
     seconds: float = 1.0            # wall time, both renders together
     steps: int = 1_000_000          # per render: loop iterations, calls, attribute/item lookups
     chars: int = 16_000_000         # longest string the template may build, output included
+    built: int = 256_000_000        # per render: chars + items of all strings/lists it builds
     template_chars: int = 256_000   # longest template source accepted
     int_arg: int = 100_000          # largest number a filter or method takes (widths, counts)
 
     def __post_init__(self):
-        if min(self.seconds, self.steps, self.chars, self.template_chars, self.int_arg) <= 0:
+        if min(dataclasses.astuple(self)) <= 0:
             raise ValueError(f"render limits must be positive: {self}")
 
 
@@ -407,7 +408,8 @@ class _Budget:
 
     def __init__(self, limits: RenderLimits, ledger: _Ledger | None, deadline: float):
         self.limits, self.ledger, self.deadline = limits, ledger, deadline
-        self.steps_left = limits.steps
+        self.steps_left, self.built_left = limits.steps, limits.built
+        self._measured: dict[int, tuple[Any, int]] = {}   # id → (value kept alive, size)
 
     def tick(self) -> None:
         self.steps_left -= 1
@@ -430,13 +432,44 @@ class _Budget:
         if count > self.limits.steps:
             raise RecipeError(f"chat template built a collection over {self.limits.steps} items")
 
+    def measure(self, value: Any, nested: bool = False) -> int:
+        """The size of `value` written out as text (what str() or tojson would produce): shared
+        parts count every time they occur, so `[x, x]` nested 40 deep is refused long before
+        printing it could take forever. Templates cannot mutate lists or dicts, so a size, once
+        known, stays true; namespaces (mutable) may not be put inside other values."""
+        if isinstance(value, str):
+            return len(value) + 1
+        if isinstance(value, Namespace):
+            if nested:
+                raise RecipeError("chat template put a namespace inside another value")
+            return 1
+        if not isinstance(value, (list, tuple, dict, set, frozenset)):
+            return 1
+        known = self._measured.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        parts = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
+        size = 1 + sum(self.measure(part, nested=True) for part in parts)
+        self._measured[id(value)] = (value, size)
+        if size > self.limits.chars:
+            raise RecipeError(f"chat template built a value over {self.limits.chars} chars long")
+        return size
+
     def check_result(self, value: Any) -> Any:
+        """A freshly built value: sized, and its size spent from the `built` budget (which
+        bounds what a template can hold on to, e.g. by appending copies to a list)."""
         if isinstance(value, str):
             self.check_size(len(value))
-        elif isinstance(value, (list, tuple, dict, set)):
+        elif isinstance(value, (list, tuple, dict, set, frozenset)):
             self.check_items(len(value))
+            self.measure(value)
         elif type(value) is int and value.bit_length() > 65536:
             raise RecipeError("chat template built an integer that is too large")
+        else:
+            return value
+        self.built_left -= len(value)
+        if self.built_left < 0:
+            raise RecipeError(f"chat template built over {self.limits.built} chars and items")
         return value
 
 
@@ -536,18 +569,19 @@ class _Namespace(Namespace):
     def __init__(*args, **kwargs):  # noqa: N805 -- Jinja's signature, so `self=` still works
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
+        for name, value in attrs.items():
+            _Namespace._check(name, value)
         Namespace.__init__(self, attrs)
 
     def __setitem__(self, name, value):
-        _Namespace._check(name)
+        _Namespace._check(name, value)
         Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check(name):
+    def _check(name, value):
         if isinstance(name, str) and name.startswith("_"):
             raise SecurityError(f"namespace attribute {name!r} is not allowed")
+        _budget().measure(value, nested=True)
 
 
 class _GenerationTag(Extension):
@@ -578,8 +612,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return super().getattr(obj, attribute)
 
     def getitem(self, obj, argument):
-        _budget().tick()
-        return super().getitem(obj, argument)
+        budget = _budget()
+        budget.tick()
+        value = super().getitem(obj, argument)
+        return budget.check_result(value) if isinstance(argument, slice) else value
 
     def unsafe_undefined(self, obj, attribute):
         raise SecurityError(f"access to {attribute!r} of a {type(obj).__name__} is not allowed")
@@ -627,13 +663,34 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             budget.tick()
             yield item
 
+    def budget_slice(self, obj, start, stop, step):
+        """Replaces `obj[a:b:c]`, which Jinja compiles to a plain subscript."""
+        budget = _budget()
+        budget.tick()
+        budget.check_args((start, stop, step), {})
+        return budget.check_result(obj[start:stop:step])
+
+    def budget_container(self, value):
+        """Wraps list, tuple and dict literals: their written-out size is measured."""
+        budget = _budget()
+        budget.tick()
+        return budget.check_result(value)
+
+    def concat(self, parts):
+        """Joins block bodies (`{% set x %}`, macros, filter blocks); Jinja's is `"".join`."""
+        parts = list(parts)
+        budget = _budget()
+        budget.tick()
+        budget.check_size(sum(map(len, parts)))
+        return budget.check_result("".join(parts))
+
     def budget_concat(self, items):
         """Replaces `~`: the joined size is checked before the join."""
         parts = [str(item) for item in items]
         budget = _budget()
         budget.tick()
         budget.check_size(sum(map(len, parts)))
-        return "".join(parts)
+        return budget.check_result("".join(parts))
 
 
 @functools.lru_cache(maxsize=1)
@@ -664,7 +721,8 @@ def _compile_cached(source: str, max_chars: int):
 
 def _add_budget_nodes(node: nodes.Node) -> None:
     """Rewrite the template's syntax tree: loops iterate through `budget_iter`, `~` joins
-    through `budget_concat`."""
+    through `budget_concat`, slices go through `budget_slice`, list/tuple/dict literals through
+    `budget_container`."""
     for field, value in node.iter_fields():
         if isinstance(value, nodes.Node):
             setattr(node, field, _budgeted(value))
@@ -679,12 +737,19 @@ def _budgeted(node: nodes.Node) -> nodes.Node:
         node.iter = _env_call("budget_iter", node.iter, node.lineno)
     elif isinstance(node, nodes.Concat):
         return _env_call("budget_concat", nodes.List(node.nodes, lineno=node.lineno), node.lineno)
+    elif isinstance(node, (nodes.List, nodes.Dict)) or (isinstance(node, nodes.Tuple)
+                                                         and node.ctx == "load"):
+        return _env_call("budget_container", node, node.lineno)
+    elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        bounds = [part or nodes.Const(None, lineno=node.lineno)
+                  for part in (node.arg.start, node.arg.stop, node.arg.step)]
+        return _env_call("budget_slice", node.node, node.lineno, *bounds)
     return node
 
 
-def _env_call(name: str, arg: nodes.Expr, lineno: int) -> nodes.Call:
-    return nodes.Call(nodes.EnvironmentAttribute(name, lineno=lineno), [arg], [], None, None,
-                      lineno=lineno)
+def _env_call(name: str, arg: nodes.Expr, lineno: int, *more: nodes.Expr) -> nodes.Call:
+    return nodes.Call(nodes.EnvironmentAttribute(name, lineno=lineno), [arg, *more], [], None,
+                      None, lineno=lineno)
 
 
 def _render(template, context: dict, limits: RenderLimits, ledger: _Ledger | None,

@@ -135,6 +135,25 @@ HOSTILE_TEMPLATES = {
     "join with a huge separator": "{{ range(100000) | join('x' * 100000) }}",
     "join a generator with a huge separator": "{{ range(100000) | map('string') | join('x' * 100000) }}",
     "method join with a huge separator": "{{ ('x' * 100000).join(range(100000) | map('string')) }}",
+    "doubling in a block set": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+                               "{% set ns.s %}{{ ns.s }}{{ ns.s }}{% endset %}{% endfor %}",
+    "doubling through a macro": "{% macro twice(x) %}{{ x }}{{ x }}{% endmacro %}"
+                                "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+                                "{% set ns.s = twice(ns.s) %}{% endfor %}",
+    "doubling with format": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+                            "{% set ns.s = '{}{}'.format(ns.s, ns.s) %}{% endfor %}",
+    "shared list printed": "{% set ns = namespace(s=[1]) %}{% for i in range(60) %}"
+                           "{% set ns.s = [ns.s, ns.s] %}{% endfor %}{{ ns.s }}",
+    "shared tuple hashed": "{% set ns = namespace(s=(1,)) %}{% for i in range(60) %}"
+                           "{% set ns.s = (ns.s, ns.s) %}{% endfor %}{{ [ns.s] | unique | list }}",
+    "shared dict dumped": "{% set ns = namespace(s={}) %}{% for i in range(60) %}"
+                          "{% set ns.s = dict(a=ns.s, b=ns.s) %}{% endfor %}{{ ns.s | tojson }}",
+    "nested namespaces": "{% set ns = namespace(s=1) %}{% for i in range(60) %}"
+                         "{% set ns = namespace(a=ns, b=ns) %}{% endfor %}{{ ns }}",
+    "hoarding copies": "{% set ns = namespace(keep=[]) %}{% for i in range(100000) %}"
+                       "{% set ns.keep = ns.keep + [('x' * 10000000).upper()] %}{% endfor %}",
+    "hoarding slices": "{% set s = 'x' * 10000000 %}{% set ns = namespace(keep=[]) %}"
+                       "{% for i in range(100000) %}{% set ns.keep = ns.keep + [s[i:]] %}{% endfor %}",
     "list of a long string": "{{ ('x' * 10000000) | list | length }}",
     "huge tojson indent": "{{ messages | tojson(indent=1000000) }}",
     "big range": "{{ range(10 ** 9) | list }}",
