@@ -48,15 +48,16 @@ ENDPOINTS = (
 @functools.cache
 def spec() -> dict:
     types = [t for e in ENDPOINTS for t in (e.request, e.response, e.stream) if t is not None]
-    types += [p.OpenAIError, p.AnthropicError]
+    types += [p.OpenAIError, p.AnthropicError, p.WsClientFrame, p.WsServerFrame]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     by_type = dict(zip(types, schemas))
     paths: dict[str, dict] = {}
     for e in ENDPOINTS:
         paths.setdefault(e.path, {})[e.method] = _operation(e, by_type)
-    paths["/v1/ws"] = {"get": {"summary": "WebSocket chat protocol (frames: GET the JSON "
-                               "Schema from frontend.protocol.ws_json_schema)",
-                               "responses": {"101": {"description": "switching protocols"}}}}
+    paths["/v1/ws"] = {"get": {
+        "summary": "WebSocket chat: JSON text frames, many requests per socket by id",
+        "responses": {"101": {"description": "switching protocols"}},
+        "x-client-frames": by_type[p.WsClientFrame], "x-server-frames": by_type[p.WsServerFrame]}}
     for path, summary in (("/health", "200 when a worker is ready, else 503"),
                           ("/v1/status", "Engine status for the web UI"),
                           ("/metrics", "Prometheus metrics")):

@@ -91,7 +91,7 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
     supervisor.attach(engine)
     state = AppState(engine, recipe, options, supervisor=supervisor)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
-    stop = _stop_event()
+    stop, force = _signal_events()
     try:
         await engine.start()
         await supervisor.start()
@@ -102,8 +102,8 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await stop.wait()
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)
-        if not await state.admission.drain(shutdown_timeout_s):
-            log.warning("drain timed out; ending in-flight=%d with an error",
+        if not await _drain(state, shutdown_timeout_s, force):
+            log.warning("drain ended early; ending in-flight=%d with an error",
                         state.admission.num_active)
     except OSError as e:
         print(f"duplex serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
@@ -117,12 +117,29 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
     return 0
 
 
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
+def _signal_events() -> tuple[asyncio.Event, asyncio.Event]:
+    """(stop, force): the first SIGTERM / SIGINT asks for a drain, a second one cuts it short."""
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    return stop
+        loop.add_signal_handler(signum, on_signal)
+    return stop, force
+
+
+async def _drain(state: AppState, timeout_s: float, force: asyncio.Event) -> bool:
+    """True when every admitted request finished within the timeout (and no second signal)."""
+    drained = asyncio.ensure_future(state.admission.drain(timeout_s))
+    forced = asyncio.ensure_future(force.wait())
+    await asyncio.wait([drained, forced], return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not drained.done():
+        drained.cancel()
+        return False
+    return drained.result()
 
 
 async def _announce_when_ready(engine, stop: asyncio.Event, url: str,

@@ -87,6 +87,9 @@ async def test_openapi_is_complete_and_self_consistent(harness):
     assert set(schemas["ChatMessage"]["properties"]["role"]["enum"]) == {
         "system", "developer", "user", "assistant", "tool"}
     assert "max_tokens" in schemas["MessagesRequest"]["required"]
+    ws = spec["paths"]["/v1/ws"]["get"]
+    assert {r["$ref"].rsplit("/", 1)[1] for r in ws["x-server-frames"]["anyOf"]} == {
+        "WsDelta", "WsDone", "WsError", "WsPong"}
 
 
 async def test_web_ui_served_from_web_dir(make_harness, tmp_path):
