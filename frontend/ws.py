@@ -125,7 +125,7 @@ class _Session:
             return
         async with self._send_lock:
             with contextlib.suppress(ConnectionResetError):
-                await self.socket.send_str(encode(frame).decode())
+                await self.socket.send_frame(encode(frame), WSMsgType.TEXT)  # JSON is UTF-8
 
     # ------------------------------------------------------------ one request
     async def _run(self, frame: WsChat, req_id: str) -> None:
