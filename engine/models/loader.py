@@ -11,13 +11,17 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+if TYPE_CHECKING:
+    from engine.models.moe import MLAArgs, MoEArgs
+
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # engine/models/moe.py
 
 
 class ModelLoadError(ValueError):
@@ -44,6 +48,8 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     sliding_window: int | None = None
+    moe: MoEArgs | None = None  # routed experts (engine/models/moe.py)
+    mla: MLAArgs | None = None  # multi-head latent attention (DeepSeek-V3)
 
 
 class LoadedModel(NamedTuple):
@@ -190,6 +196,9 @@ def _load_hf_dir(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
 
 def hf_config_to_args(config: dict[str, Any]) -> ModelArgs:
     arch = config.get("model_type")
+    if arch in MOE_ARCHS:
+        from engine.models.moe import moe_config_to_args  # moe imports this module
+        return moe_config_to_args(config)
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"unsupported architecture {arch!r} (model_type in config.json); "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}")
