@@ -1,0 +1,256 @@
+"""The web demo in a real headless Chromium against the real aiohttp app over a scripted fake
+engine (tests/web/web_fakes.py): streaming and stats, stop, inert HTML, error frames, the
+reconnect banner, the /metrics fallback, keyboard and settings, a narrow screen."""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from web_fakes import HTML_REPLY, MARKDOWN_REPLY, ScriptedEngine, ThreadedServer
+
+expect = pytest.importorskip("playwright.sync_api",
+                             reason="playwright missing (pip install playwright)").expect
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[2]
+README_SCREENSHOT = REPO / "docs" / "screenshots" / "web-demo.png"
+# Rewrite the README's screenshot (a tracked file) only when asked, so test runs leave git clean.
+UPDATE_SCREENSHOT = os.environ.get("DUPLEX_UPDATE_SCREENSHOTS") == "1"
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ThreadedServer(ScriptedEngine(step_s=0.02))
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def ui(make_ui, server):
+    ui = make_ui(server.url).open()
+    yield ui
+    assert ui.page_errors == [], "uncaught errors in the page"
+    assert ui.dialogs == [], "the page opened a dialog (model output executed?)"
+
+
+def test_answer_streams_and_stats_fill_in(ui):
+    ui.send("What is Duplex?")
+    ui.page.wait_for_function(  # text visible while the answer is still streaming
+        "() => { const a = document.querySelector('article.msg.assistant');"
+        " return a.dataset.state === 'streaming'"
+        " && a.querySelector('.answer-body').textContent.length > 3; }")
+    ui.wait_answer_state("done")
+
+    deltas, (done,) = ui.frames("delta"), ui.frames("done")
+    assert len(deltas) > 10 and done["usage"]["completion_tokens"] == len(MARKDOWN_REPLY.encode())
+    body = ui.answer().locator(".answer-body")
+    assert body.locator("strong").all_inner_texts() == ["prefill", "decode"]
+    assert body.locator("ul > li").count() == 2
+    assert body.locator("figure.code pre code").inner_text() == 'print("hello from duplex")'
+    assert body.locator("p code").inner_text() == "cache hit"
+
+    assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", ui.stat("ttft"))
+    assert ui.stat("speed").endswith("tok/s")
+    assert ui.stat("tokens") == str(done["usage"]["completion_tokens"])
+    usage = done["usage"]
+    assert ui.stat("cache").startswith(f"{usage['cached_tokens']} / {usage['prompt_tokens']} (")
+    assert ui.stat("tiers") == " · ".join(f"{tier} {n}" for tier, n in
+                                         usage["cached_tokens_by_tier"].items())
+    accepted = sum(d["draft_accepted"] for d in deltas)
+    proposed = sum(d["draft_proposed"] for d in deltas)
+    assert ui.stat("drafts").startswith(f"{accepted} / {proposed} (")
+    assert ui.stat("finish") == "stop"
+    drafted = "".join(body.locator(".drafted").all_text_contents())
+    assert 0 < len(drafted) < len(MARKDOWN_REPLY)  # accepted drafts marked, target tokens not
+
+    panel = ui.page.locator("#server-panel")
+    expect(panel.locator("[data-field=state]")).to_have_text("ready")
+    expect(panel.locator("[data-field=hit-rate]")).to_have_text("25%")  # FakeEngine stats
+    expect(panel.locator("[data-field=layout]")).to_have_text("unified × 1")
+    expect(panel.locator("[data-field=speculation]")).to_contain_text("ngram")
+    expect(panel.locator("[data-field=batch-invariant]")).to_have_text("off")
+    expect(panel.locator("[data-field=source]")).to_have_text("from /v1/status")
+    expect(ui.page.locator("#model-name")).to_have_text("fake-model")
+    ui.screenshot("answer.png")
+
+
+def test_stop_cancels_a_long_answer(ui, server):
+    ui.send("Tell me a long story")
+    ui.page.wait_for_function("document.querySelector('article.msg.assistant .answer-body')"
+                              ".textContent.length > 40")
+    ui.page.click("#stop")
+    ui.wait_answer_state("stopped")
+
+    cancels = [f for f in ui.sent if f["type"] == "cancel"]
+    assert cancels == [{"type": "cancel", "id": ui.sent[0]["id"]}]
+    assert ui.frames("error")[-1]["code"] == "cancelled" and not ui.frames("done")
+    assert ui.stat("finish") == "stopped"
+    shown = ui.answer().locator(".answer-body").inner_text()
+    time.sleep(0.3)
+    assert ui.answer().locator(".answer-body").inner_text() == shown  # nothing more arrives
+    expect(ui.page.locator("#send")).to_be_visible()
+    expect(ui.page.locator("#stop")).to_be_hidden()
+    deadline = time.monotonic() + 5
+    while not server.engine.aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.aborted, "the engine request was not aborted"
+
+
+def test_html_in_answers_and_questions_is_shown_as_text(ui):
+    question = "<img src=x onerror=alert(2)><i>html</i> please"
+    ui.send(question)
+    ui.wait_answer_state("done")
+    conversation = ui.page.locator("#conversation")
+    assert ui.answer().locator(".answer-body").inner_text() == HTML_REPLY
+    assert ui.page.locator("article.msg.user .bubble").inner_text() == question
+    assert conversation.locator("script, b, img, i").count() == 0
+    assert ui.page.evaluate("document.scripts.length") == 1  # only the page's own module
+    assert ui.page.evaluate("typeof window.alert") == "function"  # and nothing called it
+
+
+def test_error_frame_is_shown_in_the_conversation(ui):
+    ui.send("please fail")
+    ui.wait_answer_state("error")
+    (error,) = ui.frames("error")
+    problem = ui.answer().locator(".problem")
+    expect(problem).to_be_visible()
+    expect(problem).to_contain_text(error["code"])
+    expect(problem).to_contain_text("worker died (scripted)")
+    assert ui.stat("finish") == "error"
+    ui.send("and now?")  # the failed turn is not sent again
+    ui.wait_answer_state("done")
+    contents = [m["content"] for m in ui.sent[-1]["messages"]]
+    assert contents == ["and now?"]
+
+
+def test_banner_and_reconnect_when_the_server_goes_away(ui, server):
+    server.stop()
+    banner = ui.page.locator("#banner")
+    expect(banner).to_be_visible()
+    expect(banner).to_contain_text("Can't reach the server")
+    expect(ui.page.locator("#conn")).not_to_have_attribute("data-state", "open")
+    expect(ui.page.locator("#send")).to_be_disabled()
+    expect(ui.page.locator("#server-panel [data-field=state]")).to_have_text("unreachable")
+    ui.screenshot("offline.png")
+
+    server.start()
+    ui.page.evaluate("document.getElementById('retry-now').click()")  # skip the backoff wait
+    expect(ui.page.locator("#conn")).to_have_attribute("data-state", "open", timeout=15_000)
+    expect(banner).to_be_hidden()
+    ui.send("back again?")
+    ui.wait_answer_state("done")
+
+
+def test_status_panel_falls_back_to_metrics(make_ui, server):
+    ui = make_ui(server.url)
+    ui.page.route("**/v1/status", lambda route: route.fulfill(status=404, body="gone"))
+    ui.open()
+    panel = ui.page.locator("#server-panel")
+    expect(panel.locator("[data-field=source]")).to_have_text("from /metrics")
+    expect(panel.locator("[data-field=state]")).to_have_text("ready")
+    expect(panel.locator("[data-field=layout]")).to_have_text("unified × 1")
+    expect(panel.locator("[data-field=running]")).to_have_text("0")
+    assert ui.page_errors == []
+
+
+def test_keyboard_and_settings_shape_the_request(ui):
+    ui.page.click("#open-settings")
+    dialog = ui.page.locator("#settings")
+    expect(dialog).to_be_visible()
+    dialog.locator("textarea[name=system]").fill("Answer briefly.")
+    dialog.locator("input[name=maxTokens]").fill("5")
+    dialog.locator("input[name=temperature]").fill("0.3")
+    ui.page.keyboard.press("Escape")
+    expect(dialog).to_be_hidden()
+
+    prompt = ui.page.locator("#prompt")
+    prompt.focus()
+    ui.page.keyboard.type("first line")
+    ui.page.keyboard.press("Shift+Enter")
+    ui.page.keyboard.type("second line")
+    assert not ui.sent  # Shift+Enter is a newline, not a send
+    ui.page.keyboard.press("Enter")
+    ui.wait_answer_state("done")
+
+    (chat,) = [f for f in ui.sent if f["type"] == "chat"]
+    assert chat["messages"] == [{"role": "system", "content": "Answer briefly."},
+                                {"role": "user", "content": "first line\nsecond line"}]
+    assert (chat["max_tokens"], chat["temperature"], chat["top_p"]) == (5, 0.3, 0.9)
+    assert ui.stat("finish") == "length" and ui.stat("tokens") == "5"
+    assert ui.page.locator("article.msg.user .bubble").inner_text() == "first line\nsecond line"
+    expect(dialog.locator("#speculation")).to_be_disabled()  # no per-request switch today
+    expect(dialog.locator("#speculation-note")).to_contain_text("ngram")
+
+    ui.page.click("#new-chat")
+    expect(ui.page.locator("article.msg")).to_have_count(0)
+    expect(ui.page.locator("#empty-state")).to_be_visible()
+
+
+def test_narrow_screen(make_ui, server):
+    ui = make_ui(server.url, width=390, height=844).open()
+    assert ui.page.evaluate("document.documentElement.scrollWidth") <= 390
+    panel = ui.page.locator("#server-panel")
+    expect(panel).not_to_be_in_viewport()
+    ui.send("Hello from a phone")
+    ui.wait_answer_state("done")
+    assert ui.page.evaluate("document.documentElement.scrollWidth") <= 390
+    expect(ui.page.locator("#prompt")).to_be_in_viewport()
+    ui.screenshot("narrow.png")
+
+    ui.page.click("#toggle-panel")
+    expect(panel).to_be_in_viewport(ratio=0.9)
+    expect(panel.locator("[data-field=state]")).to_have_text("ready")
+    ui.screenshot("narrow-panel.png")
+    ui.page.keyboard.press("Escape")
+    expect(panel).not_to_be_in_viewport()
+    assert ui.page_errors == []
+
+
+def test_screenshot_for_the_readme(make_ui, server):
+    ui = make_ui(server.url, width=1280, height=800).open()
+    ui.send("What is Duplex?")
+    ui.wait_answer_state("done")
+    ui.send("Show me some html: <b>bold?</b>")
+    ui.wait_answer_state("done")
+    ui.page.wait_for_timeout(1500)  # a few status polls for the chart
+    path = ui.screenshot("web-demo.png")
+    if UPDATE_SCREENSHOT or not README_SCREENSHOT.exists():  # timings differ run to run
+        README_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        README_SCREENSHOT.write_bytes(path.read_bytes())
+    assert ui.page_errors == []
+
+
+MARKDOWN_CASES = {
+    "nested": "1. one\n2. two\n   - inner *em*\n3. three",
+    "fence": "```js\nlet a = '<b>';\n",  # unclosed while streaming: still a code block
+    "links": "[ok](https://example.com/x) [bad](javascript:alert(1)) <a href=x>y</a>",
+    "blocks": "## Title\n> quoted **bold**\n\n---\nend",
+}
+
+
+def test_markdown_renderer_builds_only_safe_nodes(ui):
+    html = ui.page.evaluate("""async (cases) => {
+        const { renderMarkdown } = await import('/markdown.js');
+        const out = {};
+        for (const [name, text] of Object.entries(cases)) {
+            const box = document.createElement('div');
+            box.append(renderMarkdown(text, [{start: 0, end: 4, title: 't'}]));
+            out[name] = box.innerHTML;
+        }
+        return out;
+    }""", MARKDOWN_CASES)
+    assert html["nested"] == (
+        '<ol><li><span class="drafted" title="t">o</span>ne</li><li>two<ul><li>inner '
+        '<em>em</em></li></ul></li><li>three</li></ol>')
+    assert "<pre><code>let a = '&lt;b&gt;';\n</code></pre>" in html["fence"]
+    assert html["links"].count("<a ") == 1
+    assert 'href="https://example.com/x"' in html["links"] and "&lt;a href=x&gt;y&lt;/a&gt;" \
+        in html["links"]
+    assert html["blocks"].startswith('<h4><span class="drafted" title="t">T</span>itle</h4>')
+    assert "<blockquote><p>quoted <strong>bold</strong></p></blockquote><hr><p>end</p>" \
+        in html["blocks"]
