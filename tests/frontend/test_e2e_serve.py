@@ -198,6 +198,39 @@ def _stream_until_end(url: str, body: dict, started: threading.Event, out: list)
                 started.set()
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _cpu_used(pid: int, seconds: float) -> float:
+    start = _cpu_seconds(pid)
+    time.sleep(seconds)
+    return _cpu_seconds(pid) - start
+
+
+def test_client_disconnect_stops_the_work_on_the_worker(server):
+    """Judged by the worker's CPU time: busy while the request streams, idle once the client
+    is gone (the worker's heartbeat stats are only a snapshot taken between steps)."""
+    [worker_pid] = server.worker_pids()
+    body = {"messages": QUESTION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with requests.post(server.url + "/v1/chat/completions", json=body, stream=True,
+                       timeout=120) as response:
+        lines = response.iter_lines()  # (dropping this iterator would close the connection)
+        for _ in range(3):  # the role chunk, then tokens
+            next(lines)
+        busy = _cpu_used(worker_pid, 1.5)
+    deadline = time.monotonic() + 10
+    while requests.get(server.url + "/v1/status").json()["in_flight"] != 0:
+        assert time.monotonic() < deadline, "the frontend kept the request"
+        time.sleep(0.1)
+    # the abort lands between steps; on a loaded machine a step can take a second or more
+    deadline = time.monotonic() + 20
+    while (idle := _cpu_used(worker_pid, 1.0)) > 0.05:
+        assert time.monotonic() < deadline, f"the worker kept working: {idle:.2f} s/s"
+    assert busy > 0.1, busy
+
+
 def test_worker_sigkill_gives_one_terminal_error_per_stream_then_recovers(server):
     [worker_pid] = server.worker_pids()
     long_chat = {"messages": [{"role": "user", "content": "Write a long story about a cat."}],
