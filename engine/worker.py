@@ -171,6 +171,7 @@ class Worker:
                 await asyncio.sleep(0)  # let receive and heartbeat run between steps
         finally:
             self._is_stepping = False
+        self._stats = self._core.stats()  # fresh for heartbeats sent during the next step
         # A request the worker already ended (abort, deadline) gets no second final delta,
         # whether or not the core reports its own end too.
         deltas = [delta for delta in deltas if delta.req_id in self._live_req_ids]
