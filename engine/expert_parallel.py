@@ -1,0 +1,393 @@
+"""Expert parallelism (EP): a MoE model's routed experts sharded over the ranks of one
+torch.distributed group (gloo on CPU, NCCL on CUDA); everything else is replicated.
+
+Owns, on each rank, the weights of that rank's expert slots, the balancer (placement, load
+statistics, staged placement) and the per-rank token counters. Every rank runs the same batch
+through the same attention, routers and shared experts, so every rank knows every token's
+experts. Per MoE layer (`ExpertParallel.forward`):
+
+  1 route     every (token, j) pair gets a slot: the least-loaded replica of its expert under
+              the current placement (`eplb.route`); the same answer on every rank.
+  2 dispatch  rank r owns the tokens [bounds[r], bounds[r+1]) of the batch and sends each of
+              its pairs' hidden rows to the rank holding the pair's slot (all_to_all_single).
+  3 experts   each rank runs its slots' expert MLPs on the rows it received.
+  4 combine   results return by the reverse all_to_all_single, are weighted and summed per
+              token in top-k order (`moe.combine`), and all_gather rebuilds the whole batch.
+
+Pair order, every rank computes it from step 1 alone (so no counts are exchanged):
+
+    pairs     flat (token, j) index p = token * top_k + j, tokens in batch order
+    send      rank r's pairs (p in [bounds[r]*k, bounds[r+1]*k)), stably sorted by
+              destination rank: block d goes to rank d
+    receive   all pairs whose slot is on this rank, ascending p: block s came from rank s
+
+A token's result depends only on its own rows, whichever rank or replica computed them; under
+batch-invariant mode the output is bitwise the single-process output (tests/moe).
+
+Rebalancing (`end_step`, once per forward, in lockstep on all ranks): the balancer recomputes
+the placement every `interval_steps` steps from the routed-token window (identical on every
+rank, so no vote is needed); the weights of every slot that changes are staged (local copies
+at once, remote ones by an asynchronous all_to_all_single on a second group, overlapping the
+next step); at the end of the next step every rank waits for its copy and all layers switch
+to the new placement together. A move never changes a token: replicas hold equal weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.eplb import Balancer, ExpertLoadStats, Placement, moves, route
+from engine.models.moe import (DEFAULT_STATS_WINDOW, ExpertLoadReport, ExpertWeights,
+                               LocalExperts, combine, count_tokens, max_over_mean, run_experts)
+
+DEFAULT_INTERVAL_STEPS = 3000
+
+
+class _Staged(NamedTuple):
+    """A placement whose weights are in flight: committed at the next step boundary."""
+    placement: Placement
+    work: Any  # the async all_to_all_single of the remote copies
+    received: torch.Tensor  # [num_remote_moves, expert_numel]
+    received_moves: list  # Move per row of `received`
+    weights: dict[int, ExpertWeights]  # moe layer -> this rank's new slot weights
+
+
+class ExpertParallel:
+    """Expert backend of one EP rank (see the module docstring). Built by every rank of
+    `group` at the same point, from the full single-process experts."""
+
+    def __init__(self, local: LocalExperts, group=None, num_redundant: int = 0,
+                 interval_steps: int = DEFAULT_INTERVAL_STEPS, window_steps: int | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_experts = local.num_experts
+        num_layers = len(local.weights)
+        window_steps = window_steps or min(interval_steps, DEFAULT_STATS_WINDOW)
+        self.balancer = Balancer(num_layers, self.num_experts, self.num_ranks, num_redundant,
+                                 interval_steps, window_steps)
+        self.slots = self.placement.rank_slots(self.rank)  # this rank's slot range
+        self.weights = [_slot_weights(w, self.placement.slot_to_expert[layer, self.slots])
+                        for layer, w in enumerate(local.weights)]
+        # tokens computed by each rank, per layer: the "experts" of this counter are ranks
+        self.rank_tokens = ExpertLoadStats(num_layers, self.num_ranks,
+                                           self.balancer.stats.window_steps)
+        self.last_step_rank_tokens = np.zeros((num_layers, self.num_ranks), dtype=np.int64)
+        self._step_rank_tokens = np.zeros_like(self.last_step_rank_tokens)
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._copy_group = dist.new_group(ranks, backend=dist.get_backend(group))
+        self._staged: _Staged | None = None
+        self.num_rebalances = 0
+        self.num_experts_received = 0  # expert weights copied here from other ranks
+
+    @property
+    def placement(self) -> Placement:
+        return self.balancer.placement
+
+    # ------------------------------------------------------------------ one MoE layer
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, k = topk_ids.shape
+        self.balancer.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
+        slot = route(topk_ids.cpu().numpy(), self.placement, moe_layer,
+                     np.zeros(self.placement.num_slots)).reshape(-1)  # [T * k]
+        dest = self.placement.slot_rank[slot]  # [T * k] rank computing each pair
+        self._step_rank_tokens[moe_layer] += np.bincount(dest, minlength=self.num_ranks)
+        bounds = token_bounds(num_tokens, self.num_ranks)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        send_order = np.argsort(dest[lo * k:hi * k], kind="stable")  # my pairs by destination
+        send_counts = np.bincount(dest[lo * k:hi * k], minlength=self.num_ranks)
+        recv_pairs = np.flatnonzero(dest == self.rank)  # ascending: grouped by source rank
+        recv_counts = np.bincount(np.searchsorted(bounds * k, recv_pairs, side="right") - 1,
+                                  minlength=self.num_ranks)
+        rows = x[_index(lo + send_order // k, x.device)]  # [num_send, hidden]
+        received = self._exchange(rows, send_counts, recv_counts)  # [num_recv, hidden]
+        local_slot = _index(slot[recv_pairs] - self.slots.start, x.device)
+        computed = run_experts(received, local_slot, self.weights[moe_layer])
+        returned = self._exchange(computed, recv_counts, send_counts)  # in send order
+        pairs = torch.empty_like(returned)
+        pairs[_index(send_order, x.device)] = returned  # [my tokens * k, hidden], pair order
+        mine = combine(pairs.view(hi - lo, k, x.shape[1]), topk_weights[lo:hi])
+        return self._all_gather(mine, bounds)
+
+    def _exchange(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
+        out = rows.new_empty(int(recv_counts.sum()), rows.shape[1])
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(),
+                               send_counts.tolist(), group=self.group)
+        return out
+
+    def _all_gather(self, mine: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
+        """Every rank's token results, in batch order. all_gather needs equal shapes: pad."""
+        shares = np.diff(bounds)
+        padded = mine.new_zeros(int(shares.max()), mine.shape[1])
+        padded[:mine.shape[0]] = mine
+        parts = [torch.empty_like(padded) for _ in range(self.num_ranks)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:share] for part, share in zip(parts, shares)])
+
+    # ------------------------------------------------------------------ step boundary
+    def end_step(self) -> None:
+        """Close the step: switch to a staged placement, maybe stage a new one."""
+        self.last_step_rank_tokens, self._step_rank_tokens = \
+            self._step_rank_tokens, np.zeros_like(self._step_rank_tokens)
+        for layer, counts in enumerate(self.last_step_rank_tokens):
+            self.rank_tokens.record(layer, counts)
+        self.rank_tokens.step()
+        if self._staged is not None:
+            self._commit()
+        plan = self.balancer.on_step()
+        if plan is not None:
+            self._staged = self._stage(plan)
+
+    def _stage(self, plan: Placement) -> _Staged:
+        """Start copying the experts of every slot of this rank that `plan` changes."""
+        old = self.placement
+        sends, receives = [], []
+        staged: dict[int, ExpertWeights] = {}
+        for move in moves(old, plan):
+            dst = int(plan.slot_rank[move.slot])
+            src = _source_rank(old, move.layer, move.expert, dst)
+            if dst == self.rank:
+                if move.layer not in staged:
+                    staged[move.layer] = _clone(self.weights[move.layer])
+                weights = staged[move.layer]
+                if src == self.rank:  # already here in another slot: copy locally now
+                    _put(weights, move.slot - self.slots.start,
+                         self._flat_expert(move.layer, move.expert))
+                else:
+                    receives.append((src, move))
+            elif src == self.rank:
+                sends.append((dst, move))
+        sends.sort(key=lambda item: item[0])  # stable: ties keep move order
+        receives.sort(key=lambda item: item[0])
+        numel = self.weights[0].w13[0].numel() + self.weights[0].w2[0].numel()
+        send = torch.stack([self._flat_expert(m.layer, m.expert) for _, m in sends]) \
+            if sends else self.weights[0].w13.new_empty(0, numel)
+        received = send.new_empty(len(receives), numel)
+        work = dist.all_to_all_single(
+            received, send, _counts([r for r, _ in receives], self.num_ranks),
+            _counts([d for d, _ in sends], self.num_ranks), group=self._copy_group,
+            async_op=True)
+        return _Staged(plan, work, received, [m for _, m in receives], staged)
+
+    def _commit(self) -> None:
+        staged, self._staged = self._staged, None
+        staged.work.wait()
+        for move, flat in zip(staged.received_moves, staged.received):
+            _put(staged.weights[move.layer], move.slot - self.slots.start, flat)
+        self.num_experts_received += len(staged.received_moves)
+        for layer, weights in staged.weights.items():
+            self.weights[layer] = weights
+        assert self.balancer.commit() == staged.placement
+        self.num_rebalances += 1
+
+    def _flat_expert(self, layer: int, expert: int) -> torch.Tensor:
+        """One expert's weights on this rank (current placement) as one flat row."""
+        row = self.placement.slot_to_expert[layer, self.slots]
+        local = int(np.flatnonzero(row == expert)[0])
+        w = self.weights[layer]
+        return torch.cat([w.w13[local].reshape(-1), w.w2[local].reshape(-1)])
+
+    # ------------------------------------------------------------------ reports
+    def load_report(self) -> ExpertLoadReport:
+        """Routed tokens per expert, and tokens each rank computed, over the window."""
+        rank_load = self.rank_tokens.load()
+        return ExpertLoadReport(self.balancer.stats.load(), rank_load, max_over_mean(rank_load))
+
+
+def enable_expert_parallel(model, group=None, num_redundant: int = 0,
+                           interval_steps: int = DEFAULT_INTERVAL_STEPS,
+                           window_steps: int | None = None) -> ExpertParallel:
+    """Shard `model`'s experts over `group` (every rank calls this with the same model).
+    The full expert weights are dropped; this rank keeps its slots only."""
+    backend = ExpertParallel(model.expert_backend, group, num_redundant, interval_steps,
+                             window_steps)
+    model.set_expert_backend(backend)
+    return backend
+
+
+def token_bounds(num_tokens: int, num_ranks: int) -> np.ndarray:
+    """[num_ranks + 1]: rank r owns tokens [bounds[r], bounds[r+1]) (near-equal shares)."""
+    return np.array([num_tokens * r // num_ranks for r in range(num_ranks + 1)])
+
+
+def _source_rank(old: Placement, layer: int, expert: int, dst: int) -> int:
+    """Who sends `expert` to `dst`: dst itself when it already holds it, else the rank of its
+    first replica. Every rank computes the same answer."""
+    slots = old.expert_to_slots[layer, expert, :old.replica_count[layer, expert]]
+    ranks = old.slot_rank[slots]
+    return dst if dst in ranks else int(ranks[0])
+
+
+def _slot_weights(weights: ExpertWeights, experts: np.ndarray) -> ExpertWeights:
+    index = torch.from_numpy(np.array(experts, dtype=np.int64))  # a writable copy
+    return ExpertWeights(weights.w13[index].clone(), weights.w2[index].clone())
+
+
+def _clone(weights: ExpertWeights) -> ExpertWeights:
+    return ExpertWeights(weights.w13.clone(), weights.w2.clone())
+
+
+def _put(weights: ExpertWeights, local_slot: int, flat: torch.Tensor) -> None:
+    w13_numel = weights.w13[0].numel()
+    weights.w13[local_slot].copy_(flat[:w13_numel].view_as(weights.w13[0]))
+    weights.w2[local_slot].copy_(flat[w13_numel:].view_as(weights.w2[0]))
+
+
+def _index(array: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def _counts(ranks: list[int], num_ranks: int) -> list[int]:
+    return np.bincount(np.array(ranks, dtype=np.int64), minlength=num_ranks).tolist()
+
+
+# ---------------------------------------------------------------------------- launching
+def launch(fn: Callable, num_ranks: int, *args, backend: str = "gloo") -> None:
+    """Run `fn(rank, num_ranks, *args)` in `num_ranks` fresh processes that form the default
+    process group (tcp://127.0.0.1 on a free port). `fn` must be importable; pass plain
+    values and return results through files."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(fn, num_ranks, _free_port(), backend, args), nprocs=num_ranks,
+             join=True)
+
+
+def _rank_main(rank: int, fn: Callable, num_ranks: int, port: int, backend: str, args) -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=num_ranks)
+    try:
+        fn(rank, num_ranks, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- benchmark
+BENCH_MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                   num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+                   max_position_embeddings=512, initializer_range=0.1)
+
+
+def build_bench_model(path: str) -> str:
+    """A small random Qwen3-MoE checkpoint (16 experts, top-2, 4 layers) at `path`."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**BENCH_MODEL))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def skewed_prompts(num_prompts: int, prompt_len: int, band: int = 8) -> list[list[int]]:
+    """Prompts of only `band` distinct tokens: similar hidden states, so the routers send
+    most tokens to a few experts."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, band, (prompt_len,), generator=gen).tolist()
+            for _ in range(num_prompts)]
+
+
+def _bench_rank(rank: int, num_ranks: int, path: str, out_dir: str, options: dict) -> None:
+    """Two identical waves of requests; the placement computed from wave 1's steps is
+    switched in during wave 2's first (prefill) step."""
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.messages import AddRequest
+    from engine.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig(model=path, num_threads=1, enable_prefix_caching=False,
+                                   max_num_seqs=options["num_prompts"]), progress=False)
+    steps_per_wave = options["max_tokens"]  # one prefill step, then one token per step
+    ep = enable_expert_parallel(core.model, num_redundant=options["redundant"],
+                                interval_steps=steps_per_wave)
+    params = SamplingParams(temperature=0, max_tokens=options["max_tokens"], ignore_eos=True)
+    steps = []
+    for wave in range(2):
+        prompts = skewed_prompts(options["num_prompts"], options["prompt_len"])
+        for i, prompt in enumerate(prompts):
+            core.add_request(AddRequest(f"w{wave}r{i}", prompt, params))
+        first = len(steps)
+        while core.has_unfinished_requests():
+            placement_id = ep.num_rebalances  # the placement this step's forward uses
+            start = time.perf_counter()
+            deltas = core.step()
+            steps.append(dict(wave=wave, is_prefill=len(steps) == first,
+                              seconds=time.perf_counter() - start,
+                              tokens=sum(len(d.new_token_ids) for d in deltas),
+                              rank_tokens=ep.last_step_rank_tokens.tolist(),
+                              placement_id=placement_id))
+    if rank == 0:
+        with open(os.path.join(out_dir, "steps.json"), "w") as fh:
+            json.dump(dict(steps=steps, experts_received=ep.num_experts_received), fh)
+
+
+def bench(num_ranks: int = 4, redundant: int = 4, num_prompts: int = 16, prompt_len: int = 32,
+          max_tokens: int = 64) -> dict:
+    """Skewed prompts on `num_ranks` CPU ranks: rank imbalance (max / mean (token, expert)
+    pairs per rank, averaged over layers) and tokens/s of the decode steps, wave 1 (initial
+    placement) against wave 2 (after the rebalance computed from wave 1)."""
+    options = dict(redundant=redundant, num_prompts=num_prompts, prompt_len=prompt_len,
+                   max_tokens=max_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_bench_model(os.path.join(tmp, "model"))
+        launch(_bench_rank, num_ranks, path, tmp, options)
+        with open(os.path.join(tmp, "steps.json")) as fh:
+            log = json.load(fh)
+    decode = [s for s in log["steps"] if not s["is_prefill"]]
+    return dict(config=dict(options, num_ranks=num_ranks, model=BENCH_MODEL),
+                before=_phase([s for s in decode if s["wave"] == 0]),
+                after=_phase([s for s in decode if s["wave"] == 1 and s["placement_id"] > 0]),
+                num_rebalances=max(s["placement_id"] for s in log["steps"]),
+                experts_received_by_rank0=log["experts_received"])
+
+
+def _phase(steps: list[dict]) -> dict:
+    """Rank imbalance and tokens/s over decode steps."""
+    rank_tokens = np.sum([s["rank_tokens"] for s in steps], axis=0)  # [layers, ranks]
+    per_layer = max_over_mean(rank_tokens)
+    seconds = sum(s["seconds"] for s in steps)
+    tokens = sum(s["tokens"] for s in steps)
+    return dict(decode_steps=len(steps), imbalance=round(float(per_layer.mean()), 3),
+                imbalance_per_layer=[round(float(v), 3) for v in per_layer],
+                rank_pairs=rank_tokens.sum(axis=0).tolist(), tokens=tokens,
+                seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.expert_parallel",
+                                     description="Expert-parallel CPU benchmark (gloo).")
+    parser.add_argument("--bench", action="store_true", help="run the skewed-prompt benchmark")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--redundant", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="tokens per request; also the rebalance interval in steps")
+    args = parser.parse_args(argv)
+    if not args.bench:
+        parser.print_help()
+        return 2
+    result = bench(args.ranks, args.redundant, args.prompts, max_tokens=args.max_tokens)
+    json.dump(result, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

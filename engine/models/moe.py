@@ -1,0 +1,387 @@
+"""Mixture-of-experts building blocks shared by Mixtral, Qwen2/3-MoE and DeepSeek-V3.
+
+Owns the routed-expert computation of one process (`LocalExperts`: every expert of every MoE
+layer, plus the routed-token statistics) and the pieces a MoE decoder is made of: routers,
+the `MoEBlock` that replaces a dense MLP, `MoEForCausalLM` with the switch between expert
+backends. engine/expert_parallel.py provides the other backend (experts sharded over ranks).
+
+Also the MoE families' hyper-parameters (`MoEArgs`, `MLAArgs`) and how they are read from a
+Hugging Face config: engine/models/loader.py hands those model types to `moe_config_to_args`.
+
+An expert backend computes, for one MoE layer, `sum_j weight[t, j] * expert[ids[t, j]](x[t])`:
+
+    forward(moe_layer, x [T, hidden], topk_ids [T, k], topk_weights [T, k]) -> [T, hidden]
+    end_step()        once after every model forward (closes the statistics step)
+    load_report()     ExpertLoadReport over the statistics window
+
+Expert outputs are combined per token in top-k order with elementwise ops only, so a token's
+result does not depend on which rank or replica computed each of its experts' rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from engine.eplb import ExpertLoadStats
+from engine.models.llama import DecoderLayer, LlamaForCausalLM, MLP
+from engine.models.loader import MOE_ARCHS, ModelArgs, ModelLoadError
+from kernels import batch_invariant as bi
+from kernels import ops
+
+# Steps of routed-token counts kept (a ring of window x layers x experts int64: 512 steps of
+# DeepSeek-V3's 58 x 256 is 61 MB).
+DEFAULT_STATS_WINDOW = 512
+
+
+# ---------------------------------------------------------------------------- hyper-parameters
+@dataclasses.dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int  # routed experts per MoE layer
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    moe_layers: tuple[int, ...]  # decoder layers whose MLP is a MoE block (others are dense)
+    norm_topk_prob: bool  # renormalise the top-k weights to sum to 1
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ gate) scales the shared expert
+    num_groups: int = 1  # DeepSeek-V3 grouped routing: experts split into groups, ...
+    topk_groups: int = 1  # ... tokens pick experts from their best `topk_groups` groups only
+    routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalising)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ModelLoadError(f"top_k {self.top_k} must be in [1, {self.num_experts}]")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ModelLoadError(f"{self.num_experts} experts cannot form {self.num_groups} "
+                                 f"groups with {self.topk_groups} chosen")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAArgs:
+    """DeepSeek multi-head latent attention (see engine/models/deepseek_v3.py)."""
+    q_lora_rank: int | None  # None: q is one projection, no low-rank factorisation
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rope dims come in (even, odd) pairs
+
+
+def moe_config_to_args(config: dict[str, Any]) -> ModelArgs:
+    """ModelArgs of a Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 config.json."""
+    arch = config["model_type"]
+    if arch not in MOE_ARCHS:
+        raise ModelLoadError(f"not a MoE architecture: {arch!r}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{arch} with hidden_act {config['hidden_act']!r} is not supported")
+    if config.get("sliding_window") and config.get("use_sliding_window", arch == "mixtral"):
+        raise ModelLoadError(f"{arch} with a sliding window is not supported")
+    heads = config["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(config)
+    if rope_scaling is not None and (arch != "deepseek_v3" or rope_scaling["rope_type"] != "yarn"):
+        raise ModelLoadError(f"{arch} with rope scaling {rope_scaling} is not supported")
+    fields = dict(
+        arch=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+        intermediate_size=config.get("intermediate_size", 0),
+        num_layers=config["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        attention_bias=config.get("qkv_bias", True) if arch == "qwen2_moe"
+        else config.get("attention_bias", False),
+        qk_norm=arch == "qwen3_moe", rope_scaling=rope_scaling,
+        bos_token_id=config.get("bos_token_id"), eos_token_id=_first(config.get("eos_token_id")),
+        moe=_moe_args(arch, config))
+    if arch == "deepseek_v3":
+        fields.update(_mla_fields(config))
+    return ModelArgs(**fields)
+
+
+def _moe_args(arch: str, config: dict[str, Any]) -> MoEArgs:
+    num_layers = config["num_hidden_layers"]
+    num_experts = config.get("num_local_experts") or config.get("num_experts") \
+        or config.get("n_routed_experts")
+    common = dict(num_experts=num_experts, top_k=config["num_experts_per_tok"])
+    if arch == "mixtral":
+        return MoEArgs(**common, intermediate_size=config["intermediate_size"],
+                       moe_layers=tuple(range(num_layers)), norm_topk_prob=True)
+    if arch == "deepseek_v3":
+        first_moe = config.get("first_k_dense_replace", 0)
+        return MoEArgs(
+            **common, intermediate_size=config["moe_intermediate_size"],
+            moe_layers=tuple(range(first_moe, num_layers)),
+            norm_topk_prob=config.get("norm_topk_prob", True),
+            shared_intermediate_size=config["moe_intermediate_size"]
+            * config.get("n_shared_experts", 0),
+            num_groups=config.get("n_group", 1), topk_groups=config.get("topk_group", 1),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
+    dense = set(config.get("mlp_only_layers") or ())
+    step = config.get("decoder_sparse_step", 1)
+    moe_layers = tuple(i for i in range(num_layers)
+                       if num_experts and i not in dense and (i + 1) % step == 0)
+    shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+    return MoEArgs(**common, intermediate_size=config["moe_intermediate_size"],
+                   moe_layers=moe_layers, norm_topk_prob=config.get("norm_topk_prob", False),
+                   shared_intermediate_size=shared, shared_expert_gate=bool(shared))
+
+
+def _mla_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """MLA args plus the paged-cache geometry they imply (see engine/models/deepseek_v3.py):
+    one kv head whose k and v planes each hold half of the latent [c_kv | k_pe]."""
+    mla = MLAArgs(q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
+                  qk_nope_head_dim=config["qk_nope_head_dim"],
+                  qk_rope_head_dim=config["qk_rope_head_dim"],
+                  v_head_dim=config.get("v_head_dim") or config["qk_nope_head_dim"],
+                  rope_interleave=config.get("rope_interleave", True))
+    latent = mla.kv_lora_rank + mla.qk_rope_head_dim
+    if latent % 2:
+        raise ModelLoadError(f"kv_lora_rank + qk_rope_head_dim = {latent} must be even "
+                             "(the latent is split over the cache's k and v planes)")
+    return dict(mla=mla, num_kv_heads=1, head_dim=latent // 2)
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, scaling parameters or None) from the old or the rope_parameters layout."""
+    params = dict(config.get("rope_parameters") or {})
+    params.update(config.get("rope_scaling") or {})
+    theta = config.get("rope_theta") or params.get("rope_theta", 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    return theta, ({**params, "rope_type": kind} if kind != "default" else None)
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) and value else value
+
+
+# ---------------------------------------------------------------------------- expert compute
+class ExpertWeights(NamedTuple):
+    """The routed experts of one layer (or the slots of one rank), stacked."""
+    w13: torch.Tensor  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
+    w2: torch.Tensor  # [num_experts, hidden, intermediate]
+
+
+def load_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                 ) -> ExpertWeights:
+    """Pop `{prefix}.{e}.{gate,up,down}.weight` for every expert and stack them."""
+    gate, up, down = ([state.pop(f"{prefix}.{e}.{name}.weight") for e in range(num_experts)]
+                      for name in names)
+    return ExpertWeights(torch.stack([torch.cat(pair) for pair in zip(gate, up)]),
+                         torch.stack(down))
+
+
+def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    """x [N, hidden], expert_ids [N] (index into `weights`) -> [N, hidden]: each row through
+    its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair."""
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=weights.w13.shape[0]).tolist()
+    xs = x[order]  # rows grouped by expert
+    ys = torch.empty_like(xs)
+    inter = weights.w2.shape[2]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            gate, up = ops.linear(xs[rows], weights.w13[expert]).split(inter, dim=-1)
+            ys[rows] = ops.linear(ops.silu(gate) * up, weights.w2[expert])
+            start += count
+    out = torch.empty_like(ys)
+    out[order] = ys
+    return out
+
+
+def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """expert_out [T, k, hidden] (unweighted), topk_weights [T, k] -> [T, hidden].
+    A fixed left-to-right sum of elementwise products: exact ops only, so the result for a
+    token depends on nothing but its own rows."""
+    weights = topk_weights.to(expert_out.dtype)
+    out = expert_out[:, 0] * weights[:, :1]
+    for j in range(1, expert_out.shape[1]):
+        out = out + expert_out[:, j] * weights[:, j:j + 1]
+    return out
+
+
+class ExpertLoadReport(NamedTuple):
+    """Routed tokens over the statistics window, for /metrics and the balancer."""
+    expert_load: np.ndarray  # [num_moe_layers, num_experts]
+    rank_load: np.ndarray  # [num_moe_layers, num_ranks]: tokens each rank computed
+    imbalance: np.ndarray  # [num_moe_layers]: max / mean of rank_load (1.0 = balanced)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numbers for WorkerStats.extra / Prometheus."""
+        out = {"moe_imbalance_mean": float(self.imbalance.mean()),
+               "moe_imbalance_max": float(self.imbalance.max())}
+        for rank, tokens in enumerate(self.rank_load.sum(axis=0)):
+            out[f"moe_rank{rank}_tokens"] = float(tokens)
+        return out
+
+
+def max_over_mean(rank_load: np.ndarray) -> np.ndarray:
+    """[..., num_ranks] -> [...]: max / mean, 1.0 where nothing was routed."""
+    mean = rank_load.mean(axis=-1)
+    return np.where(mean > 0, rank_load.max(axis=-1) / np.where(mean > 0, mean, 1), 1.0)
+
+
+class LocalExperts:
+    """Expert backend of a single process: every expert of every MoE layer is here."""
+
+    def __init__(self, weights: list[ExpertWeights], window_steps: int = DEFAULT_STATS_WINDOW):
+        self.weights = weights  # [num_moe_layers]
+        self.num_experts = weights[0].w13.shape[0]
+        self.stats = ExpertLoadStats(len(weights), self.num_experts, window_steps)
+
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        self.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
+        k = topk_ids.shape[1]
+        out = run_experts(x.repeat_interleave(k, dim=0), topk_ids.reshape(-1),
+                          self.weights[moe_layer])  # [T * k, hidden], (token, j) order
+        return combine(out.view(x.shape[0], k, -1), topk_weights)
+
+    def end_step(self) -> None:
+        self.stats.step()
+
+    def load_report(self) -> ExpertLoadReport:
+        load = self.stats.load()
+        rank_load = load.sum(axis=1, keepdims=True)
+        return ExpertLoadReport(load, rank_load, max_over_mean(rank_load))
+
+
+def count_tokens(topk_ids: torch.Tensor, num_experts: int) -> np.ndarray:
+    """[num_experts] int64: (token, expert) pairs routed to each expert."""
+    return torch.bincount(topk_ids.reshape(-1), minlength=num_experts).cpu().numpy()
+
+
+# ---------------------------------------------------------------------------- routers
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dim, batch invariant when that mode is on."""
+    return bi.bi_softmax(x) if bi.is_batch_invariant() else torch.softmax(x.float(), dim=-1)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sigmoid; from exp in batch-invariant mode (torch's differs between vector lanes)."""
+    x = x.float()
+    return 1.0 / (1.0 + torch.exp(-x)) if bi.is_batch_invariant() else torch.sigmoid(x)
+
+
+def softmax_topk(logits: torch.Tensor, moe: MoEArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral / Qwen router: logits [T, E] -> (fp32 weights [T, k], ids [T, k])."""
+    weights, ids = torch.topk(softmax(logits), moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, moe: MoEArgs
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 router: logits [T, E] -> (fp32 weights [T, k], ids [T, k]).
+
+    Experts are chosen on sigmoid scores plus the load-balancing `bias` (e_score_correction_bias),
+    only from the `topk_groups` groups whose two best biased scores sum highest; the weights
+    are the unbiased scores, optionally renormalised, times routed_scaling_factor."""
+    scores = sigmoid(logits)  # [T, E]
+    choice = scores + bias.float()
+    num_tokens = logits.shape[0]
+    grouped = choice.view(num_tokens, moe.num_groups, -1)  # [T, groups, experts per group]
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, moe.topk_groups, dim=-1)[1]  # [T, topk_groups]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape_as(choice),
+                                float("-inf"))
+    ids = torch.topk(choice, moe.top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+# ---------------------------------------------------------------------------- decoder pieces
+class MoEBlock:
+    """The MLP of a MoE layer: router, routed experts (through the model's expert backend),
+    and an optional shared expert added to every token."""
+    shared_name = "shared_expert"  # HF module name of the shared expert, if there is one
+
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
+                 moe_layer: int) -> None:
+        self.moe = args.moe
+        self.moe_layer = moe_layer  # index among the MoE layers (the backend's layer id)
+        self.gate_weight = state.pop(f"{prefix}.gate.weight")  # [num_experts, hidden]
+        self.shared = MLP(state, f"{prefix}.{self.shared_name}") \
+            if self.moe.shared_intermediate_size else None
+        self.shared_gate = state.pop(f"{prefix}.shared_expert_gate.weight") \
+            if self.moe.shared_expert_gate else None  # [1, hidden]
+        self.experts = None  # the expert backend, set by MoEForCausalLM.set_expert_backend
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [T, num_experts] -> (fp32 weights [T, k], expert ids [T, k])."""
+        return softmax_topk(logits, self.moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = ops.linear(x, self.gate_weight)  # [T, num_experts]
+        weights, ids = self.route(logits)
+        out = self.experts.forward(self.moe_layer, x, ids, weights)
+        if self.shared is not None:
+            shared = self.shared.forward(x)
+            if self.shared_gate is not None:
+                shared = sigmoid(ops.linear(x, self.shared_gate)).to(x.dtype) * shared
+            out = out + shared
+        return out
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A Llama-shaped decoder layer whose MLP is a MoEBlock (or dense, per args.moe)."""
+    block_cls = MoEBlock
+    block_name = "mlp"  # HF module name of the MLP
+
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
+                 layer: int) -> None:
+        # Not DecoderLayer.__init__: that one would load a dense MLP for every layer.
+        self.eps = args.rms_norm_eps
+        self.input_norm = state.pop(f"{prefix}.input_layernorm.weight")
+        self.post_norm = state.pop(f"{prefix}.post_attention_layernorm.weight")
+        self.attn = self.attention_cls(args, state, f"{prefix}.self_attn", layer)
+        if layer in args.moe.moe_layers:
+            self.mlp = self.block_cls(args, state, f"{prefix}.{self.block_name}",
+                                      args.moe.moe_layers.index(layer))
+        else:
+            self.mlp = MLP(state, f"{prefix}.mlp")
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """A decoder with MoE layers. Routed experts live in one expert backend shared by every
+    MoE block: `LocalExperts` after loading, swapped by `set_expert_backend` (expert
+    parallelism). Subclasses set `layer_cls` and `expert_prefix` / `expert_names`."""
+    layer_cls = MoEDecoderLayer
+    expert_prefix = "mlp.experts"
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        experts = [load_experts(state, f"model.layers.{i}.{self.expert_prefix}",
+                                args.moe.num_experts, self.expert_names)
+                   for i in args.moe.moe_layers]
+        super().__init__(args, state)
+        self.set_expert_backend(LocalExperts(experts))
+
+    @property
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def set_expert_backend(self, backend) -> None:
+        """Route every MoE block's experts through `backend` from the next forward on."""
+        self.expert_backend = backend
+        for block in self.moe_blocks:
+            block.experts = backend
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        hidden = super().forward(input_ids, ctx)
+        self.expert_backend.end_step()
+        return hidden
+
+    def expert_load(self) -> ExpertLoadReport:
+        """Routed tokens per layer, expert and rank over the statistics window."""
+        return self.expert_backend.load_report()
