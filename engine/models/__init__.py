@@ -1,15 +1,22 @@
 """Model registry: architecture name -> model class (one file per family)."""
 from __future__ import annotations
 
+from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import ForwardContext, LlamaForCausalLM
 from engine.models.loader import ModelArgs, ModelLoadError, load
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 
