@@ -1,0 +1,320 @@
+"""Speculator: the engine's speculative decoding, one object between scheduler and sampler.
+
+Per step (EngineCore.step calls these in order):
+
+    1 propose(running)      drafts -> req.spec_token_ids of decoding requests, lengths
+                            chosen by the load-aware stopping rule (confidence.py)
+    2 clip(scheduled)       drop the drafts the step's token budget did not reach
+    3 logit_rows(...)       which rows of the flattened batch need logits: every draft
+                            row and the bonus row of a drafting request, one row otherwise
+    4 verify(req, logits)   accepted drafts + one token (verify.py), stats, head update
+    5 free(req)             on finish / abort
+
+It owns the drafts' side information (q rows, confidence features), the per-request
+acceptance EMA, the acceptance statistics and the confidence head. The request's own
+progress (tokens, num_computed_tokens, blocks) stays with the Request, the engine and the
+KV manager: after verification EngineCore rolls num_computed_tokens back to the tokens
+kept and asks KVCacheManager.trim to free blocks that only held rejected drafts.
+
+Drafting that the rule switched off is retried now and then (EXPLORE_EVERY): one request
+drafts its full length, so the acceptance estimates can recover when the workload changes.
+
+Requests with penalties, or below min_tokens, do not draft (their next-token rule depends
+on the tokens before it in ways verification of a whole run does not reproduce).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from engine.request import Request
+from engine.scheduler import ScheduledRequest
+from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
+                                    keep_drafting_threshold, make_features)
+from engine.spec.draft_model import DraftModelDrafter, ModelDrafterBase, SelfDrafter
+from engine.spec.ngram import NgramDrafter
+from engine.spec.verify import Verified, target_probs, verify_greedy, verify_sampled
+
+MAX_POSITIONS = 16  # EngineConfig caps num_draft_tokens here
+_EMA = 0.8  # weight of the past in a request's acceptance EMA
+# After this many decoding steps without a draft, one request drafts its full length anyway:
+# the estimates that switched drafting off only change with fresh verifications.
+EXPLORE_EVERY = 16
+PRIOR_ACCEPTANCE = 0.75
+_PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected) of the acceptance estimates
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+    method: str  # "ngram" | "self" | "draft"
+    num_draft_tokens: int = 5
+    use_confidence: bool = True  # per-token lengths from the head; else one length per step
+    token_cost: float = 0.12  # verify cost of one token / a step's fixed cost (measured)
+    draft_layers: int = 0  # self-draft depth; 0: a quarter of the target's layers
+    draft_model: str | None = None
+    rule: str = "exact"  # "wrong" only for the negative control
+
+    @classmethod
+    def from_config(cls, config) -> SpecOptions:
+        return cls(method=config.speculation, num_draft_tokens=config.num_draft_tokens,
+                   use_confidence=getattr(config, "spec_confidence", True),
+                   token_cost=getattr(config, "spec_token_cost", 0.12),
+                   draft_layers=getattr(config, "spec_draft_layers", 0),
+                   draft_model=config.draft_model)
+
+
+class _Pending(NamedTuple):
+    """A request's drafts in flight between propose and verify."""
+    probs: torch.Tensor | None  # q rows [k, vocab], None: point masses or greedy
+    features: np.ndarray  # [k, NUM_FEATURES]
+
+
+class AcceptanceStats:
+    """Counts per draft position: proposed, reached by verification, accepted."""
+
+    def __init__(self) -> None:
+        self.proposed = np.zeros(MAX_POSITIONS)
+        self.reached = np.zeros(MAX_POSITIONS)
+        self.accepted = np.zeros(MAX_POSITIONS)
+        self.num_rounds = 0  # verifications with at least one draft
+        self.num_emitted = 0  # tokens those verifications appended
+
+    def record(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+        self.proposed[:num_proposed] += 1
+        self.reached[:min(num_accepted + 1, num_proposed)] += 1
+        self.accepted[:num_accepted] += 1
+        self.num_rounds += 1
+        self.num_emitted += num_emitted
+
+    def survival(self, length: int) -> np.ndarray:
+        """Estimated P(the first j+1 drafts are accepted), j < length, from the
+        conditional rates under an optimistic prior (PRIOR_ACCEPTANCE before any data,
+        so a fresh engine tries drafting and learns)."""
+        rates = (self.accepted[:length] + _PRIOR[0]) / (self.reached[:length] + sum(_PRIOR))
+        return np.cumprod(rates)
+
+    @property
+    def conditional_rate(self) -> float:
+        return float((self.accepted.sum() + _PRIOR[0]) / (self.reached.sum() + sum(_PRIOR)))
+
+    def metrics(self) -> dict[str, float]:
+        proposed, accepted = float(self.proposed.sum()), float(self.accepted.sum())
+        out = dict(spec_num_draft_proposed=proposed, spec_num_draft_accepted=accepted,
+                   spec_acceptance_rate=accepted / proposed if proposed else 0.0,
+                   spec_num_rounds=float(self.num_rounds),
+                   spec_mean_acceptance_length=self.num_emitted / self.num_rounds
+                   if self.num_rounds else 0.0)
+        for j in np.flatnonzero(self.proposed):
+            out[f"spec_acceptance_pos{j}"] = float(self.accepted[j] / self.proposed[j])
+        return out
+
+
+class Speculator:
+    def __init__(self, options: SpecOptions, drafter, max_model_len: int) -> None:
+        self.options = options
+        self.drafter = drafter  # NgramDrafter or a ModelDrafterBase
+        self.max_model_len = max_model_len
+        self.head = ConfidenceHead(prior_acceptance=PRIOR_ACCEPTANCE)
+        self.stats = AcceptanceStats()
+        self.recent: dict[str, float] = {}  # req_id -> acceptance EMA
+        self.pending: dict[str, _Pending] = {}
+        self.num_idle_steps = 0  # decoding steps in a row without drafts
+
+    @classmethod
+    def build(cls, options: SpecOptions, *, model, runner, kv, load_model: Callable,
+              num_kv_blocks: int, block_size: int, dtype: torch.dtype, max_model_len: int,
+              seed: int = 0) -> Speculator:
+        """The drafter options.method names, wired to the engine's model, runner and KV."""
+        if options.method == "ngram":
+            drafter = NgramDrafter()
+        elif options.method == "self":
+            num_layers = options.draft_layers or max(1, len(model.layers) // 4)
+            drafter = SelfDrafter(model, runner, kv.allocate_slots, num_layers, seed)
+        elif options.method == "draft":
+            if not options.draft_model:
+                raise ValueError("speculation 'draft' needs draft_model (a local model path)")
+            draft = load_model(options.draft_model)
+            if draft.args.vocab_size != model.args.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft.args.vocab_size}) "
+                                 f"differs from the target's ({model.args.vocab_size})")
+            drafter = DraftModelDrafter(draft, num_kv_blocks, block_size, dtype,
+                                        _relative_cost(draft.args, model.args), seed)
+        else:
+            raise ValueError(f"unknown speculation method {options.method!r}")
+        return cls(options, drafter, max_model_len)
+
+    # ------------------------------------------------------------------ 1 propose
+    def propose(self, running: Sequence[Request]) -> None:
+        self.pending.clear()
+        for req in running:  # drafts a budget-starved step never verified are stale
+            req.spec_token_ids = []
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        limits = [self._max_drafts(r) for r in decoding]
+        explore = None
+        if self.num_idle_steps >= EXPLORE_EVERY:
+            explore = next((i for i, n in enumerate(limits) if n), None)
+        if isinstance(self.drafter, NgramDrafter):
+            self._propose_ngram(decoding, limits, explore)
+        else:
+            self._propose_model(decoding, limits, explore)
+        if any(r.spec_token_ids for r in decoding):
+            self.num_idle_steps = 0
+        elif decoding:
+            self.num_idle_steps += 1
+
+    def _max_drafts(self, req: Request) -> int:
+        params = req.params
+        if params.has_penalties or req.num_output_tokens < params.min_tokens:
+            return 0
+        # every draft kept still leaves room for the bonus token
+        return max(0, min(self.options.num_draft_tokens,
+                          req.max_tokens - req.num_output_tokens - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _propose_ngram(self, reqs: list[Request], limits: list[int],
+                       explore: int | None) -> None:
+        drafts, features = [], []
+        for req, limit in zip(reqs, limits):
+            match = self.drafter.propose(req.all_token_ids, limit)
+            num = len(match.token_ids)
+            drafts.append(match.token_ids)
+            features.append(make_features(match.agreement, 0.0, np.arange(num), match.match_len,
+                                          self._recent(req)))
+        lengths = self._lengths(drafts, features, draft_cost=0.0)
+        if explore is not None:
+            lengths[explore] = len(drafts[explore])
+        for req, tokens, feats, n in zip(reqs, drafts, features, lengths):
+            self._set(req, tokens[:n], None, feats[:n])
+
+    def _propose_model(self, reqs: list[Request], limits: list[int],
+                       explore: int | None) -> None:
+        drafter: ModelDrafterBase = self.drafter
+        keep_going = None
+        if self.options.use_confidence:
+            keep_going = self._keep_going_rule(reqs, explore)
+        else:
+            k = best_uniform_length(self.stats.survival(max(limits, default=0)),
+                                    sum(1 for n in limits if n), sum(1 for n in limits if not n),
+                                    self.options.token_cost, drafter.cost)
+            limits = [n if i == explore else min(n, k) for i, n in enumerate(limits)]
+        drafts = drafter.propose(reqs, limits, keep_going)
+        features = [make_features(d.draft_prob, d.entropy, np.arange(len(d.token_ids)), 0,
+                                  self._recent(req)) for req, d in zip(reqs, drafts)]
+        lengths = [len(d.token_ids) for d in drafts]
+        if self.options.use_confidence:
+            lengths = self._lengths([d.token_ids for d in drafts], features, drafter.cost)
+            if explore is not None:
+                lengths[explore] = len(drafts[explore].token_ids)
+        for req, d, feats, n in zip(reqs, drafts, features, lengths):
+            self._set(req, d.token_ids[:n], None if d.probs is None else d.probs[:n], feats[:n])
+
+    def _keep_going_rule(self, reqs: list[Request], explore: int | None):
+        """The head's stopping rule while drafting: stop a request once the survival of
+        its run falls below what one more draft token must earn."""
+        c, num_reqs = self.options.token_cost, len(reqs)
+        survival = [1.0] * num_reqs
+        totals = dict(value=float(num_reqs), cost=1.0 + c * num_reqs)
+
+        def keep_going(i: int, j: int, draft_prob: float, entropy: float) -> bool:
+            x = make_features(draft_prob, entropy, j, 0, self._recent(reqs[i]))
+            survival[i] *= float(self.head.predict(x)[0])
+            totals["value"] += survival[i]
+            totals["cost"] += c
+            share = self.drafter.cost * (1.0 + c * num_reqs) / num_reqs
+            threshold = keep_drafting_threshold(totals["value"], totals["cost"], c, share)
+            return i == explore or survival[i] >= threshold
+        return keep_going
+
+    def _lengths(self, drafts: list[list[int]], features: list[np.ndarray],
+                 draft_cost: float) -> list[int]:
+        c = self.options.token_cost
+        if self.options.use_confidence:
+            survival = [np.cumprod(self.head.predict(f)) if len(f) else np.zeros(0)
+                        for f in features]
+            return choose_lengths(survival, c)
+        num_drafting = sum(1 for d in drafts if d)
+        k = best_uniform_length(self.stats.survival(max(map(len, drafts), default=0)),
+                                num_drafting, len(drafts) - num_drafting, c, draft_cost)
+        return [min(len(d), k) for d in drafts]
+
+    def _set(self, req: Request, token_ids: list[int], probs, features: np.ndarray) -> None:
+        req.spec_token_ids = list(token_ids)
+        if token_ids:
+            self.pending[req.req_id] = _Pending(probs, features)
+
+    def _recent(self, req: Request) -> float:
+        return self.recent.get(req.req_id, self.stats.conditional_rate)
+
+    # ------------------------------------------------------------------ 2, 3 the batch
+    def clip(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Keep only the drafts the scheduler's token budget reached."""
+        for req, num_new in scheduled:
+            if req.spec_token_ids:
+                num_reached = max(0, req.num_computed_tokens + num_new - req.num_tokens)
+                del req.spec_token_ids[num_reached:]
+
+    @staticmethod
+    def logit_rows(sample_positions: Sequence[int], reqs: Sequence[Request]) -> list[int]:
+        """Rows of the flattened batch to compute logits for: for each sampled request its
+        draft rows and the last row (the bonus), in order; one row if it has no drafts."""
+        rows = []
+        for last, req in zip(sample_positions, reqs):
+            rows.extend(range(last - len(req.spec_token_ids), last + 1))
+        return rows
+
+    # ------------------------------------------------------------------ 4 verify
+    def verify(self, req: Request, logits: torch.Tensor,
+               default_generator: torch.Generator) -> Verified:
+        """logits: fp32 [k + 1, vocab] raw rows of req's last token and its k drafts."""
+        drafts = req.spec_token_ids
+        pending = self.pending.pop(req.req_id)
+        if req.params.is_greedy:
+            verified = verify_greedy(torch.argmax(logits, dim=-1).tolist(), drafts)
+        else:
+            probs = target_probs(logits, req.params)
+            verified = verify_sampled(probs, drafts, pending.probs,
+                                      req.generator or default_generator, self.options.rule)
+        self._learn(req, pending.features, len(drafts), verified.num_accepted)
+        return verified
+
+    def _learn(self, req: Request, features: np.ndarray, num_proposed: int,
+               num_accepted: int) -> None:
+        num_reached = min(num_accepted + 1, num_proposed)
+        outcomes = np.arange(num_reached) < num_accepted
+        self.head.update(features[:num_reached], outcomes)
+        self.stats.record(num_proposed, num_accepted, num_accepted + 1)
+        recent = self._recent(req)
+        for outcome in outcomes:
+            recent = _EMA * recent + (1 - _EMA) * float(outcome)
+        self.recent[req.req_id] = recent
+
+    # ------------------------------------------------------------------ 5 and stats
+    def free(self, req: Request) -> None:
+        self.recent.pop(req.req_id, None)
+        self.pending.pop(req.req_id, None)
+        if isinstance(self.drafter, ModelDrafterBase):
+            self.drafter.free(req)
+
+    def metrics(self) -> dict[str, float]:
+        out = self.stats.metrics()
+        report = self.head.calibration.report()
+        out.update(spec_head_num=float(report["num"]), spec_head_log_loss=report["log_loss"],
+                   spec_head_brier=report["brier"], spec_head_ece=report["ece"])
+        for b in report["bins"]:
+            name = f"spec_head_bin{int(round(b['low'] * 10))}"
+            out[f"{name}_count"] = float(b["count"])
+            out[f"{name}_predicted"] = b["mean_predicted"]
+            out[f"{name}_observed"] = b["observed"]
+        return out
+
+
+def _relative_cost(draft_args, target_args) -> float:
+    """A draft forward's cost relative to the target's, by weights read per token."""
+    def size(a):
+        return a.num_layers * (a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+                               + 3 * a.hidden_size * a.intermediate_size) \
+            + a.vocab_size * a.hidden_size
+    return size(draft_args) / size(target_args)
