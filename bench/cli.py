@@ -17,6 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                         "plain transformers OpenAI-compatible server to compare against"),
     "offline": ("bench.offline", "offline engine throughput, no server"),
     "eplb": ("bench.eplb", "expert-parallel load balancing benchmark"),
+    "frontend-overhead": ("bench.overhead", "CPU time the API frontend adds per token"),
+    "spec": ("bench.spec", "speculative decoding: drafters, confidence head"),
+    "disagg": ("bench.disagg", "unified vs prefill/decode workers on mixed traffic"),
+    "kv": ("bench.kv", "KV cache tiers: hit rates, cached TTFT, disk read rate"),
 }
 
 
