@@ -1,6 +1,7 @@
 """Model registry: architecture name -> model class (one file per family)."""
 from __future__ import annotations
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import ForwardContext, LlamaForCausalLM
 from engine.models.loader import ModelArgs, ModelLoadError, load
@@ -17,6 +18,7 @@ MODEL_CLASSES = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

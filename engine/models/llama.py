@@ -1,11 +1,13 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral without sliding window), built bottom-up.
+"""Llama-family decoder (Llama, SmolLM2, Mistral), built bottom-up.
 
 The forward takes a flattened varlen batch: the new tokens of many requests concatenated,
 prefill chunks and decode tokens alike. Attention reads and writes the paged KV cache
 through `kernels.ops`; everything the step needs besides weights arrives in a
 `ForwardContext`, so the model holds no per-step state. Weights are plain tensors loaded
 from Hugging Face names; q/k/v and gate/up projections are fused into one matmul each.
-Qwen2 and Qwen3 (engine/models/qwen.py) reuse this file and override the q/k/v projection.
+Each layer attends over a sliding window or the whole context (`layer_windows`, from the
+config's layer_types); the KV cache keeps every position either way.
+Qwen2 and Qwen3 (engine/models/qwen.py) and Gemma 3 (engine/models/gemma3.py) build on this.
 """
 from __future__ import annotations
 
@@ -31,13 +33,14 @@ class ForwardContext:
 
 
 class Attention:
-    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
+                 layer: int) -> None:
         self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
         self.head_dim = args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.scale = args.head_dim ** -0.5
-        self.sliding_window = args.sliding_window
+        self.sliding_window = args.layer_windows[layer]  # None: full attention
         names = [f"{prefix}.{p}_proj" for p in "qkv"]
         self.qkv_weight = torch.cat([state.pop(f"{n}.weight") for n in names])
         self.qkv_bias = (torch.cat([state.pop(f"{n}.bias") for n in names])
@@ -70,19 +73,23 @@ class MLP:
         self.gate_up_weight = torch.cat([gate, up])
         self.down_weight = state.pop(f"{prefix}.down_proj.weight")
 
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = ops.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return ops.linear(F.silu(gate) * up, self.down_weight)
+        return ops.linear(self.activation(gate) * up, self.down_weight)
 
 
 class DecoderLayer:
     attention_cls = Attention
 
-    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
+                 layer: int) -> None:
         self.eps = args.rms_norm_eps
         self.input_norm = state.pop(f"{prefix}.input_layernorm.weight")
         self.post_norm = state.pop(f"{prefix}.post_attention_layernorm.weight")
-        self.attn = self.attention_cls(args, state, f"{prefix}.self_attn")
+        self.attn = self.attention_cls(args, state, f"{prefix}.self_attn", layer)
         self.mlp = MLP(state, f"{prefix}.mlp")
 
     def forward(self, h, residual, ctx: ForwardContext, layer: int, cos_sin):
@@ -102,16 +109,20 @@ class LlamaForCausalLM:
         state = dict(state)  # weights are popped as layers take them
         self.args = args
         self.embed = state.pop("model.embed_tokens.weight")  # [vocab, hidden]
-        self.layers = [self.layer_cls(args, state, f"model.layers.{i}")
+        self.layers = [self.layer_cls(args, state, f"model.layers.{i}", i)
                        for i in range(args.num_layers)]
+        self.layer_windows: list[int | None] = args.layer_windows  # None: full attention
         self.norm = state.pop("model.norm.weight")
         lm_head = state.pop("lm_head.weight", None)
         self.lm_head = self.embed if args.tie_word_embeddings or lm_head is None else lm_head
-        self.cos_sin = rope_cos_sin_cache(args.head_dim, args.max_position_embeddings,
-                                          args.rope_theta)
+        self.cos_sin = self.rope_cache(args)
         unused = [k for k in state if "rotary_emb" not in k]
         if unused:
             raise ValueError(f"weights not used by {args.arch}: {unused[:5]}")
+
+    @staticmethod
+    def rope_cache(args: ModelArgs) -> torch.Tensor:
+        return rope_cos_sin_cache(args.head_dim, args.max_position_embeddings, args.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""

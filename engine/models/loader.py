@@ -20,8 +20,10 @@ from tqdm import tqdm
 if TYPE_CHECKING:
     from engine.models.moe import MLAArgs, MoEArgs
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # config.json model_type
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # engine/models/moe.py
+_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # general.architecture
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types values
 
 
 class ModelLoadError(ValueError):
@@ -47,9 +49,34 @@ class ModelArgs:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Layer i attends to the last `sliding_window` positions when layer_types[i] is SLIDING
+    # (a query at p sees keys in (p - sliding_window, p]), to all of them when FULL.
+    # () means every layer is FULL.
     sliding_window: int | None = None
     moe: MoEArgs | None = None  # routed experts (engine/models/moe.py)
     mla: MLAArgs | None = None  # multi-head latent attention (DeepSeek-V3)
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # MLP gate activation: silu, or gelu_pytorch_tanh (Gemma 3)
+    # Gemma 3 only
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5, not head_dim's
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # rope base of the sliding layers (no scaling)
+
+    def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelLoadError(
+                f"{len(self.layer_types)} layer_types for {self.num_layers} layers")
+        unknown = set(self.layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise ModelLoadError(f"unknown layer_types {sorted(unknown)}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ModelLoadError("sliding_attention layers but no sliding_window")
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: its sliding window, or None for full attention."""
+        types = self.layer_types or (FULL,) * self.num_layers
+        return [self.sliding_window if t == SLIDING else None for t in types]
 
 
 class LoadedModel(NamedTuple):
@@ -104,9 +131,9 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     meta = {k: _field_value(f) for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHS)}")
+                             f"supported: {', '.join(_GGUF_ARCHS)}")
     args = _gguf_args(arch, meta, reader)
     state = {}
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
@@ -199,22 +226,19 @@ def hf_config_to_args(config: dict[str, Any]) -> ModelArgs:
     if arch in MOE_ARCHS:
         from engine.models.moe import moe_config_to_args  # moe imports this module
         return moe_config_to_args(config)
+    if arch == "gemma3":
+        raise ModelLoadError("multimodal Gemma 3 (model_type gemma3) is not supported; "
+                             "use a text-only checkpoint (model_type gemma3_text)")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"unsupported architecture {arch!r} (model_type in config.json); "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}")
     heads = config["num_attention_heads"]
-    sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mistral") else None
-    if arch == "mistral" and sliding is not None:
-        raise ModelLoadError("Mistral with sliding_window is not supported yet")
-    if arch == "qwen2" and sliding is not None:
-        raise ModelLoadError("Qwen2 with use_sliding_window is not supported yet")
-    rope_theta = config.get("rope_theta")
-    rope_scaling = config.get("rope_scaling")
-    rope_params = config.get("rope_parameters") or {}
-    if rope_theta is None:
-        rope_theta = rope_params.get("rope_theta", 10000.0)
-    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-        rope_scaling = rope_params
+    if arch == "gemma3_text":
+        rope_theta, rope_scaling, extra = _gemma3_args(config)
+    else:
+        rope_theta, rope_scaling = _rope(config)
+        extra = {}
+    window, layer_types = _sliding_layers(arch, config)
     return ModelArgs(
         arch=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
@@ -222,11 +246,74 @@ def hf_config_to_args(config: dict[str, Any]) -> ModelArgs:
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
         max_position_embeddings=config.get("max_position_embeddings", 2048),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        tie_word_embeddings=config.get("tie_word_embeddings", arch == "gemma3_text"),
         attention_bias=config.get("attention_bias", arch == "qwen2"),
-        qk_norm=arch == "qwen3", rope_scaling=rope_scaling,
+        qk_norm=arch in ("qwen3", "gemma3_text"), rope_scaling=rope_scaling,
         bos_token_id=config.get("bos_token_id"), eos_token_id=_first(config.get("eos_token_id")),
+        sliding_window=window, layer_types=layer_types, **extra,
     )
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either the old or the rope_parameters layout."""
+    rope_params = config.get("rope_parameters") or {}
+    rope_theta = config.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
+    rope_scaling = config.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = rope_params
+    return rope_theta, rope_scaling
+
+
+def _sliding_layers(arch: str, config: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer_types) as transformers' config classes derive them."""
+    num_layers = config["num_hidden_layers"]
+    window = config.get("sliding_window")
+    if arch == "mistral":  # MistralConfig ignores layer_types: one window for every layer
+        return (window, (SLIDING,) * num_layers) if window else (None, ())
+    if arch in ("qwen2", "qwen3"):
+        window = window if config.get("use_sliding_window", False) else None
+        first_sliding = config.get("max_window_layers", 28)
+        default = [SLIDING if window is not None and i >= first_sliding else FULL
+                   for i in range(num_layers)]
+    elif arch == "gemma3_text":
+        if config.get("use_bidirectional_attention"):
+            raise ModelLoadError("Gemma 3 with use_bidirectional_attention is not supported")
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        default = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    else:
+        return None, ()
+    layer_types = tuple(config.get("layer_types") or default)
+    return (window if SLIDING in layer_types else None), layer_types
+
+
+def _gemma3_args(config: dict[str, Any]) -> tuple[float, dict | None, dict[str, Any]]:
+    """Gemma 3's rope (global layers: rope_theta + scaling; local layers: their own base)
+    and attention extras, from the old flat keys or rope_parameters per layer type."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"Gemma 3 with hidden_activation {act!r} is not supported")
+    rope_params = config.get("rope_parameters") or {}
+    full = dict(rope_params.get("full_attention") or {})
+    local = rope_params.get("sliding_attention") or {}
+    full.update(config.get("rope_scaling") or {})
+    rope_theta = full.get("rope_theta") or config.get("rope_theta") or 1_000_000.0
+    rope_scaling = full if _rope_type(full) != "default" else None
+    if rope_scaling is not None and _rope_type(full) != "linear":
+        raise ModelLoadError(f"Gemma 3 with rope type {_rope_type(full)!r} is not supported")
+    if _rope_type(local) != "default":
+        raise ModelLoadError("Gemma 3 with scaled rope on the sliding layers is not supported")
+    extra = dict(
+        hidden_act=act, query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
+        # attn_logit_softcapping is read by transformers' Gemma3Attention but never applied
+        # (unlike Gemma 2), so it is ignored here too: the output must equal transformers'
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        rope_local_theta=float(local.get("rope_theta") or config.get("rope_local_base_freq")
+                               or 10_000.0))
+    return rope_theta, rope_scaling, extra
+
+
+def _rope_type(params: dict[str, Any]) -> str:
+    return params.get("rope_type", params.get("type", "default"))
 
 
 def _first(value):

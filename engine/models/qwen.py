@@ -2,6 +2,7 @@
 
 Qwen2 adds a bias to q, k and v (ModelArgs.attention_bias, handled by the Llama code).
 Qwen3 has no bias but normalises each head of q and k with RMSNorm before rotary.
+Both may window the layers from max_window_layers on (use_sliding_window; see the loader).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from kernels import ops
 
 
 class Qwen3Attention(Attention):
-    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str) -> None:
-        super().__init__(args, state, prefix)
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
+                 layer: int) -> None:
+        super().__init__(args, state, prefix, layer)
         self.eps = args.rms_norm_eps
         self.q_norm = state.pop(f"{prefix}.q_norm.weight")  # [head_dim]
         self.k_norm = state.pop(f"{prefix}.k_norm.weight")
