@@ -74,7 +74,7 @@ class MLP:
         self.down_weight = state.pop(f"{prefix}.down_proj.weight")
 
     def activation(self, gate: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate)
+        return ops.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = ops.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
