@@ -70,13 +70,15 @@ class BlockPool:
                 del self._free[block_id]
             self.ref_cnt[block_id] += 1
 
-    def publish(self, block_id: int, key: bytes) -> None:
-        """Make a used, fully computed block addressable by its content key."""
+    def publish(self, block_id: int, key: bytes) -> bool:
+        """Make a used, fully computed block addressable by its content key; False if it
+        already was (here, or the same content in another block)."""
         assert self.ref_cnt[block_id] > 0, "only used blocks are published"
         if self.block_key[block_id] is not None or key in self.key_to_block:
-            return  # already addressable (here, or the same content in another block)
+            return False
         self.block_key[block_id] = key
         self.key_to_block[key] = block_id
+        return True
 
     def evict_all_cached(self) -> int:
         """Forget every cached (unreferenced) block; returns how many were dropped."""

@@ -17,13 +17,17 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, resolve_model_path
+from engine.cost_model import CostModel, step_features
 from engine.kv_manager import KVCacheManager
+from engine.kv_tiers import BlockCodec, KVTiers, TierLink
 from engine.messages import AddRequest, RequestDelta, WorkerStats
 from engine.model_runner import ModelRunner
 from engine.models import build_model, load
 from engine.request import Request, Status
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_policy import time_budget
+from kernels.batch_invariant import set_batch_invariant_mode
 from kvstore import keys as kvkeys
 
 log = logging.getLogger("duplex.engine")
@@ -43,24 +47,32 @@ class EngineCore:
         self.args = loaded.args
         self.model_name = loaded.name
         self.model_identity = loaded.identity
+        self.block_size = config.block_size
+        self._namespaces: dict[str | None, bytes] = {}
+        self.tiers = KVTiers.from_config(config, self._namespace(None)) \
+            if config.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
         self.model = build_model(loaded.args, loaded.state_dict)
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_bytes // ModelRunner.bytes_per_block(self.args, self.block_size,
                                                                   self.dtype))
         self.eos_token_ids = _eos_token_ids(self.args, self.model_path)
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype)
-        self.pool = BlockPool(self.num_kv_blocks)
+        link = None if self.tiers is None else \
+            TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
+        self.pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
         self.kv = KVCacheManager(self.pool, self.block_size, self._namespace,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, tiers=link)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
+        self.cost_model = CostModel()  # fitted on every step; sizes steps with a time budget
+        if config.step_budget_ms > 0:
+            self.scheduler.token_budget_fn = time_budget(self.cost_model, self.scheduler,
+                                                         config.step_budget_ms / 1000.0)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
-        self._namespaces: dict[str, bytes] = {}
         self._stats = WorkerStats()
         self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0)
 
@@ -73,8 +85,11 @@ class EngineCore:
         req = Request(msg.req_id, msg.prompt_token_ids, msg.params, self.eos_token_ids,
                       arrival_time=msg.arrival_time or None, cache_salt=msg.cache_salt,
                       retention=msg.retention, deadline=msg.deadline, max_tokens=max_tokens)
+        for token_id in msg.output_token_ids:  # generated elsewhere: continue after them
+            req.append_output(token_id)
         self.requests[req.req_id] = req
         self.scheduler.add(req)
+        self.kv.start_loads(req)
         self._counters["prompt"] += req.num_prompt_tokens
 
     def abort_requests(self, req_ids: list[str]) -> None:
@@ -95,12 +110,16 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return deltas
+        features, start = step_features(sched.scheduled), time.perf_counter()
         inputs = self.runner.prepare(sched.scheduled)
-        logits = self.runner.execute(inputs)
         sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
-        out = self.sampler(logits, sampled)
+        # batch-invariant ops are a process-wide switch: set it for this engine's step only
+        with set_batch_invariant_mode(self.config.batch_invariant):
+            logits = self.runner.execute(inputs)
+            out = self.sampler(logits, sampled)
         deltas += self._update(sched, dict(zip((r.req_id for r in sampled),
                                                zip(out.token_ids, out.logprobs))))
+        self.cost_model.observe(features, time.perf_counter() - start)
         self._counters["steps"] += 1
         return deltas
 
@@ -144,10 +163,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ checks and stats
     def _validate(self, msg: AddRequest) -> None:
-        ids = msg.prompt_token_ids
+        ids = msg.prompt_token_ids + msg.output_token_ids
         if msg.req_id in self.requests:
             raise ValueError(f"request id {msg.req_id!r} is already in use")
-        if not ids:
+        if not msg.prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
         if bad:
@@ -162,14 +181,22 @@ class EngineCore:
             raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds only "
                              f"{capacity}")
 
-    def _namespace(self, cache_salt: str) -> bytes:
+    def _namespace(self, cache_salt: str | None) -> bytes:
+        """Key namespace of a tenant (cache_salt: hex of its salt); None: the model-level
+        namespace, no tenant, which guards the disk tier's files."""
         ns = self._namespaces.get(cache_salt)
         if ns is None:
-            salt = bytes.fromhex(cache_salt) if _is_hex(cache_salt) else cache_salt.encode()
+            salt = b"" if cache_salt is None else \
+                bytes.fromhex(cache_salt) if _is_hex(cache_salt) else cache_salt.encode()
             ns = kvkeys.namespace(self.model_identity, self.config.weights_dtype,
                                   self.block_size, KV_LAYOUT, salt)
             self._namespaces[cache_salt] = ns
         return ns
+
+    def close(self) -> None:
+        """Flush queued KV writes to disk and release the KV directory. Idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def stats(self) -> WorkerStats:
         c = self._counters
@@ -179,8 +206,29 @@ class EngineCore:
             num_prompt_tokens=c["prompt"], num_computed_prompt_tokens=c["computed"],
             num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
-            extra={"kv_blocks_cached": float(len(self.pool.key_to_block)),
-                   "kv_evictions": float(self.pool.num_evictions)})
+            extra={**self._kv_metrics(), **self.cost_model.metrics()})
+
+    def _kv_metrics(self) -> dict[str, float]:
+        """Prefix-cache metrics of every tier, flat, for WorkerStats.extra."""
+        hits, queried = self.kv.num_hit_tokens, self.kv.num_queried_tokens
+        block_bytes = ModelRunner.bytes_per_block(self.args, self.block_size, self.dtype)
+        metrics = {f"kv_hit_tokens_{tier}": float(num) for tier, num in hits.items()}
+        metrics.update(
+            kv_queried_tokens=float(queried),
+            kv_hit_rate=sum(hits.values()) / queried if queried else 0.0,
+            kv_blocks_cached=float(len(self.pool.key_to_block)),
+            kv_bytes_device=float(len(self.pool.key_to_block) * block_bytes),
+            kv_evictions=float(self.pool.num_evictions),
+            kv_evictions_device=float(self.pool.num_evictions))
+        if self.tiers is not None:
+            store = self.tiers.stats()
+            metrics.update({f"kv_{name}": store[name] for name in _STORE_METRICS})
+        return metrics
+
+
+_STORE_METRICS = ("bytes_host", "bytes_disk", "entries_host", "entries_disk", "evictions_host",
+                  "evictions_disk", "expirations", "corrupt_dropped", "write_errors", "spills",
+                  "hits_host", "hits_disk", "misses")
 
 
 def _is_hex(text: str) -> bool:

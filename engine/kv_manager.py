@@ -4,12 +4,19 @@ It owns each request's block table (``req.block_ids``) and its content keys
 (``req.block_keys``); the BlockPool underneath owns the blocks themselves. Keys come from
 ``kvstore.keys`` — the one content address shared by the device cache, the router, KV
 transfer and the disk store — rooted in a per-tenant namespace.
+
+With host/disk tiers (a `TierLink`), a request's cached prefix is read in this order, and
+only the rest is computed:
+
+    block index:  0 ......... num_device ........... num_device + num_loaded ...... end
+                  | device blocks (shared) | tier entries copied into new blocks | computed |
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from engine.block_pool import BlockPool
+from engine.kv_tiers import DEVICE, TIERS, TierHit, TierLink
 from engine.request import Request
 from kvstore import keys as kvkeys
 
@@ -20,12 +27,13 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, namespace: Callable[[str], bytes],
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, tiers: TierLink | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.namespace = namespace  # tenant salt -> namespace bytes
         self.enable_prefix_caching = enable_prefix_caching
-        self.num_hit_tokens = 0
+        self.tiers = tiers if enable_prefix_caching else None
+        self.num_hit_tokens = dict.fromkeys(TIERS, 0)  # prompt tokens served, per tier
         self.num_queried_tokens = 0
 
     # ------------------------------------------------------------------ prefix cache
@@ -44,41 +52,99 @@ class KVCacheManager:
     def find_cached_blocks(self, req: Request) -> list[int]:
         """Device blocks holding the longest cached prefix of req. At least one token is
         always left to compute, so the hit stops short of the request's last token."""
-        if not self.enable_prefix_caching:
-            return []
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        max_blocks = self._num_hittable_blocks(req)
         self.update_keys(req, max_blocks * self.block_size)
         hit = []
         for key in req.block_keys[:max_blocks]:
             block_id = self.pool.lookup(key)
-            if block_id is None:
+            if block_id is None or (self.tiers is not None and not self.tiers.is_live(block_id)):
                 break
             hit.append(block_id)
         return hit
 
+    def _num_hittable_blocks(self, req: Request) -> int:
+        """Full blocks a hit may cover: all but the last token (it must be computed)."""
+        return (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
+
+    # ------------------------------------------------------------------ host / disk tiers
+    def start_loads(self, req: Request) -> None:
+        """On arrival: start disk reads for the part of req's prefix not on the device, so
+        they overlap other requests' compute."""
+        if self.tiers is not None:
+            num_device = len(self.find_cached_blocks(req))
+            keys = req.block_keys[num_device:self._num_hittable_blocks(req)]
+            self.tiers.start_load(req.req_id, keys)
+
+    def is_loading(self, req: Request) -> bool:
+        return self.tiers is not None and self.tiers.is_loading(req.req_id)
+
+    def wait_for_loads(self, reqs) -> bool:
+        """Block until one of reqs' disk reads lands or times out; False if none pending."""
+        return self.tiers is not None and self.tiers.wait_for_loads([r.req_id for r in reqs])
+
+    def find_tier_blocks(self, req: Request, num_device_blocks: int) -> list[TierHit]:
+        """Tier entries that continue req's device prefix hit, up to the first miss."""
+        if self.tiers is None:
+            return []
+        keys = req.block_keys[num_device_blocks:self._num_hittable_blocks(req)]
+        return self.tiers.find(req.req_id, keys)
+
+    def record_hit(self, req: Request, num_device_blocks: int, loaded: list[TierHit]) -> None:
+        """Count a scheduled request's prefix hit; its first scheduling sets what it reports."""
+        by_tier = dict.fromkeys(TIERS, 0)
+        by_tier[DEVICE] = num_device_blocks * self.block_size
+        for hit in loaded:
+            by_tier[hit.tier] += self.block_size
+        for tier, num in by_tier.items():
+            self.num_hit_tokens[tier] += num
+        self.num_queried_tokens += req.num_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = sum(by_tier.values())
+            req.cached_tokens_by_tier = by_tier
+        if self.tiers is not None:
+            self.tiers.forget(req.req_id)
+
     # ------------------------------------------------------------------ allocation
-    def num_blocks_needed(self, req: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+    def num_blocks_needed(self, req: Request, num_new_tokens: int, num_hit_blocks: int = 0,
+                          num_loaded_blocks: int = 0) -> int:
+        """New blocks for num_new_tokens more tokens, after a prefix hit of num_hit_blocks
+        device blocks and num_loaded_blocks tier blocks (which need new blocks too)."""
         have = max(len(req.block_ids), num_hit_blocks)
-        total = max(req.num_computed_tokens, num_hit_blocks * self.block_size) + num_new_tokens
+        num_cached = (num_hit_blocks + num_loaded_blocks) * self.block_size
+        total = max(req.num_computed_tokens, num_cached) + num_new_tokens
         return max(0, cdiv(total, self.block_size) - have)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       hit_block_ids: list[int] | None = None) -> bool:
-        """Reserve KV slots for num_new_tokens more tokens of req (after an optional prefix
-        hit, which only a request with no blocks may take). False, with nothing changed,
-        when the pool cannot supply them."""
+                       hit_block_ids: list[int] | None = None,
+                       loaded: list[TierHit] = ()) -> bool:
+        """Reserve KV slots for num_new_tokens more tokens of req, after an optional prefix
+        hit (device blocks, then tier entries copied into new blocks), which only a request
+        with no blocks may take. False, with nothing changed, when the pool cannot supply
+        them."""
         hit_block_ids = hit_block_ids or []
-        assert not hit_block_ids or not req.block_ids, "a prefix hit needs an empty request"
-        need = self.num_blocks_needed(req, num_new_tokens, len(hit_block_ids))
+        assert not (hit_block_ids or loaded) or not req.block_ids, \
+            "a prefix hit needs an empty request"
+        need = self.num_blocks_needed(req, num_new_tokens, len(hit_block_ids), len(loaded))
         pinned = sum(1 for b in hit_block_ids if self.pool.ref_cnt[b] == 0)
         if need > self.pool.num_free_blocks - pinned:
             return False
         if hit_block_ids:
             self.pool.touch(hit_block_ids)
             req.block_ids = list(hit_block_ids)
-            req.num_computed_tokens = len(hit_block_ids) * self.block_size
         req.block_ids.extend(self.pool.allocate(need))
+        if loaded:
+            self._load(req, len(hit_block_ids), loaded)
+        if hit_block_ids or loaded:
+            req.num_published_blocks = len(hit_block_ids) + len(loaded)
+            req.num_computed_tokens = req.num_published_blocks * self.block_size
         return True
+
+    def _load(self, req: Request, start: int, loaded: list[TierHit]) -> None:
+        """Copy tier entries into req's blocks start.. and publish them (they hold exactly
+        the content their keys name, so later requests may hit them on the device)."""
+        for i, hit in enumerate(loaded, start):
+            self.tiers.load(req.block_ids[i], hit.entry)
+            self.pool.publish(req.block_ids[i], req.block_keys[i])
 
     def publish(self, req: Request) -> None:
         """Make req's fully computed blocks addressable for later prefix hits."""
@@ -89,7 +155,9 @@ class KVCacheManager:
             return
         self.update_keys(req, num_full * self.block_size)
         for i in range(req.num_published_blocks, num_full):
-            self.pool.publish(req.block_ids[i], req.block_keys[i])
+            block_id, key = req.block_ids[i], req.block_keys[i]
+            if self.pool.publish(block_id, key) and self.tiers is not None:
+                self.tiers.on_publish(block_id, key, req.retention)
         req.num_published_blocks = num_full
 
     def free(self, req: Request) -> None:
@@ -97,6 +165,8 @@ class KVCacheManager:
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
         req.num_published_blocks = 0
+        if self.tiers is not None:
+            self.tiers.forget(req.req_id)
 
     def slot(self, req: Request, position: int) -> int:
         return req.block_ids[position // self.block_size] * self.block_size + position % self.block_size

@@ -5,6 +5,9 @@ out a per-step token budget, running requests first (oldest first), then waiting
 arrival order as KV blocks allow. Long prompts are chunked to the budget. When the pool
 runs dry, the newest running request is preempted: its blocks are freed and it later
 recomputes (its prompt is then prompt + output so far, which is the same counter model).
+
+A waiting request whose cached prefix is still being read from disk is passed over, so
+the reads overlap other requests' compute; only an otherwise idle step waits for them.
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.token_budget_fn = None  # optional: () -> int, e.g. from a time-budget cost model
+        # optional: (req, budget left) -> most tokens a running prompt may take this step,
+        # e.g. engine.step_policy.fair_prefill (leaves waiting requests part of the step)
+        self.prefill_chunk_fn = None
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -66,6 +72,8 @@ class Scheduler:
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
+            if not scheduled and self.kv.wait_for_loads(self.waiting):
+                self._schedule_waiting(budget, scheduled)  # idle: waited for a disk read
         return SchedulerOutput(scheduled, preempted)
 
     def _token_budget(self) -> int:
@@ -79,7 +87,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens,
-                          budget)
+                          self._chunk_budget(req, budget))
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -92,24 +100,41 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _chunk_budget(self, req: Request, budget: int) -> int:
+        if self.prefill_chunk_fn is None or req.num_computed_tokens >= req.num_tokens - 1:
+            return budget
+        return max(1, min(budget, self.prefill_chunk_fn(req, budget)))
+
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            hit = self.kv.find_cached_blocks(req) if req.num_computed_tokens == 0 else []
-            num_computed = max(req.num_computed_tokens, len(hit) * self.kv.block_size)
-            num_new = min(req.num_tokens - num_computed, budget)
-            if not self.kv.allocate_slots(req, num_new, hit):
-                break
-            if req.num_cached_tokens < 0:  # the first scheduling decides the reported hit
-                req.num_cached_tokens = len(hit) * self.kv.block_size
-                req.cached_tokens_by_tier = {"device": req.num_cached_tokens}
-            self.kv.num_hit_tokens += len(hit) * self.kv.block_size
-            self.kv.num_queried_tokens += req.num_tokens
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
+        """Admit waiting requests in arrival order; one whose disk reads are still in flight
+        is passed over (not waited for) and admitted once they land."""
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            if self.kv.is_loading(req):
+                continue
+            num_new = self._admit(req, budget)
+            if num_new is None:
+                return
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Give a waiting request its cached prefix and slots for up to budget more tokens;
+        the number of tokens it computes this step, or None if the pool is too full."""
+        hit, loaded = [], []
+        if req.num_computed_tokens == 0:  # only a request without KV takes a prefix hit
+            hit = self.kv.find_cached_blocks(req)
+            loaded = self.kv.find_tier_blocks(req, len(hit))
+        num_cached = (len(hit) + len(loaded)) * self.kv.block_size
+        num_new = min(req.num_tokens - max(req.num_computed_tokens, num_cached), budget)
+        if not self.kv.allocate_slots(req, num_new, hit, loaded):
+            return None
+        self.kv.record_hit(req, len(hit), loaded)
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return num_new
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

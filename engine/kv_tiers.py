@@ -1,0 +1,304 @@
+"""The engine side of the KV cache hierarchy: device pool <-> host RAM <-> disk.
+
+Owns three things:
+  KVTiers    a `kvstore.KVStore` (host RAM in front of disk) running on its own event loop
+             in a daemon thread, behind thread-safe synchronous methods: the core steps in an
+             executor thread and the offline `LLM` has no loop at all.
+  BlockCodec the copy of one device block (every layer, K and V) to and from a BlockEntry.
+  TierLink   what moves between the device pool and the tiers, and the per-request disk
+             reads in flight. The KV manager is its only caller.
+
+    down:  device --evict------------> host RAM --spill--> disk
+           device --publish--write-behind---------------> disk     (a restart loses nothing)
+    up:    device <--load at scheduling-- host RAM <--prefetch at admission-- disk
+
+Nothing here blocks a step on disk: writes are queued, reads start when a request arrives
+and the scheduler runs other requests until they land (or a short timeout passes).
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import math
+import os
+import threading
+import time
+import warnings
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from engine.config import EngineConfig
+from kvstore.disk import DiskConfig, DiskTier
+from kvstore.entry import BlockEntry
+from kvstore.errors import KVStoreError
+from kvstore.retention import RetentionPolicy
+from kvstore.store import DISK, HOST, KVStore
+
+DEVICE = "device"
+TIERS = (DEVICE, HOST, DISK)
+# How long a request waits for its disk reads before computing what has not arrived. Reads
+# of a 2,000-token prefix take ~0.1-0.7 s on the CPU boxes; computing it takes a minute.
+LOAD_TIMEOUT_S = 2.0
+_CLOSE_TIMEOUT_S = 60.0
+
+
+class KVTiers:
+    """A KVStore on a private event loop thread; every method may be called from any thread.
+
+    `clock` (seconds) stamps expiries and decides what has expired; tests replace it to
+    travel in time. `put`/`write_behind` never block; the rest wait for one loop hop.
+    """
+
+    def __init__(self, host_bytes: int, disk: DiskConfig | None,
+                 policy: RetentionPolicy = RetentionPolicy(), *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.policy = policy
+        self.has_host = host_bytes > 0
+        self.has_disk = disk is not None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-tiers",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._store = self._call(self._open(host_bytes, disk))
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.close)  # flush queued writes even if nobody calls close()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, namespace: bytes) -> KVTiers | None:
+        """Tiers of an EngineConfig (None when host and disk tiers are both off). `namespace`
+        is the model-level key namespace (no tenant salt) that guards the disk files."""
+        disk = None
+        if config.kv_dir:
+            disk = DiskConfig(os.path.expanduser(config.kv_dir), namespace,
+                              config.kv_disk_bytes)
+        if disk is None and config.kv_host_bytes <= 0:
+            return None
+        policy = RetentionPolicy(config.chat_ttl_s, config.agent_ttl_s)
+        try:
+            return cls(config.kv_host_bytes, disk, policy)
+        except KVStoreError as exc:
+            raise KVStoreError(f"--kv-dir {config.kv_dir!r} cannot be used: {exc}") from exc
+
+    async def _open(self, host_bytes: int, disk: DiskConfig | None) -> KVStore:
+        now = lambda: self.clock()  # noqa: E731 - late-bound, so a replaced clock counts
+        store = KVStore(host_bytes, DiskTier(disk, clock=now) if disk else None, clock=now)
+        await store.start()
+        return store
+
+    # ------------------------------------------------------------------ writes (no waiting)
+    def put(self, key: bytes, entry: BlockEntry) -> None:
+        """Keep `entry` in host RAM (it spills to disk when RAM evicts it; straight to disk
+        when there is no host tier). The tiers own `entry.payload` from now on. Dropped
+        once closed."""
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._store.put, key, entry)
+
+    def write_behind(self, key: bytes, entry: BlockEntry) -> None:
+        """Queue `entry` for the disk tier only (deduplicated by key there)."""
+        if self.has_disk and not self._closed:
+            self._loop.call_soon_threadsafe(self._store.disk.put, key, entry)
+
+    def expiry(self, retention: str) -> float:
+        """Absolute expiry of a block stored now by a request of class `retention`."""
+        return self.policy.expiry(retention, self.clock())
+
+    # ------------------------------------------------------------------ reads
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier ("host" / "disk") of each leading present key, stopping at the first miss."""
+        return self._call_sync(self._store.lookup, list(keys))
+
+    def prefetch(self, keys: Sequence[bytes],
+                 landed: dict[bytes, BlockEntry] | None = None) -> concurrent.futures.Future:
+        """Start reading `keys` (disk reads run concurrently, each promoted into host RAM as
+        it lands); the future gives their entries, None where missing. Each entry found is
+        also put in `landed` the moment it is read, so a caller that stops waiting early
+        still has what arrived (with or without a host tier)."""
+        return asyncio.run_coroutine_threadsafe(self._prefetch(list(keys), landed), self._loop)
+
+    async def _prefetch(self, keys: list[bytes],
+                        landed: dict[bytes, BlockEntry] | None) -> list[BlockEntry | None]:
+        async def read(key: bytes) -> BlockEntry | None:
+            entry, = await self._store.get_many([key])  # one key: promoted as soon as read
+            if entry is not None and landed is not None:
+                landed[key] = entry
+            return entry
+        return list(await asyncio.gather(*(read(key) for key in keys)))
+
+    def get_host(self, key: bytes) -> BlockEntry | None:
+        return self.get_host_many([key])[0]
+
+    def get_host_many(self, keys: Sequence[bytes]) -> list[BlockEntry | None]:
+        """Host-RAM entries of `keys` (None where absent or expired); never touches disk."""
+        if not self.has_host:
+            return [None] * len(keys)
+        return self._call_sync(lambda: [self._store.host.get(key) for key in keys])
+
+    def stats(self) -> dict[str, float]:
+        """`KVStore.stats()`: flat counters and byte totals of both tiers."""
+        return self._call_sync(self._store.stats)
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """Wait until every disk write queued so far is on disk."""
+        self._call(self._store.flush(), _CLOSE_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Flush queued writes, release the disk directory, stop the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._call(self._store.close(), _CLOSE_TIMEOUT_S)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _call_sync(self, fn, *args):
+        async def run():
+            return fn(*args)
+        return self._call(run())
+
+
+class BlockCodec:
+    """Copies device blocks to and from BlockEntry payloads.
+
+    One block of every layer is kv[:, :, block_id]: [num_layers, 2, block_size, kv_heads,
+    head_dim]; its payload is that view made contiguous, as raw bytes."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.dtype = str(kv.dtype).removeprefix("torch.")
+        self.shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
+        self.block_size = kv.shape[3]
+        self.nbytes = math.prod(self.shape) * kv.element_size()
+
+    def save(self, block_id: int, expires_at: float) -> BlockEntry:
+        """A private copy of the block (the entry never aliases the pool)."""
+        block = self.kv[:, :, block_id].clone(memory_format=torch.contiguous_format)
+        payload = block.reshape(-1).view(torch.uint8).numpy()
+        return BlockEntry(payload, self.dtype, self.shape, self.block_size, expires_at)
+
+    def fits(self, entry: BlockEntry) -> bool:
+        """Whether `entry` is a block of this pool's layout (anything else is a miss)."""
+        return (entry.dtype == self.dtype and tuple(entry.shape) == self.shape
+                and entry.nbytes == self.nbytes and entry.num_tokens == self.block_size)
+
+    def load(self, block_id: int, entry: BlockEntry) -> None:
+        assert self.fits(entry), "load only entries that fit the pool"
+        with warnings.catch_warnings():  # read-only payloads are only read here
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(entry.payload, dtype=self.kv.dtype)
+        self.kv[:, :, block_id].copy_(src.view(self.shape))
+
+
+class TierHit(NamedTuple):
+    entry: BlockEntry
+    tier: str  # "host", or "disk" when the block came up from disk for this request
+
+
+class _Load(NamedTuple):
+    keys: list[bytes]  # blocks being read from disk for one request
+    landed: dict[bytes, BlockEntry]  # those read so far (filled by the tiers' thread)
+    future: concurrent.futures.Future
+    deadline: float  # time.monotonic() after which the request stops waiting
+
+
+class TierLink:
+    """The device pool's door to the tiers: block copies down, request prefixes up.
+
+    Owns the expiry of every keyed device block (set when it is published or loaded) and
+    the disk reads in flight per request. Callers pass keys, block ids and request ids; the
+    pool and the requests stay the KV manager's."""
+
+    def __init__(self, tiers: KVTiers, codec: BlockCodec, num_blocks: int,
+                 load_timeout_s: float = LOAD_TIMEOUT_S) -> None:
+        self.tiers = tiers
+        self.codec = codec
+        self.load_timeout_s = load_timeout_s
+        self.expires_at = [math.inf] * num_blocks
+        self._loads: dict[str, _Load] = {}
+
+    # ------------------------------------------------------------------ down
+    def on_evict(self, block_id: int, key: bytes) -> None:
+        """BlockPool hook: the block's content is still intact; keep a copy in host RAM."""
+        if self.is_live(block_id):
+            self.tiers.put(key, self.codec.save(block_id, self.expires_at[block_id]))
+
+    def on_publish(self, block_id: int, key: bytes, retention: str) -> None:
+        """A freshly computed block became addressable: stamp its expiry, write it to disk."""
+        self.expires_at[block_id] = self.tiers.expiry(retention)
+        if self.tiers.has_disk:
+            self.tiers.write_behind(key, self.codec.save(block_id, self.expires_at[block_id]))
+
+    def is_live(self, block_id: int) -> bool:
+        return self.tiers.clock() < self.expires_at[block_id]
+
+    # ------------------------------------------------------------------ up
+    def start_load(self, req_id: str, keys: list[bytes]) -> None:
+        """At admission: start reading the disk part of the prefix that `keys` continue."""
+        if not keys or not self.tiers.has_disk:
+            return
+        tiers = self.tiers.lookup(keys)
+        disk_keys = [key for key, tier in zip(keys, tiers) if tier == DISK]
+        if disk_keys:
+            landed: dict[bytes, BlockEntry] = {}
+            self._loads[req_id] = _Load(disk_keys, landed, self.tiers.prefetch(disk_keys, landed),
+                                        time.monotonic() + self.load_timeout_s)
+
+    def is_loading(self, req_id: str) -> bool:
+        """Its disk reads are still in flight and it has not waited too long for them."""
+        load = self._loads.get(req_id)
+        return (load is not None and not load.future.done()
+                and time.monotonic() < load.deadline)
+
+    def wait_for_loads(self, req_ids: Sequence[str]) -> bool:
+        """Block until one of these requests' loads lands or times out; False if none
+        was loading (then nothing waited)."""
+        loads = [self._loads[r] for r in req_ids if self.is_loading(r)]
+        if not loads:
+            return False
+        timeout = max(0.0, min(load.deadline for load in loads) - time.monotonic())
+        concurrent.futures.wait([load.future for load in loads], timeout,
+                                concurrent.futures.FIRST_COMPLETED)
+        return True
+
+    def find(self, req_id: str, keys: list[bytes]) -> list[TierHit]:
+        """The leading blocks of `keys` the tiers hold (host RAM, or landed disk reads),
+        stopping at the first miss or at an entry that does not fit the pool."""
+        load = self._loads.get(req_id)
+        if not keys or (load is None and not self.tiers.has_host):
+            return []
+        landed = load.landed if load else {}
+        disk_keys = set(load.keys) if load else set()
+        hits = []
+        for key, entry in zip(keys, self.tiers.get_host_many(keys)):
+            entry = entry or landed.get(key)
+            if entry is None or not self.codec.fits(entry):
+                break
+            hits.append(TierHit(entry, DISK if key in disk_keys else HOST))
+        return hits
+
+    def load(self, block_id: int, entry: BlockEntry) -> None:
+        """Copy a tier entry into a freshly allocated device block."""
+        self.codec.load(block_id, entry)
+        self.expires_at[block_id] = entry.expires_at
+
+    def forget(self, req_id: str) -> None:
+        """Drop a request's load state (reads still running just fill host RAM)."""
+        self._loads.pop(req_id, None)
+
