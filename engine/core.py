@@ -206,7 +206,12 @@ class EngineCore:
             num_prompt_tokens=c["prompt"], num_computed_prompt_tokens=c["computed"],
             num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
-            extra={**self._kv_metrics(), **self.cost_model.metrics()})
+            extra={**self._kv_metrics(), **self.cost_model.metrics(), **self._model_metrics()})
+
+    def _model_metrics(self) -> dict[str, float]:
+        """Model-specific gauges: expert load per rank and imbalance for MoE models."""
+        expert_load = getattr(self.model, "expert_load", None)
+        return expert_load().metrics() if expert_load is not None else {}
 
     def _kv_metrics(self) -> dict[str, float]:
         """Prefix-cache metrics of every tier, flat, for WorkerStats.extra."""
