@@ -1,0 +1,119 @@
+"""`duplex bench kv`: the KV cache hierarchy, measured through the server and offline.
+
+  multi-turn  C conversations x T turns sharing a system prompt, through `duplex serve`:
+              input-token hit rate, prefill tokens computed, TTFT p50 of turn >= 2 vs turn 1.
+  mooncake    replay of the Mooncake conversation trace (16 tokens per hash block) against a
+              small device pool + RAM tier, then the same with the SSD tier added.
+  ttft        cold vs device / host / disk-hit time to first token of a 2,000-token prompt
+              (offline, `engine.kv_tiers_bench`).
+  disk        the SSD tier's read MB/s next to plain file reads (`kvstore.diskbench`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+PARTS = ("multi-turn", "mooncake", "ttft", "disk")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--part", action="append", choices=PARTS,
+                        help="which measurement(s) to run (default: all)")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--mooncake-requests", type=int, default=300)
+    parser.add_argument("--mooncake-time-scale", type=float, default=0.02,
+                        help="trace time compression (0.02: 50x faster than recorded)")
+    parser.add_argument("--small-pool-blocks", type=int, default=256)
+    parser.add_argument("--host-bytes", type=int, default=64 * 2**20)
+    parser.add_argument("--ttft-tokens", type=int, default=2000)
+    parser.add_argument("--out", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = args.part or list(PARTS)
+    report = {}
+    for part in parts:
+        report[part] = {"multi-turn": multi_turn, "mooncake": mooncake, "ttft": ttft,
+                        "disk": disk}[part](args)
+        print(f"## {part}\n{json.dumps(report[part], indent=2)}\n", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _serve_and_run(serve_args: list[str], workload: str, **options) -> dict:
+    from bench.server_proc import free_port, running_server
+    from bench.serve import run_workload
+
+    port = free_port()
+    with running_server(["serve", *serve_args], port):
+        return run_workload(f"http://127.0.0.1:{port}", workload, progress=False,
+                            max_duration_s=3600, **options)
+
+
+def _by_turn(result: dict) -> dict:
+    from bench.metrics import ttft_s
+    from bench.record import RequestRecord
+
+    records = [RequestRecord.from_json(r) for r in result["records"]]
+    first = [ttft_s(r) for r in records if r.is_ok and r.turn == 0]
+    later = [ttft_s(r) for r in records if r.is_ok and r.turn >= 1]
+    return {"ttft_p50_turn1_ms": 1e3 * statistics.median(first) if first else None,
+            "ttft_p50_later_turns_ms": 1e3 * statistics.median(later) if later else None}
+
+
+def multi_turn(args) -> dict:
+    result = _serve_and_run([], "multi-turn", num_conversations=args.conversations,
+                            num_turns=args.turns, concurrency=args.concurrency,
+                            output_len=args.output_len)
+    s = result["summary"]
+    out = {"completed": s["completed"], "failed": s["failed"],
+           "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"],
+           "hit_rate": s["cache_hit_rate"],
+           "prefill_tokens_computed": s["prompt_tokens"] - s["cached_tokens"]}
+    out.update(_by_turn(result))
+    if out["ttft_p50_turn1_ms"] and out["ttft_p50_later_turns_ms"]:
+        out["ttft_turn1_over_later"] = out["ttft_p50_turn1_ms"] / out["ttft_p50_later_turns_ms"]
+    return out
+
+
+def mooncake(args) -> dict:
+    out = {}
+    base = ["--num-kv-blocks", str(args.small_pool_blocks), "--kv-host-bytes",
+            str(args.host_bytes)]
+    with tempfile.TemporaryDirectory(prefix="duplex-bench-kv-") as kv_dir:
+        for label, extra in (("device+ram", []), ("device+ram+ssd", ["--kv-dir", kv_dir])):
+            result = _serve_and_run(base + extra, "mooncake", max_requests=args.mooncake_requests,
+                                    time_scale=args.mooncake_time_scale, output_scale=0.05,
+                                    concurrency=args.concurrency)
+            s = result["summary"]
+            out[label] = {"completed": s["completed"], "failed": s["failed"],
+                          "rejected": s["rejected"], "prompt_tokens": s["prompt_tokens"],
+                          "cached_tokens": s["cached_tokens"], "hit_rate": s["cache_hit_rate"],
+                          "ttft_p50_ms": s["ttft_ms"].get("p50")}
+    return out
+
+
+def ttft(args) -> dict:
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.kv_tiers_bench import bench_cached_ttft
+
+    def factory(**fields):
+        return EngineCore(EngineConfig(**fields), progress=False)
+
+    return bench_cached_ttft(factory, num_tokens=args.ttft_tokens)
+
+
+def disk(args) -> dict:
+    from kvstore.diskbench import measure_read_mb_s
+
+    with tempfile.TemporaryDirectory(prefix="duplex-bench-disk-") as root:
+        # one SmolLM2 block of 16 tokens: 30 layers x 2 x 16 x 3 heads x 64 x 4 bytes
+        return measure_read_mb_s(root, block_bytes=737280, num_blocks=256)
