@@ -1,5 +1,5 @@
 """Every file in examples/ runs against a test server (fake engine, API key on) and prints
-what it promises; docs/README-usage.md points at each one."""
+what it promises; README.md points at each one."""
 from __future__ import annotations
 
 import shutil
@@ -74,7 +74,7 @@ def test_ws_client_mjs(keyed_server):
 
 
 def test_every_example_is_tested_and_pointed_at():
-    usage = (REPO / "docs" / "README-usage.md").read_text()
+    usage = (REPO / "README.md").read_text()
     tested = {"openai_chat.py", "anthropic_messages.py", "curl_sse.sh", "ws_client.py",
               "ws_client.mjs"}
     assert {p.name for p in EXAMPLES.iterdir() if p.is_file()} == tested
