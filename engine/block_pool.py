@@ -51,14 +51,17 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(self, block_ids: Iterable[int], reuse_first: bool = False) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue in
-        the order given (pass deepest first)."""
+        the order given (pass deepest first). reuse_first: empty blocks (no key) go to the
+        front instead, so taking them back evicts no cached block (speculation's trim)."""
         for block_id in block_ids:
             assert self.ref_cnt[block_id] > 0, f"block {block_id} freed twice"
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
                 self._free[block_id] = None
+                if reuse_first and self.block_key[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def lookup(self, key: bytes) -> int | None:
         return self.key_to_block.get(key)

@@ -37,6 +37,12 @@ class Sampler:
         token_ids = [self._choose(logits[row], req) for row, req in enumerate(reqs)]
         return SamplerOutput(token_ids, _logprobs(raw, reqs, token_ids))
 
+    @staticmethod
+    def logprobs(logits: torch.Tensor, reqs: Sequence[Request],
+                 token_ids: list[int]) -> list[TokenLogprob | None]:
+        """Logprobs of given tokens (e.g. verified drafts) under raw logits [n, vocab]."""
+        return _logprobs(logits, reqs, token_ids)
+
     def _choose(self, logits: torch.Tensor, req: Request) -> int:
         params = req.params
         if params.is_greedy:

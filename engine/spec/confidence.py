@@ -11,7 +11,9 @@ verification:
     |                   |                               | by d_1 (same value for every j)     |
     | draft_entropy     | entropy of q_j, nats / 5      | 0                                   |
     | position          | j / 8 (j = 0 for d_1)         | j / 8                               |
-    | match_len         | 0                             | matched suffix length / 4           |
+    | match_len         | 0                             | matched suffix length / 8           |
+    | unigram_match     | 0                             | 1 if the match is one token long    |
+    | bigram_match      | 0                             | 1 if the match is two tokens long   |
     | recent_acceptance | the request's acceptance EMA  | the request's acceptance EMA        |
 
 The head models the *conditional* probability that d_j is accepted given d_1..d_{j-1}
@@ -24,25 +26,25 @@ that keeps A invertible); each batch moves the weights by A^-1 times the log-los
 gradient. Newton steps are invariant to feature scaling, so the fixed scalings above only
 matter for the prior. State is saved as JSON (never pickle).
 
-Stopping rule. A step costs 1 (its fixed part: weights read, launch, Python) plus
-`token_cost` per verified token; it yields, per decoding request, 1 token plus the
-survival probability of each kept draft. `choose_lengths` keeps the drafts that maximise
-expected tokens per unit of cost, which is the same as keeping a draft exactly when its
-survival exceeds token_cost x (the best achievable tokens / cost): under light load that
-threshold is low and long runs are verified; when the batch is compute-bound the
-threshold nears 1 and drafting switches itself off.
+Stopping rule. A step costs step_cost(tokens in it) (step_cost.py: measured, relative to
+a one-token step); it yields, per decoding request, 1 token plus the survival probability
+of each kept draft. `choose_lengths` keeps the drafts that maximise expected tokens per
+unit of cost. Where the cost is linear (fixed part 1, token_cost per token) that is the
+same as keeping a draft exactly when its survival exceeds token_cost x (the best
+achievable tokens / cost): under light load the threshold is low and long runs are
+verified; when the batch is compute-bound it nears 1 and drafting switches itself off.
 """
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-FEATURES = ("bias", "draft_prob", "draft_entropy", "position", "match_len",
-            "recent_acceptance")
+FEATURES = ("bias", "draft_prob", "draft_entropy", "position", "match_len", "unigram_match",
+            "bigram_match", "recent_acceptance")
 NUM_FEATURES = len(FEATURES)
 _FORMAT_VERSION = 1
 _EPS = 1e-6
@@ -50,11 +52,15 @@ _EPS = 1e-6
 
 def make_features(draft_prob, draft_entropy, position, match_len,
                   recent_acceptance) -> np.ndarray:
-    """Feature rows [n, NUM_FEATURES]; each argument is a scalar or an array of length n."""
+    """Feature rows [n, NUM_FEATURES]; each argument is a scalar or an array of length n.
+    A short match is far less reliable than its length suggests (a single common token
+    recurs everywhere), hence its own indicators besides the length."""
+    match_len = np.asarray(match_len, dtype=np.float64)
     cols = np.broadcast_arrays(np.ones(1), np.asarray(draft_prob, dtype=np.float64),
                                np.asarray(draft_entropy, dtype=np.float64) / 5.0,
                                np.asarray(position, dtype=np.float64) / 8.0,
-                               np.asarray(match_len, dtype=np.float64) / 4.0,
+                               np.minimum(match_len, 8.0) / 8.0, (match_len == 1) * 1.0,
+                               (match_len == 2) * 1.0,
                                np.asarray(recent_acceptance, dtype=np.float64))
     return np.stack(cols, axis=-1).reshape(-1, NUM_FEATURES)
 
@@ -102,7 +108,7 @@ class Calibration:
 
 
 class ConfidenceHead:
-    def __init__(self, prior_precision: float = 1.0, forget: float = 0.999,
+    def __init__(self, prior_precision: float = 1.0, forget: float = 0.995,
                  prior_acceptance: float = 0.5) -> None:
         assert 0.0 < forget <= 1.0, "forget must be in (0, 1]"
         self.prior_precision = prior_precision
@@ -157,23 +163,30 @@ class ConfidenceHead:
 
 
 # ---------------------------------------------------------------------- stopping rule
-def choose_lengths(survival: Sequence[Sequence[float]], token_cost: float) -> list[int]:
+StepCostFn = Callable[[float], float]  # tokens in a forward -> its cost (step_cost.StepCost)
+
+
+def choose_lengths(survival: Sequence[Sequence[float]], step_cost: StepCostFn) -> list[int]:
     """Draft lengths for one step that maximise expected tokens per unit of step cost.
 
     survival[r][j]: P(drafts 1..j+1 of request r are all accepted), non-increasing in j.
-    Cost: 1 + token_cost x (one token per request + kept drafts); value: per request 1
-    + the survival of each kept draft. Taking drafts in order of survival, the best prefix
-    of that order is optimal (a fractional program solved by sorting)."""
+    Value: per request 1 token + the survival of each kept draft; cost: step_cost(one
+    token per request + kept drafts). For any number m of kept drafts the m most likely
+    to survive are the most valuable (and, taken in that order, each request keeps a
+    prefix of its run), so scanning m over that order finds the optimum even when the
+    cost curve is not convex."""
     num_reqs = len(survival)
+    if not num_reqs:
+        return []
     flat = [(-float(s), j, r) for r, row in enumerate(survival) for j, s in enumerate(row)]
     flat.sort()  # highest survival first; within a request, shorter runs first
-    value, cost = float(num_reqs), 1.0 + token_cost * num_reqs
-    best_ratio, best_num = value / cost, 0
+    value = float(num_reqs)
+    best_ratio, best_num = value / step_cost(num_reqs), 0
     for i, (neg_s, _, _) in enumerate(flat, start=1):
         value -= neg_s
-        cost += token_cost
-        if value / cost > best_ratio:
-            best_ratio, best_num = value / cost, i
+        ratio = value / step_cost(num_reqs + i)
+        if ratio > best_ratio:
+            best_ratio, best_num = ratio, i
     lengths = [0] * num_reqs
     for _, _, r in flat[:best_num]:
         lengths[r] += 1
@@ -181,19 +194,18 @@ def choose_lengths(survival: Sequence[Sequence[float]], token_cost: float) -> li
 
 
 def best_uniform_length(survival: Sequence[float], num_drafting: int, num_other: int,
-                        token_cost: float, draft_cost: float = 0.0) -> int:
+                        step_cost: StepCostFn, draft_cost: float = 0.0) -> int:
     """One draft length k for all num_drafting requests (fixed-length drafting) that
     maximises expected tokens per cost, next to num_other decoding requests without
     drafts. survival[j] as in choose_lengths, shared by all requests. draft_cost: one draft
-    forward's cost relative to a target step's fixed part (0 for n-gram); each of the k
-    draft forwards costs draft_cost x (1 + token_cost x num_drafting)."""
+    forward's cost as a share of the target's forward over the same tokens (0: n-gram)."""
     best_k, best_ratio, gain = 0, -1.0, 0.0
     for k in range(len(survival) + 1):
         if k:
             gain += survival[k - 1]
         value = num_drafting * (1.0 + gain) + num_other
-        cost = (1.0 + token_cost * (num_other + num_drafting * (1 + k))
-                + draft_cost * k * (1.0 + token_cost * num_drafting))
+        cost = step_cost(num_other + num_drafting * (1 + k)) + \
+            k * draft_cost * step_cost(num_drafting)
         if value / cost > best_ratio * (1 + 1e-9):
             best_k, best_ratio = k, value / cost
     return best_k

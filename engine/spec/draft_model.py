@@ -47,17 +47,20 @@ class ModelDraft(NamedTuple):
     entropy: np.ndarray  # entropy of q_j in nats [k]
 
 
-class _View:
+class RequestView:
     """The fields of a Request that ModelRunner.prepare reads, for a draft forward."""
     __slots__ = ("all_token_ids", "spec_token_ids", "block_ids", "num_computed_tokens",
-                 "num_tokens")
+                 "num_tokens", "swa_block_ids", "replay_end")
 
-    def __init__(self, token_ids: list[int], block_ids: list[int], num_computed: int) -> None:
+    def __init__(self, token_ids: list[int], block_ids: list[int], num_computed: int,
+                 swa_block_ids: list[int] | None = None) -> None:
         self.all_token_ids = token_ids
         self.spec_token_ids: list[int] = []
         self.block_ids = block_ids
         self.num_computed_tokens = num_computed
         self.num_tokens = len(token_ids)
+        self.swa_block_ids = swa_block_ids or []  # a hybrid (sliding-window) KV layout's
+        self.replay_end = 0
 
 
 class _Round:
@@ -122,14 +125,26 @@ class ModelDrafterBase:
     def _reserve(self, req: Request, max_len: int) -> bool:
         raise NotImplementedError
 
-    def _view(self, r: _Round, j: int) -> _View:
+    def _view(self, r: _Round, j: int) -> RequestView:
         raise NotImplementedError
 
-    def _forward(self, views: list[_View]) -> torch.Tensor:
+    def _forward(self, views: list[RequestView]) -> torch.Tensor:
         raise NotImplementedError
 
     def free(self, req: Request) -> None:
         """Forget req (finished or aborted)."""
+
+
+def relative_cost(draft_args, target_args, num_draft_layers: int | None = None) -> float:
+    """A draft forward's cost as a share of the target's, by matmul weights read per token
+    (its layers and its head); num_draft_layers: an early exit of the target."""
+    def weights(a, num_layers):
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        layer = a.hidden_size * (q + 2 * kv) + q * a.hidden_size \
+            + 3 * a.hidden_size * a.intermediate_size
+        return num_layers * layer + a.vocab_size * a.hidden_size
+    draft_layers = draft_args.num_layers if num_draft_layers is None else num_draft_layers
+    return weights(draft_args, draft_layers) / weights(target_args, target_args.num_layers)
 
 
 def early_exit_model(model, num_layers: int):
@@ -152,18 +167,19 @@ class SelfDrafter(ModelDrafterBase):
         self.model = early_exit_model(model, num_layers)
         self.runner = runner
         self.reserve = reserve  # KVCacheManager.allocate_slots: target slots for the drafts
-        self.cost = num_layers / len(model.layers)
+        self.cost = relative_cost(model.args, model.args, num_layers)
 
     def _reserve(self, req: Request, max_len: int) -> bool:
         # drafting writes positions num_computed .. num_computed + max_len - 1
         return self.reserve(req, max_len)
 
-    def _view(self, r: _Round, j: int) -> _View:
+    def _view(self, r: _Round, j: int) -> RequestView:
         tokens = r.req.all_token_ids + r.token_ids
-        return _View(tokens, r.req.block_ids, len(tokens) - 1)
+        return RequestView(tokens, r.req.block_ids, len(tokens) - 1,
+                           getattr(r.req, "swa_block_ids", None))
 
     @torch.inference_mode()
-    def _forward(self, views: list[_View]) -> torch.Tensor:
+    def _forward(self, views: list[RequestView]) -> torch.Tensor:
         inputs = self.runner.prepare([ScheduledRequest(v, v.num_tokens - v.num_computed_tokens)
                                       for v in views])
         hidden = self.model.forward(inputs.input_ids, inputs.ctx)  # [T, hidden]
@@ -210,16 +226,16 @@ class DraftModelDrafter(ModelDrafterBase):
         state.block_ids += self.pool.allocate(max(0, need))
         return True
 
-    def _view(self, r: _Round, j: int) -> _View:
+    def _view(self, r: _Round, j: int) -> RequestView:
         state = self.states[r.req.req_id]
         tokens = r.req.all_token_ids + r.token_ids
-        view = _View(tokens, state.block_ids, state.num_computed)
+        view = RequestView(tokens, state.block_ids, state.num_computed)
         state.num_computed = len(tokens)  # after this forward the cache holds all of them
         state.tail = list(r.token_ids)
         return view
 
     @torch.inference_mode()
-    def _forward(self, views: list[_View]) -> torch.Tensor:
+    def _forward(self, views: list[RequestView]) -> torch.Tensor:
         inputs = self.runner.prepare([ScheduledRequest(v, v.num_tokens - v.num_computed_tokens)
                                       for v in views])
         return self.runner.execute(inputs)

@@ -34,17 +34,21 @@ from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
                                     keep_drafting_threshold, make_features)
-from engine.spec.draft_model import DraftModelDrafter, ModelDrafterBase, SelfDrafter
+from engine.spec import step_cost as step_cost_module
+from engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, SelfDrafter,
+                                     relative_cost)
 from engine.spec.ngram import NgramDrafter
+from engine.spec.step_cost import StepCost
 from engine.spec.verify import Verified, target_probs, verify_greedy, verify_sampled
 
 MAX_POSITIONS = 16  # EngineConfig caps num_draft_tokens here
 _EMA = 0.8  # weight of the past in a request's acceptance EMA
 # After this many decoding steps without a draft, one request drafts its full length anyway:
 # the estimates that switched drafting off only change with fresh verifications.
-EXPLORE_EVERY = 16
+EXPLORE_EVERY = 64
 PRIOR_ACCEPTANCE = 0.75
 _PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected) of the acceptance estimates
+_FORGET = 0.98  # per verification round, for the estimates that steer drafting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +56,7 @@ class SpecOptions:
     method: str  # "ngram" | "self" | "draft"
     num_draft_tokens: int = 5
     use_confidence: bool = True  # per-token lengths from the head; else one length per step
-    token_cost: float = 0.12  # verify cost of one token / a step's fixed cost (measured)
+    token_cost: float = 0.0  # verify cost per token / fixed step cost; 0: measure the curve
     draft_layers: int = 0  # self-draft depth; 0: a quarter of the target's layers
     draft_model: str | None = None
     rule: str = "exact"  # "wrong" only for the negative control
@@ -61,7 +65,7 @@ class SpecOptions:
     def from_config(cls, config) -> SpecOptions:
         return cls(method=config.speculation, num_draft_tokens=config.num_draft_tokens,
                    use_confidence=getattr(config, "spec_confidence", True),
-                   token_cost=getattr(config, "spec_token_cost", 0.12),
+                   token_cost=getattr(config, "spec_token_cost", 0.0),
                    draft_layers=getattr(config, "spec_draft_layers", 0),
                    draft_model=config.draft_model)
 
@@ -73,32 +77,43 @@ class _Pending(NamedTuple):
 
 
 class AcceptanceStats:
-    """Counts per draft position: proposed, reached by verification, accepted."""
+    """Counts per draft position: proposed, reached by verification, accepted; lifetime
+    totals for the metrics, and exponentially forgotten ones (about the last 1 / (1 -
+    _FORGET) rounds) for the estimates that steer drafting, which must follow the workload."""
 
     def __init__(self) -> None:
         self.proposed = np.zeros(MAX_POSITIONS)
         self.reached = np.zeros(MAX_POSITIONS)
         self.accepted = np.zeros(MAX_POSITIONS)
+        self.recent_reached = np.zeros(MAX_POSITIONS)
+        self.recent_accepted = np.zeros(MAX_POSITIONS)
         self.num_rounds = 0  # verifications with at least one draft
         self.num_emitted = 0  # tokens those verifications appended
 
     def record(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+        num_reached = min(num_accepted + 1, num_proposed)
         self.proposed[:num_proposed] += 1
-        self.reached[:min(num_accepted + 1, num_proposed)] += 1
+        self.reached[:num_reached] += 1
         self.accepted[:num_accepted] += 1
+        self.recent_reached *= _FORGET
+        self.recent_accepted *= _FORGET
+        self.recent_reached[:num_reached] += 1
+        self.recent_accepted[:num_accepted] += 1
         self.num_rounds += 1
         self.num_emitted += num_emitted
 
     def survival(self, length: int) -> np.ndarray:
-        """Estimated P(the first j+1 drafts are accepted), j < length, from the
-        conditional rates under an optimistic prior (PRIOR_ACCEPTANCE before any data,
-        so a fresh engine tries drafting and learns)."""
-        rates = (self.accepted[:length] + _PRIOR[0]) / (self.reached[:length] + sum(_PRIOR))
+        """Estimated P(the first j+1 drafts are accepted), j < length, from the recent
+        conditional rates under an optimistic prior (PRIOR_ACCEPTANCE before any data, so
+        a fresh engine tries drafting and learns)."""
+        rates = (self.recent_accepted[:length] + _PRIOR[0]) / \
+            (self.recent_reached[:length] + sum(_PRIOR))
         return np.cumprod(rates)
 
     @property
     def conditional_rate(self) -> float:
-        return float((self.accepted.sum() + _PRIOR[0]) / (self.reached.sum() + sum(_PRIOR)))
+        return float((self.recent_accepted.sum() + _PRIOR[0]) /
+                     (self.recent_reached.sum() + sum(_PRIOR)))
 
     def metrics(self) -> dict[str, float]:
         proposed, accepted = float(self.proposed.sum()), float(self.accepted.sum())
@@ -113,9 +128,11 @@ class AcceptanceStats:
 
 
 class Speculator:
-    def __init__(self, options: SpecOptions, drafter, max_model_len: int) -> None:
+    def __init__(self, options: SpecOptions, drafter, max_model_len: int,
+                 step_cost: StepCost) -> None:
         self.options = options
         self.drafter = drafter  # NgramDrafter or a ModelDrafterBase
+        self.step_cost = step_cost
         self.max_model_len = max_model_len
         self.head = ConfidenceHead(prior_acceptance=PRIOR_ACCEPTANCE)
         self.stats = AcceptanceStats()
@@ -127,9 +144,12 @@ class Speculator:
     def build(cls, options: SpecOptions, *, model, runner, kv, load_model: Callable,
               num_kv_blocks: int, block_size: int, dtype: torch.dtype, max_model_len: int,
               seed: int = 0) -> Speculator:
-        """The drafter options.method names, wired to the engine's model, runner and KV."""
+        """The drafter options.method names, wired to the engine's model, runner and KV;
+        the step cost curve measured now unless options.token_cost gives a line."""
+        step_cost = StepCost.linear(options.token_cost) if options.token_cost > 0 else \
+            step_cost_module.measure(model, runner, num_kv_blocks)
         if options.method == "ngram":
-            drafter = NgramDrafter()
+            drafter = NgramDrafter(max_n=8)
         elif options.method == "self":
             num_layers = options.draft_layers or max(1, len(model.layers) // 4)
             drafter = SelfDrafter(model, runner, kv.allocate_slots, num_layers, seed)
@@ -141,10 +161,10 @@ class Speculator:
                 raise ValueError(f"the draft model's vocabulary ({draft.args.vocab_size}) "
                                  f"differs from the target's ({model.args.vocab_size})")
             drafter = DraftModelDrafter(draft, num_kv_blocks, block_size, dtype,
-                                        _relative_cost(draft.args, model.args), seed)
+                                        relative_cost(draft.args, model.args), seed)
         else:
             raise ValueError(f"unknown speculation method {options.method!r}")
-        return cls(options, drafter, max_model_len)
+        return cls(options, drafter, max_model_len, step_cost)
 
     # ------------------------------------------------------------------ 1 propose
     def propose(self, running: Sequence[Request]) -> None:
@@ -153,6 +173,8 @@ class Speculator:
             req.spec_token_ids = []
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
         limits = [self._max_drafts(r) for r in decoding]
+        if not any(limits):
+            return
         explore = None
         if self.num_idle_steps >= EXPLORE_EVERY:
             explore = next((i for i, n in enumerate(limits) if n), None)
@@ -198,7 +220,7 @@ class Speculator:
         else:
             k = best_uniform_length(self.stats.survival(max(limits, default=0)),
                                     sum(1 for n in limits if n), sum(1 for n in limits if not n),
-                                    self.options.token_cost, drafter.cost)
+                                    self.step_cost, drafter.cost)
             limits = [n if i == explore else min(n, k) for i, n in enumerate(limits)]
         drafts = drafter.propose(reqs, limits, keep_going)
         features = [make_features(d.draft_prob, d.entropy, np.arange(len(d.token_ids)), 0,
@@ -214,30 +236,32 @@ class Speculator:
     def _keep_going_rule(self, reqs: list[Request], explore: int | None):
         """The head's stopping rule while drafting: stop a request once the survival of
         its run falls below what one more draft token must earn."""
-        c, num_reqs = self.options.token_cost, len(reqs)
+        num_reqs, k = len(reqs), self.options.num_draft_tokens
+        cost = self.step_cost
+        c = (cost(num_reqs * (1 + k)) - cost(num_reqs)) / (num_reqs * k)  # mean per token
+        share = self.drafter.cost * cost(num_reqs) / num_reqs  # of one more draft forward
         survival = [1.0] * num_reqs
-        totals = dict(value=float(num_reqs), cost=1.0 + c * num_reqs)
+        totals = dict(value=float(num_reqs), cost=cost(num_reqs))
 
         def keep_going(i: int, j: int, draft_prob: float, entropy: float) -> bool:
             x = make_features(draft_prob, entropy, j, 0, self._recent(reqs[i]))
             survival[i] *= float(self.head.predict(x)[0])
             totals["value"] += survival[i]
-            totals["cost"] += c
-            share = self.drafter.cost * (1.0 + c * num_reqs) / num_reqs
+            totals["cost"] += c + share
             threshold = keep_drafting_threshold(totals["value"], totals["cost"], c, share)
             return i == explore or survival[i] >= threshold
         return keep_going
 
     def _lengths(self, drafts: list[list[int]], features: list[np.ndarray],
                  draft_cost: float) -> list[int]:
-        c = self.options.token_cost
         if self.options.use_confidence:
             survival = [np.cumprod(self.head.predict(f)) if len(f) else np.zeros(0)
                         for f in features]
-            return choose_lengths(survival, c)
+            return choose_lengths(survival, self.step_cost)
         num_drafting = sum(1 for d in drafts if d)
         k = best_uniform_length(self.stats.survival(max(map(len, drafts), default=0)),
-                                num_drafting, len(drafts) - num_drafting, c, draft_cost)
+                                num_drafting, len(drafts) - num_drafting, self.step_cost,
+                                draft_cost)
         return [min(len(d), k) for d in drafts]
 
     def _set(self, req: Request, token_ids: list[int], probs, features: np.ndarray) -> None:
@@ -299,7 +323,7 @@ class Speculator:
             self.drafter.free(req)
 
     def metrics(self) -> dict[str, float]:
-        out = self.stats.metrics()
+        out = self.stats.metrics() | self.step_cost.metrics()
         report = self.head.calibration.report()
         out.update(spec_head_num=float(report["num"]), spec_head_log_loss=report["log_loss"],
                    spec_head_brier=report["brier"], spec_head_ece=report["ece"])
@@ -309,12 +333,3 @@ class Speculator:
             out[f"{name}_predicted"] = b["mean_predicted"]
             out[f"{name}_observed"] = b["observed"]
         return out
-
-
-def _relative_cost(draft_args, target_args) -> float:
-    """A draft forward's cost relative to the target's, by weights read per token."""
-    def size(a):
-        return a.num_layers * (a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-                               + 3 * a.hidden_size * a.intermediate_size) \
-            + a.vocab_size * a.hidden_size
-    return size(draft_args) / size(target_args)

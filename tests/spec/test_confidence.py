@@ -7,14 +7,15 @@ import pytest
 
 from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
                                     make_features)
+from engine.spec.step_cost import StepCost
 
-TRUE_WEIGHTS = np.array([-1.0, 4.0, -1.0, -2.0, 1.5, 1.0])
+TRUE_WEIGHTS = np.array([-1.0, 4.0, -1.0, -2.0, 1.5, -1.0, -0.5, 1.0])
 
 
 def _stream(seed: int, num: int):
     rng = np.random.default_rng(seed)
     x = make_features(rng.uniform(size=num), rng.uniform(0, 5, size=num),
-                      rng.integers(0, 8, size=num), rng.integers(0, 5, size=num),
+                      rng.integers(0, 8, size=num), rng.integers(0, 9, size=num),
                       rng.uniform(size=num))
     p = 1 / (1 + np.exp(-x @ TRUE_WEIGHTS))
     return x, rng.uniform(size=num) < p, p
@@ -36,7 +37,7 @@ def test_online_updates_learn_the_acceptance_law():
     after = _log_loss(head.predict(x_test), y_test)
     oracle = _log_loss(p_test, y_test)
     assert after < before - 0.1, (before, after)
-    assert after < oracle + 0.02, (after, oracle)
+    assert after < oracle + 0.03, (after, oracle)
     report = head.calibration.report()
     assert report["num"] == 6000 and report["ece"] < 0.05
     assert sum(b["count"] for b in report["bins"]) == 6000
@@ -66,19 +67,30 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_choose_lengths_keeps_drafts_that_pay_for_their_verification():
+    line = StepCost.linear(0.1)  # cost(n) = (1 + 0.1 n) / 1.1
     # one stream, cheap tokens: keep while survival beats token_cost x tokens-per-cost
-    assert choose_lengths([[0.9, 0.8, 0.7, 0.05]], 0.1) == [3]
+    assert choose_lengths([[0.9, 0.8, 0.7, 0.05]], line) == [3]
     # two streams: the long confident run is kept, the doubtful one dropped
-    assert choose_lengths([[0.95, 0.9, 0.85], [0.1, 0.01]], 0.1) == [3, 0]
+    assert choose_lengths([[0.95, 0.9, 0.85], [0.1, 0.01]], line) == [3, 0]
     # a compute-bound batch: no coin-flip draft is worth verifying
-    assert choose_lengths([[0.5, 0.25]] * 32, 0.2) == [0] * 32
-    assert choose_lengths([], 0.1) == []
+    assert choose_lengths([[0.5, 0.25]] * 32, StepCost.linear(0.2)) == [0] * 32
+    assert choose_lengths([], line) == []
+
+
+def test_choose_lengths_looks_past_a_jump_in_the_cost_curve():
+    # a second row costs 60 % more (a CPU BLAS leaving its one-row path), later rows 5 %:
+    # one draft never pays, four likely ones do
+    jump = StepCost([1, 2, 5, 9], [1.0, 1.6, 1.75, 1.95])
+    assert choose_lengths([[0.5]], jump) == [0]
+    assert choose_lengths([[0.95, 0.9, 0.85, 0.8]], jump) == [4]
+    assert jump(2) == pytest.approx(1.6) and jump(13) == pytest.approx(2.15)
 
 
 def test_best_uniform_length_switches_off_under_load():
     survival = np.cumprod([0.8] * 5)
-    assert best_uniform_length(survival, 1, 0, 0.12) == 5
-    assert best_uniform_length(np.cumprod([0.6] * 5), 32, 0, 0.12) == 0
-    assert best_uniform_length(survival, 0, 4, 0.12) == 0
+    line = StepCost.linear(0.12)
+    assert best_uniform_length(survival, 1, 0, line) == 5
+    assert best_uniform_length(np.cumprod([0.6] * 5), 32, 0, line) == 0
+    assert best_uniform_length(survival, 0, 4, line) == 0
     # an expensive drafter shortens the run
-    assert best_uniform_length(survival, 1, 0, 0.12, draft_cost=0.3) < 5
+    assert best_uniform_length(survival, 1, 0, line, draft_cost=0.3) < 5
