@@ -1,7 +1,11 @@
 """Every message that crosses a process boundary, as msgspec structs (no pickle anywhere).
 
 Frontend -> worker: AddRequest, AbortRequests, Shutdown.
-Worker -> frontend: Ready, Heartbeat, Outputs (a batch of RequestDelta), WorkerError.
+Worker -> frontend: Ready, Heartbeat, Outputs (a batch of RequestDelta), WorkerError,
+    HandoffFailed.
+Prefill worker -> decode worker (KV hand-off, see engine/kv_transfer.py): KvOffer, KvBlocks
+    (+ one raw frame per block), KvDone, KvCancel.
+Decode worker -> prefill worker: KvNeed, KvAck, KvReject.
 
 Each struct is tagged (``tag=...``) so one ``decode`` call tells the types apart; a frame
 that does not decode into exactly one of these types is rejected by the receiver and
@@ -28,6 +32,14 @@ class AddRequest(msgspec.Struct, tag="add", **_WIRE):
     cache_salt: str = ""  # hex of the tenant salt (kvstore.keys.tenant_salt), made server-side
     retention: str = "chat"  # "chat" | "agent": which TTL class its KV blocks get
     deadline: float = 0.0  # absolute time.time() after which the worker aborts it; 0 = none
+    # Tokens already generated for it elsewhere (a prefill worker's first token, or the tokens
+    # a client has seen when a stream resumes on another worker): the engine continues after
+    # them and counts them against max_tokens.
+    output_token_ids: list[int] = []
+    # Prefill/decode split: the decode worker that continues after the first token, and the
+    # address where it takes KV blocks. Empty: this worker runs the request to its end.
+    handoff_to: str = ""
+    handoff_address: str = ""
 
 
 class AbortRequests(msgspec.Struct, tag="abort", **_WIRE):
@@ -91,6 +103,12 @@ class Ready(msgspec.Struct, tag="ready", **_WIRE):
     batch_invariant: bool = False
     speculation: str = "off"
     pid: int = 0
+    kv_address: str = ""  # decode workers: where prefill workers send KV blocks
+    # What the KV block keys are made of (kvstore.keys.namespace), so the router can compute
+    # the same keys as the workers for prefix affinity.
+    model_identity: str = ""
+    kv_dtype: str = ""
+    kv_layout: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):
@@ -105,12 +123,79 @@ class WorkerError(msgspec.Struct, tag="error", **_WIRE):
     message: str
 
 
+class HandoffFailed(msgspec.Struct, tag="handoff_failed", **_WIRE):
+    """A prefill worker could not hand a request's KV to its decode worker (unreachable,
+    refused, or no acknowledgement within the lease). It released the blocks; the frontend
+    decides: recompute on a decode worker, or fail the request."""
+    worker_id: str
+    req_id: str
+    decode_worker_id: str
+    reason: str
+
+
+# ---------------------------------------------------------------- prefill -> decode (KV)
+class KvOffer(msgspec.Struct, tag="kv_offer", **_WIRE):
+    """Sent when a prefill worker admits a request: what the decode worker will continue
+    (`request` carries no tokens beyond the prompt yet) and the keys of the prompt's full
+    blocks. The decode worker derives the keys itself and answers KvNeed or KvReject."""
+    req_id: str
+    request: AddRequest
+    keys: list[bytes]
+    dtype: str
+    block_shape: list[int]  # one block of every layer: [layers, 2, block_size, heads, dim]
+
+
+class KvBlocks(msgspec.Struct, tag="kv_blocks", **_WIRE):
+    """Header of a group of blocks; raw frame i holds block indices[i] (keys[i]): exactly
+    the bytes of `shape` in `dtype`, C order."""
+    req_id: str
+    indices: list[int]
+    keys: list[bytes]
+    dtype: str
+    shape: list[int]
+    num_tokens: int  # tokens per block
+
+
+class KvDone(msgspec.Struct, tag="kv_done", **_WIRE):
+    """Every block the decode worker asked for was sent; `first_token_ids` are the tokens
+    the prefill worker generated (the decode worker continues after them)."""
+    req_id: str
+    first_token_ids: list[int]
+    num_blocks_sent: int
+
+
+class KvCancel(msgspec.Struct, tag="kv_cancel", **_WIRE):
+    req_id: str
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- decode -> prefill (KV)
+class KvNeed(msgspec.Struct, tag="kv_need", **_WIRE):
+    """Block indices the decode worker lacks (it already holds the others by key)."""
+    req_id: str
+    indices: list[int]
+
+
+class KvAck(msgspec.Struct, tag="kv_ack", **_WIRE):
+    """The request runs on the decode worker now: the prefill worker may free its blocks."""
+    req_id: str
+
+
+class KvReject(msgspec.Struct, tag="kv_reject", **_WIRE):
+    req_id: str
+    reason: str
+
+
 ToWorker = AddRequest | AbortRequests | Shutdown
-FromWorker = Outputs | Ready | Heartbeat | WorkerError
+FromWorker = Outputs | Ready | Heartbeat | WorkerError | HandoffFailed
+ToDecodeKV = KvOffer | KvBlocks | KvDone | KvCancel
+FromDecodeKV = KvNeed | KvAck | KvReject
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _from_worker = msgspec.msgpack.Decoder(FromWorker)
+_to_decode_kv = msgspec.msgpack.Decoder(ToDecodeKV)
+_from_decode_kv = msgspec.msgpack.Decoder(FromDecodeKV)
 
 
 class BadFrame(ValueError):
@@ -127,6 +212,14 @@ def decode_to_worker(frame: bytes) -> ToWorker:
 
 def decode_from_worker(frame: bytes) -> FromWorker:
     return _decode(_from_worker, frame)
+
+
+def decode_to_decode_kv(frame: bytes) -> ToDecodeKV:
+    return _decode(_to_decode_kv, frame)
+
+
+def decode_from_decode_kv(frame: bytes) -> FromDecodeKV:
+    return _decode(_from_decode_kv, frame)
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes):

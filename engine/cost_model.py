@@ -1,0 +1,158 @@
+"""CostModel: a step's wall time predicted from what the step computes, fitted online.
+
+    step_s ≈ c_prefill · prefill_tokens + c_attend · attended_ktokens + c_decode · decode_seqs
+             + c_step
+
+    prefill_tokens   tokens of prompts (or of resumed outputs) computed in the step
+    attended_ktokens thousands of (query, key) pairs attention reads: a token at position i
+                     attends to i + 1 keys, so a chunk of n tokens after c computed ones
+                     reads n·c + n(n+1)/2
+    decode_seqs      requests producing their next token (one query each)
+
+The coefficients are refitted by least squares over the latest `window` measured steps,
+non-negative (a feature whose coefficient would go negative is dropped from that fit), so a
+worker that never prefills simply keeps c_prefill at 0. Each step is predicted before it is
+observed; the median relative error of those predictions says how far to trust the model.
+
+Owns only numbers; the scheduler asks it through `engine.step_policy`, the planner
+(`duplex plan`) through `predict` and the JSON of `to_dict`.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+NAMES = ("prefill_token_s", "attended_ktoken_s", "decode_seq_s", "step_s")
+MIN_SAMPLES = 8  # fewer measured steps: the model abstains (predict -> None)
+
+
+class StepFeatures(NamedTuple):
+    num_prefill_tokens: int
+    attended_ktokens: float
+    num_decode_seqs: int
+
+    def vector(self) -> list[float]:
+        return [float(self.num_prefill_tokens), self.attended_ktokens,
+                float(self.num_decode_seqs), 1.0]
+
+
+def attended_pairs(num_computed: int, num_new: int) -> int:
+    """(query, key) pairs of a chunk of num_new tokens after num_computed cached ones."""
+    return num_new * num_computed + num_new * (num_new + 1) // 2
+
+
+def step_features(scheduled: Sequence) -> StepFeatures:
+    """Features of a scheduled step (ScheduledRequest pairs), read BEFORE the step advances
+    the requests. A request whose only missing token is its last one decodes; its draft
+    tokens, if any, count as prefill tokens."""
+    num_prefill, pairs, num_decode = 0, 0, 0
+    for req, num_new in scheduled:
+        start = req.num_computed_tokens
+        pairs += attended_pairs(start, num_new)
+        if start >= req.num_tokens - 1:
+            num_decode += 1
+            num_prefill += num_new - 1
+        else:
+            num_prefill += num_new
+    return StepFeatures(num_prefill, pairs / 1000.0, num_decode)
+
+
+class CostModel:
+    def __init__(self, window: int = 256, coef: Sequence[float] | None = None) -> None:
+        self._xs: deque[list[float]] = deque(maxlen=window)
+        self._ys: deque[float] = deque(maxlen=window)
+        self._errors: deque[float] = deque(maxlen=window)
+        self.coef = np.zeros(len(NAMES)) if coef is None else np.asarray(coef, dtype=float)
+        self.is_fitted = coef is not None
+        self.num_samples = 0
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """Record one measured step: score the prediction made without it, then refit."""
+        if seconds <= 0:
+            return
+        predicted = self.predict(features)
+        if predicted is not None:
+            self._errors.append(abs(predicted - seconds) / seconds)
+        self._xs.append(features.vector())
+        self._ys.append(seconds)
+        self.num_samples += 1
+        if len(self._ys) >= MIN_SAMPLES:
+            self.coef = _fit_non_negative(np.array(self._xs), np.array(self._ys))
+            self.is_fitted = True
+
+    # ------------------------------------------------------------------ asking
+    def predict(self, features: StepFeatures) -> float | None:
+        """Predicted seconds of a step, or None before the model has enough samples."""
+        if not self.is_fitted:
+            return None
+        return float(np.dot(self.coef, features.vector()))
+
+    def max_prefill_tokens(self, budget_s: float, *, num_decode_seqs: int = 0,
+                           decode_ktokens: float = 0.0, prefill_offset: int = 0,
+                           limit: int) -> int | None:
+        """Most prompt tokens (one chunk starting after prefill_offset computed tokens) that
+        fit in budget_s next to the decode work; None when the model cannot tell (not
+        fitted, or it sees no cost in prefill tokens)."""
+        c_prefill, c_attend = self.coef[0], self.coef[1]
+        if not self.is_fitted or c_prefill <= 0 and c_attend <= 0:
+            return None
+
+        def cost(n: int) -> float:
+            return self.predict(StepFeatures(
+                n, decode_ktokens + attended_pairs(prefill_offset, n) / 1000.0,
+                num_decode_seqs))
+
+        lo, hi = 0, max(0, limit)  # invariant: cost(lo) fits (or lo == 0)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if cost(mid) <= budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def median_rel_error(self) -> float:
+        return statistics.median(self._errors) if self._errors else 0.0
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict[str, float]:
+        """Flat figures for WorkerStats.extra (and /metrics)."""
+        out = {f"cost_{name}": float(c) for name, c in zip(NAMES, self.coef)}
+        out.update(cost_median_rel_error=self.median_rel_error,
+                   cost_num_samples=float(self.num_samples))
+        return out
+
+    def to_dict(self) -> dict:
+        return {"coef": dict(zip(NAMES, map(float, self.coef))),
+                "median_rel_error": self.median_rel_error, "num_samples": self.num_samples}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        """A fitted model from `to_dict` output (or {"coef": {...}} with NAMES as keys), or
+        from WorkerStats.extra-style keys ("cost_prefill_token_s", ...)."""
+        coef = data.get("coef", data)
+        values = [float(coef.get(name, coef.get(f"cost_{name}", 0.0))) for name in NAMES]
+        if not any(values):
+            raise ValueError("no cost-model coefficients found")
+        model = cls(coef=values)
+        model.num_samples = int(data.get("num_samples", data.get("cost_num_samples", 0)))
+        return model
+
+
+def _fit_non_negative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: refit without the features that come out
+    negative until none does (at most one pass per feature)."""
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            return coef
+        active = [j for j, c in zip(active, solution) if c > 0]
+    return coef

@@ -1,0 +1,57 @@
+"""How much one scheduler step may take on: the time budget and the fair prefill share.
+
+Two hooks the Scheduler calls at the start of a step (it owns neither policy):
+
+* `time_budget(...)` -> `scheduler.token_budget_fn`: the step's token budget is the decode
+  tokens of the running requests plus as many prompt tokens as the cost model predicts fit
+  in `--step-budget-ms` next to them (at least `min_chunk`, so prefill always progresses).
+  Until the model has enough samples, the static `max_num_batched_tokens` applies.
+* `fair_prefill(...)` -> `scheduler.prefill_chunk_fn`: a running prompt's chunk leaves a
+  token to each decoding request and, while requests wait, part of the budget to them, so
+  a short prompt that arrives during a long prefill gets its first token within a step or
+  two instead of after the whole long prompt, and running streams keep their pace (the
+  worker-side half of length bucketing; the router holds the queues).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.cost_model import CostModel, attended_pairs
+from engine.request import Request
+
+# A prompt chunk never shrinks below this many tokens (tiny chunks waste the weights read).
+MIN_CHUNK = 16
+
+
+def time_budget(model: CostModel, scheduler, budget_s: float,
+                min_chunk: int = MIN_CHUNK) -> Callable[[], int]:
+    def token_budget() -> int:
+        limit = scheduler.max_num_batched_tokens
+        decoding = [r for r in scheduler.running if _is_decoding(r)]
+        num_decode = len(decoding)
+        decode_ktokens = sum(attended_pairs(r.num_tokens - 1, 1) for r in decoding) / 1000.0
+        prompt = next((r for r in scheduler.running if not _is_decoding(r)), None)
+        offset = prompt.num_computed_tokens if prompt is not None else 0
+        tokens = model.max_prefill_tokens(budget_s, num_decode_seqs=num_decode,
+                                          decode_ktokens=decode_ktokens,
+                                          prefill_offset=offset, limit=limit - num_decode)
+        if tokens is None:
+            return limit
+        return num_decode + max(min_chunk, tokens)
+    return token_budget
+
+
+def fair_prefill(scheduler, share: float = 0.5,
+                 min_chunk: int = MIN_CHUNK) -> Callable[[Request, int], int]:
+    """A running prompt's chunk leaves one token for every decoding request and, while
+    requests wait, `share` of the budget to them; never less than min_chunk."""
+    def chunk_limit(req: Request, budget: int) -> int:
+        reserve = sum(1 for r in scheduler.running if _is_decoding(r))
+        if scheduler.waiting:
+            reserve += int(budget * share)
+        return max(min_chunk, budget - reserve)
+    return chunk_limit
+
+
+def _is_decoding(req: Request) -> bool:
+    return req.num_computed_tokens >= req.num_tokens - 1
