@@ -62,6 +62,15 @@ class KVCacheManager:
             hit.append(block_id)
         return hit
 
+    def num_cached_tokens(self, req: Request, num_hit_blocks: int, num_loaded: int) -> int:
+        """Tokens a hit of num_hit_blocks device and num_loaded tier blocks leaves computed
+        (engine.hybrid_kv may start lower, to rebuild sliding-window state)."""
+        return (num_hit_blocks + num_loaded) * self.block_size
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Manager-specific gauges for WorkerStats.extra (engine.hybrid_kv adds some)."""
+        return {}
+
     def _num_hittable_blocks(self, req: Request) -> int:
         """Full blocks a hit may cover: all but the last token (it must be computed)."""
         return (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
@@ -159,15 +168,6 @@ class KVCacheManager:
             if self.pool.publish(block_id, key) and self.tiers is not None:
                 self.tiers.on_publish(block_id, key, req.retention)
         req.num_published_blocks = num_full
-
-    def trim(self, req: Request) -> None:
-        """Free req's blocks past those its tokens need. After verification rejected draft
-        tokens, a block that held only their slots is empty again: it was never published
-        (it lies past num_computed_tokens), so it goes back to be reused first."""
-        keep = cdiv(req.num_tokens, self.block_size)
-        if len(req.block_ids) > keep:
-            self.pool.free(reversed(req.block_ids[keep:]), reuse_first=True)
-            del req.block_ids[keep:]
 
     def free(self, req: Request) -> None:
         """Release req's blocks, deepest first, so shallow prefix blocks outlive deep ones."""

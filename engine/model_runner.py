@@ -8,6 +8,9 @@ KV cache layout, one tensor for all layers:
     kv [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
 so kv[l, 0] / kv[l, 1] are layer l's contiguous k / v caches, and one block of every layer
 is kv[:, :, block_id] (what the host/disk tiers and KV transfer move).
+With a hybrid layout (engine/hybrid_kv.py: a model with sliding-window layers) `kv` holds the
+full-attention layers only and `swa_kv` the sliding-window layers, each with its own block
+ids; the step then carries a second block table and slot mapping for the SWA layers.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from engine.hybrid_kv import HybridLayout, swa_step_inputs
 from engine.models import ForwardContext
 from engine.scheduler import ScheduledRequest
 
@@ -27,11 +31,17 @@ class StepInputs(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 layout: HybridLayout | None = None) -> None:
         args = model.args
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.layout = layout
+        self.swa_kv = None
+        if layout is not None:
+            self.kv, self.swa_kv, self.kv_caches = layout.allocate(args, block_size, dtype)
+            return
         self.kv = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads,
                               args.head_dim, dtype=dtype)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(args.num_layers)]
@@ -55,6 +65,8 @@ class ModelRunner:
             table = torch.tensor(req.block_ids, dtype=torch.long)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
+            if req.replay_end > start:  # replayed for SWA only: full layers keep their KV
+                slots[-1][pos < req.replay_end] = -1
             q_starts.append(q_starts[-1] + num_new)
             seq_lens.append(end)
             max_blocks = max(max_blocks, len(req.block_ids))
@@ -69,6 +81,10 @@ class ModelRunner:
             block_tables=block_tables,
             query_start_loc=torch.tensor(q_starts, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), kv_caches=self.kv_caches)
+        if self.layout is not None:
+            num_cols = max(max_blocks, *(len(s.req.swa_block_ids) for s in scheduled))
+            ctx.swa_block_tables, ctx.swa_slot_mapping = swa_step_inputs(
+                scheduled, bs, self.layout.null_block, num_cols)
         return StepInputs(torch.tensor(ids, dtype=torch.long), ctx, sample_rows, sample_positions)
 
     @torch.inference_mode()

@@ -47,6 +47,10 @@ class Request:
         self.block_ids: list[int] = []
         self.block_keys: list[bytes] = []  # content addresses of the full blocks of all_token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
+        # hybrid KV (engine/hybrid_kv.py): the sliding-window layers' block table, NULL out of
+        # the window; positions below replay_end are recomputed for those layers only
+        self.swa_block_ids: list[int] = []
+        self.replay_end = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.logprobs: list[TokenLogprob] = []

@@ -126,7 +126,7 @@ class Scheduler:
         if req.num_computed_tokens == 0:  # only a request without KV takes a prefix hit
             hit = self.kv.find_cached_blocks(req)
             loaded = self.kv.find_tier_blocks(req, len(hit))
-        num_cached = (len(hit) + len(loaded)) * self.kv.block_size
+        num_cached = self.kv.num_cached_tokens(req, len(hit), len(loaded))
         num_new = min(req.num_tokens - max(req.num_computed_tokens, num_cached), budget)
         if not self.kv.allocate_slots(req, num_new, hit, loaded):
             return None

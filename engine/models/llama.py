@@ -30,6 +30,15 @@ class ForwardContext:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    # hybrid KV (engine/hybrid_kv.py): sliding-window layers' own block ids; None: shared
+    swa_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
+    swa_slot_mapping: torch.Tensor | None = None  # int64 [num_tokens]
+
+    def group_inputs(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables, slot_mapping) of a layer's KV group."""
+        if sliding_window is not None and self.swa_block_tables is not None:
+            return self.swa_block_tables, self.swa_slot_mapping
+        return self.block_tables, self.slot_mapping
 
 
 class Attention:
@@ -60,8 +69,9 @@ class Attention:
         q, k, v = self.project_qkv(x)
         q, k = ops.rotary_embedding(ctx.positions, q, k, cos_sin)
         k_cache, v_cache = ctx.kv_caches[layer]
-        ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.query_start_loc,
+        block_tables, slot_mapping = ctx.group_inputs(self.sliding_window)
+        ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, block_tables, ctx.query_start_loc,
                                   ctx.seq_lens, self.scale, self.sliding_window)
         return ops.linear(out.reshape(-1, self.q_size), self.o_weight)  # [T, hidden]
 
