@@ -55,6 +55,9 @@ class EngineConfig:
     speculation: str = "off"  # "off" | "ngram" | "draft" | "self"
     num_draft_tokens: int = 5
     draft_model: str | None = None
+    spec_confidence: bool = True  # draft lengths from the confidence head; else fixed length
+    spec_draft_layers: int = 0  # layers of the self-draft (early exit); 0: a quarter
+    spec_token_cost: float = 0.0  # verify cost per token / fixed step cost; 0: measure
     batch_invariant: bool = False
     kv_dir: str | None = None  # SSD tier root; None = no disk tier
     kv_host_bytes: int = 0  # host-RAM tier capacity; 0 = no RAM tier
@@ -81,6 +84,12 @@ class EngineConfig:
                  "must be off, ngram, draft or self", self.speculation)
         _require(1 <= self.num_draft_tokens <= 16, "num_draft_tokens", "must be in [1, 16]",
                  self.num_draft_tokens)
+        _require(self.speculation != "draft" or bool(self.draft_model), "draft_model",
+                 "is needed by speculation 'draft'", self.draft_model)
+        _require(self.spec_draft_layers >= 0, "spec_draft_layers", "must be >= 0",
+                 self.spec_draft_layers)
+        _require(self.spec_token_cost >= 0.0, "spec_token_cost", "must be >= 0",
+                 self.spec_token_cost)
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                  "must be >= 1", self.max_model_len)
 

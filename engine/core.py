@@ -1,6 +1,13 @@
 """EngineCore: the worker's engine, free of sockets: add / abort requests, step, report.
 
-    step = schedule -> prepare inputs -> forward -> sample -> update requests -> deltas
+    step = [draft] -> schedule -> prepare inputs -> forward -> sample or verify
+           -> update requests -> deltas
+
+With speculation on (engine/spec), decoding requests first get draft tokens; they ride in
+the same flattened batch as every other request's tokens, the runner returns logits for
+each draft row and the bonus row, and verification appends the accepted drafts plus one
+token, after which the rejected drafts' KV is dropped (num_computed_tokens rolls back,
+KVCacheManager.trim frees blocks that held nothing else).
 
 The worker process (engine/worker.py) drives it from one thread at a time; the offline
 API (engine/llm.py) drives it in-process. Both see the same RequestDelta stream.
@@ -12,6 +19,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +35,7 @@ from engine.models import build_model, load
 from engine.request import Request, Status
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec import SpecOptions, Speculator
 from engine.step_policy import time_budget
 from kernels.batch_invariant import set_batch_invariant_mode
 from kvstore import keys as kvkeys
@@ -83,6 +92,11 @@ class EngineCore:
             self.scheduler.token_budget_fn = time_budget(self.cost_model, self.scheduler,
                                                          config.step_budget_ms / 1000.0)
         self.sampler = Sampler(config.seed)
+        self.spec = None if config.speculation == "off" else Speculator.build(
+            SpecOptions.from_config(config), model=self.model, runner=self.runner, kv=self.kv,
+            load_model=self._load_draft_model, num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
+            seed=config.seed)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
         self._stats = WorkerStats()
@@ -110,6 +124,8 @@ class EngineCore:
             if req is None:
                 continue
             self.scheduler.remove(req)
+            if self.spec is not None:
+                self.spec.free(req)
             self._pending_deltas.append(self._delta(req, [], [], "abort"))
 
     def has_unfinished_requests(self) -> bool:
@@ -119,42 +135,95 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
         self._expire_deadlines(deltas)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return deltas
+        if self.spec is not None:
+            self.spec.clip(sched.scheduled)
         features, start = step_features(sched.scheduled), time.perf_counter()
         inputs = self.runner.prepare(sched.scheduled)
         sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
+        rows = None if self.spec is None else \
+            Speculator.logit_rows(inputs.sample_positions, sampled)
         # batch-invariant ops are a process-wide switch: set it for this engine's step only
         with set_batch_invariant_mode(self.config.batch_invariant):
-            logits = self.runner.execute(inputs)
-            out = self.sampler(logits, sampled)
-        deltas += self._update(sched, dict(zip((r.req_id for r in sampled),
-                                               zip(out.token_ids, out.logprobs))))
+            logits = self.runner.execute(inputs, rows)
+            out = self._sample(logits, sampled)
+        deltas += self._update(sched, out)
         self.cost_model.observe(features, time.perf_counter() - start)
         self._counters["steps"] += 1
         return deltas
 
-    def _update(self, sched: SchedulerOutput, sampled: dict) -> list[RequestDelta]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, _Sampled]:
+        """New tokens of each sampled request: one from the sampler, or, for a request with
+        drafts, its accepted drafts and one more from verification (logits rows: a drafting
+        request's k draft rows and its bonus row, one row for the others, in order)."""
+        out, plain, row = {}, [], 0
+        for req in reqs:
+            num_drafts = len(req.spec_token_ids)
+            if num_drafts:
+                verified = self.spec.verify(req, logits[row:row + num_drafts + 1],
+                                            self.sampler.generator)
+                token_ids = verified.token_ids
+                logprobs = self.sampler.logprobs(logits[row:row + len(token_ids)],
+                                                 [req] * len(token_ids), token_ids)
+                out[req.req_id] = _Sampled(token_ids, logprobs, num_drafts, verified.num_accepted)
+            else:
+                plain.append((row, req))
+            row += num_drafts + 1
+        if plain:
+            result = self.sampler(logits[[r for r, _ in plain]], [req for _, req in plain])
+            for (_, req), token_id, logprob in zip(plain, result.token_ids, result.logprobs):
+                out[req.req_id] = _Sampled([token_id], [logprob], 0, 0)
+        return out
+
+    def _update(self, sched: SchedulerOutput, sampled: dict[str, _Sampled]) -> list[RequestDelta]:
         deltas = []
         for req, num_new in sched.scheduled:
             req.num_computed_tokens += num_new
             self._counters["computed"] += min(num_new, max(0, req.num_prompt_tokens -
                                                            (req.num_computed_tokens - num_new)))
+            out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
+            delta = None if out is None else self._append(req, out)
+            if req.spec_token_ids:
+                self._drop_rejected(req)
             self.kv.publish(req)
-            if req.req_id not in sampled:
-                continue  # a prefill chunk that does not reach the end of the prompt
-            token_id, logprob = sampled[req.req_id]
-            req.append_output(token_id)
-            self._counters["generated"] += 1
-            finished = req.check_stop(self.max_model_len)
-            deltas.append(self._delta(req, [token_id], [logprob] if logprob else [],
-                                      req.finish_reason if finished else None))
-            if finished:
+            if delta is None:
+                continue
+            deltas.append(delta)
+            if delta.finish_reason:
                 self._finish(req)
         return deltas
 
+    def _append(self, req: Request, out: _Sampled) -> RequestDelta:
+        """Append the step's tokens in order; a stop (EOS, stop token, length) on one of
+        them ends the request there and drops the rest."""
+        num, finished = 0, False
+        while num < len(out.token_ids) and not finished:
+            req.append_output(out.token_ids[num])
+            num += 1
+            finished = req.check_stop(self.max_model_len)
+        mask = [i < out.num_accepted for i in range(num)]
+        req.num_draft_proposed += out.num_proposed
+        req.num_draft_accepted += sum(mask)
+        self._counters["generated"] += num
+        return self._delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
+                           req.finish_reason if finished else None,
+                           num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
+                           accepted_draft_mask=mask if out.num_proposed else [])
+
+    def _drop_rejected(self, req: Request) -> None:
+        """After verification: the KV of rejected drafts is no longer computed (their slots
+        are overwritten later), and blocks that held only those slots are freed."""
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        req.spec_token_ids = []
+        self.kv.trim(req)
+
     def _finish(self, req: Request) -> None:
+        if self.spec is not None:
+            self.spec.free(req)
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
         self._counters["cached"] += max(0, req.num_cached_tokens)
@@ -166,12 +235,17 @@ class EngineCore:
             self._finish(req)
             deltas.append(self._delta(req, [], [], "abort", error="request timed out"))
 
-    def _delta(self, req: Request, token_ids, logprobs, finish_reason, error="") -> RequestDelta:
+    def _delta(self, req: Request, token_ids, logprobs, finish_reason, error="",
+               **spec) -> RequestDelta:
         return RequestDelta(
             req.req_id, token_ids, logprobs, finish_reason, req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(0, req.num_cached_tokens),
-            cached_tokens_by_tier=req.cached_tokens_by_tier, error=error)
+            cached_tokens_by_tier=req.cached_tokens_by_tier, error=error, **spec)
+
+    def _load_draft_model(self, path: str):
+        loaded = load(resolve_model_path(path), self.dtype, progress=False)
+        return build_model(loaded.args, loaded.state_dict)
 
     # ------------------------------------------------------------------ checks and stats
     def _validate(self, msg: AddRequest) -> None:
@@ -218,7 +292,8 @@ class EngineCore:
             num_prompt_tokens=c["prompt"], num_computed_prompt_tokens=c["computed"],
             num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
-            extra={**self._kv_metrics(), **self.cost_model.metrics(), **self._model_metrics()})
+            extra={**self._kv_metrics(), **self.cost_model.metrics(), **self._model_metrics(),
+                   **(self.spec.metrics() if self.spec is not None else {})})
 
     def _model_metrics(self) -> dict[str, float]:
         """Model-specific gauges: expert load per rank and imbalance for MoE models."""
@@ -242,6 +317,14 @@ class EngineCore:
             store = self.tiers.stats()
             metrics.update({f"kv_{name}": store[name] for name in _STORE_METRICS})
         return metrics
+
+
+class _Sampled(NamedTuple):
+    """A request's new tokens from one step (before stop checks)."""
+    token_ids: list[int]
+    logprobs: list
+    num_proposed: int  # drafts verified
+    num_accepted: int  # of which accepted (they lead token_ids)
 
 
 _STORE_METRICS = ("bytes_host", "bytes_disk", "entries_host", "entries_disk", "evictions_host",

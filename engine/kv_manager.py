@@ -169,6 +169,15 @@ class KVCacheManager:
                 self.tiers.on_publish(block_id, key, req.retention)
         req.num_published_blocks = num_full
 
+    def trim(self, req: Request) -> None:
+        """Free req's blocks past those its tokens need. After verification rejected draft
+        tokens, a block that held only their slots is empty again: it was never published
+        (it lies past num_computed_tokens), so it goes back to be reused first."""
+        keep = cdiv(req.num_tokens, self.block_size)
+        if len(req.block_ids) > keep:
+            self.pool.free(reversed(req.block_ids[keep:]), reuse_first=True)
+            del req.block_ids[keep:]
+
     def free(self, req: Request) -> None:
         """Release req's blocks, deepest first, so shallow prefix blocks outlive deep ones."""
         self.pool.free(reversed(req.block_ids))
