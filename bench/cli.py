@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "spec": ("bench.spec", "speculative decoding: drafters, confidence head"),
     "disagg": ("bench.disagg", "unified vs prefill/decode workers on mixed traffic"),
     "kv": ("bench.kv", "KV cache tiers: hit rates, cached TTFT, disk read rate"),
+    "swa": ("bench.swa", "sliding-window models: bonded window replay vs full KV caching"),
     "invariance": ("bench.invariance", "batch dependence of outputs, with and without "
                    "--batch-invariant"),
 }
