@@ -32,6 +32,7 @@ _HELP = {
     "chat_ttl_s": "retention of chat KV blocks in seconds (default 7 days)",
     "agent_ttl_s": "retention of agent KV blocks in seconds (default 3 days)",
     "step_budget_ms": "time budget of one scheduler step in ms (0: token budget only)",
+    "hybrid_kv": "sliding-window layers keep only their window of KV (models with SWA layers)",
 }
 
 
