@@ -3,6 +3,12 @@
 Owns the core (nothing else calls it), the ids and deadlines of the requests it has admitted,
 and the inbox of messages that arrived while a step was running.
 
+Roles: a unified worker runs requests to their end. A prefill worker runs a request that names
+a decode worker (`handoff_to`) up to its first token and hands its KV over
+(`engine.kv_transfer.KVSender`); a decode worker binds a KV door and continues what prefill
+workers hand it (`KVIntake`). Any worker runs a request without `handoff_to` to its end, so a
+stream can always be recomputed wherever a worker is alive.
+
 Threading invariant: the core is built and stepped in ONE executor thread, and every other
 core call (add, abort, stats) runs on the loop thread while no step is in flight, so the core
 is never entered by two threads at once. While a step computes (torch releases the GIL) the
@@ -15,22 +21,25 @@ exception.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import logging
 import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
+from engine.kv_transfer import LEASE_S, KVIntake, KVSender, prefill_part
 from engine.messages import (AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
                              RequestDelta, Shutdown, WorkerError, WorkerStats)
 from engine.sampling_params import SamplingParams
+from engine.step_policy import fair_prefill
 from engine.zmq_io import Channel, worker_channel
 
 log = logging.getLogger(__name__)
@@ -38,6 +47,21 @@ log = logging.getLogger(__name__)
 ROLES = ("unified", "prefill", "decode")
 DEADLINE_ERROR = "deadline exceeded"
 SHUTDOWN_ERROR = "worker shutting down"
+DEFAULT_KV_BIND = "tcp://127.0.0.1:*"
+_HANDOFF_TICK_S = 0.25  # how often leases are checked while hand-offs are in flight
+
+
+def role_config(config: EngineConfig, role: str) -> EngineConfig:
+    """A decode worker receives KV blocks into its host tier: it gets one (as large as the
+    device pool) when none is configured."""
+    if role == "decode" and config.enable_prefix_caching and config.kv_host_bytes <= 0:
+        return dataclasses.replace(config, kv_host_bytes=config.kv_cache_bytes)
+    return config
+
+
+class _HandedOver(NamedTuple):
+    """Inbox item: a request a prefill worker handed to this decode worker."""
+    msg: AddRequest
 
 
 class Core(Protocol):
@@ -60,7 +84,8 @@ CoreFactory = Callable[[EngineConfig], Core]
 class Worker:
     def __init__(self, config: EngineConfig, core_factory: CoreFactory, *, address: str,
                  worker_id: str, role: str = "unified", heartbeat_s: float = 0.5,
-                 step_in_thread: bool = True) -> None:
+                 step_in_thread: bool = True, kv_bind: str = DEFAULT_KV_BIND,
+                 lease_s: float = LEASE_S, fair_prefill: bool = True) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.config = config
@@ -70,6 +95,12 @@ class Worker:
         self._address = address
         self._heartbeat_s = heartbeat_s
         self._step_in_thread = step_in_thread  # False only to measure what the thread costs
+        self._kv_bind = kv_bind
+        self._lease_s = lease_s
+        self._fair_prefill = fair_prefill
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sender: KVSender | None = None  # prefill role, real core
+        self._intake: KVIntake | None = None  # decode role, real core
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="core")
         self._core: Core | None = None
         self._channel: Channel | None = None
@@ -85,7 +116,7 @@ class Worker:
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
         """Serve until Shutdown (returns 0) or a fatal error (sends WorkerError, returns 1)."""
-        ctx = zmq.asyncio.Context()
+        ctx = self._ctx = zmq.asyncio.Context()
         self._channel = worker_channel(ctx, self._address, self.worker_id)
         try:
             await self._start_core()
@@ -97,8 +128,16 @@ class Worker:
             return 1
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            for side in (self._sender, self._intake):
+                if side is not None:
+                    side.close()
             self._channel.close(linger_ms=1000)  # let the last Outputs / WorkerError leave
             ctx.term()
+
+    @property
+    def core(self) -> Core | None:
+        """The engine, read-only for callers (e.g. to save its cost model after `run`)."""
+        return self._core
 
     def request_shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Same as receiving Shutdown (for signal handlers)."""
@@ -109,6 +148,22 @@ class Worker:
         self._core = await self._in_core_thread(self._core_factory, self.config)
         await self._in_core_thread(self._warm_up)
         self._stats = self._core.stats()
+        self._attach_role()
+
+    def _attach_role(self) -> None:
+        """Hand-off sides and the fair prefill share need a real engine (fakes have none)."""
+        core = self._core
+        if self._fair_prefill and hasattr(core, "scheduler"):
+            core.scheduler.prefill_chunk_fn = fair_prefill(core.scheduler)
+        if not hasattr(core, "runner"):
+            return
+        if self.role == "prefill":
+            self._sender = KVSender(core, self._ctx, self.worker_id, wakeup=self._wakeup.set,
+                                    lease_s=self._lease_s)
+        elif self.role == "decode":
+            self._intake = KVIntake(core, self._ctx, self._kv_bind,
+                                    deliver=self._deliver_handed_over,
+                                    is_live=self._live_req_ids.__contains__)
 
     def _warm_up(self) -> None:
         """One tiny request through the whole path, so the first real step is not the slowest."""
@@ -126,6 +181,10 @@ class Worker:
             tasks = [group.create_task(self._announce_forever()),
                      group.create_task(self._receive_forever()),
                      group.create_task(self._heartbeat_forever())]
+            if self._intake is not None:
+                tasks.append(group.create_task(self._intake.serve_forever()))
+            if self._sender is not None:
+                tasks.append(group.create_task(self._tick_forever()))
             await self._serve()
             for task in tasks:
                 task.cancel()
@@ -137,9 +196,11 @@ class Worker:
             self._apply_inbox()  # add / abort / shutdown, only between steps
             self._expire_deadlines()
             self._end_drain_if_due()
+            await self._hand_off()  # offers of new requests go out before their first step
             if self._core.has_unfinished_requests():
                 self._outbox += await self._step()
             await self._send_outbox()
+            await self._hand_off()  # blocks the step completed, KvDone after first tokens
 
     def _is_done(self) -> bool:
         return (self._drain_until is not None and not self._inbox
@@ -156,8 +217,11 @@ class Worker:
             match self._inbox.popleft():
                 case AddRequest() as req:
                     self._add(req)
+                case _HandedOver(msg=req):
+                    self._continue(req)
                 case AbortRequests(req_ids=req_ids):
                     self._abort(req_ids, finish_reason="abort", error="")
+                    self._forget_handoffs(req_ids)
                 case Shutdown(drain_timeout_s=drain_s):
                     self._begin_shutdown(drain_s)
 
@@ -178,6 +242,8 @@ class Worker:
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._live_req_ids.discard(delta.req_id)
+        if self._sender is not None:
+            deltas = self._sender.after_step(deltas)  # pins handed-off blocks at once
         return deltas
 
     async def _send_outbox(self) -> None:
@@ -186,19 +252,54 @@ class Worker:
             await self._send(Outputs(self.worker_id, deltas))
 
     # ------------------------------------------------------------------ requests
-    def _add(self, req: AddRequest) -> None:
+    def _add(self, req: AddRequest) -> bool:
+        """Admit req; False (after an error delta) if it cannot run. A request already
+        running here is a resume that raced with its own hand-off: it keeps running."""
+        if req.req_id in self._live_req_ids and (req.output_token_ids or self._intake):
+            log.info("worker %s: %s already runs here", self.worker_id, req.req_id)
+            return True
+        is_handoff = self._sender is not None and bool(req.handoff_to)
+        if self._sender is not None:
+            self._sender.cancel([req.req_id])  # added again: it supersedes its old hand-off
         error = self._admission_error(req)
         if error is None:
             try:
-                self._core.add_request(req)
+                self._core.add_request(prefill_part(req) if is_handoff else req)
             except ValueError as e:
                 error = str(e) or "invalid request"
         if error is not None:
             self._outbox.append(_final_delta(req.req_id, "error", error))
-            return
+            return False
         self._live_req_ids.add(req.req_id)
         if req.deadline > 0:
             heapq.heappush(self._deadlines, (req.deadline, req.req_id))
+        if is_handoff:
+            self._sender.start(req)
+        return True
+
+    def _continue(self, req: AddRequest) -> None:
+        """A handed-over request: run it, then acknowledge (the prefill side frees)."""
+        if self._add(req):
+            self._intake.accepted(req.req_id)
+        else:
+            self._intake.refused(req.req_id, "could not be admitted")
+
+    def _deliver_handed_over(self, req: AddRequest) -> None:
+        self._inbox.append(_HandedOver(req))
+        self._wakeup.set()
+
+    def _forget_handoffs(self, req_ids: list[str]) -> None:
+        if self._sender is not None:
+            self._sender.cancel(req_ids)
+        if self._intake is not None:
+            self._intake.forget(req_ids)
+
+    async def _hand_off(self) -> None:
+        if self._sender is not None:
+            for failure in await self._sender.pump():
+                await self._send(failure)
+        if self._intake is not None:
+            await self._intake.flush()
 
     def _admission_error(self, req: AddRequest) -> str | None:
         if self._drain_until is not None:
@@ -214,6 +315,8 @@ class Worker:
             return
         self._core.abort_requests(live)
         self._live_req_ids.difference_update(live)
+        if self._sender is not None:
+            self._sender.cancel(live)
         self._outbox += [_final_delta(req_id, finish_reason, error) for req_id in live]
 
     def _expire_deadlines(self) -> None:
@@ -245,6 +348,13 @@ class Worker:
             self._inbox.append(received.msg)
             self._wakeup.set()
 
+    async def _tick_forever(self) -> None:
+        """Wake the loop while hand-offs are in flight, so leases end on time when idle."""
+        while True:
+            await asyncio.sleep(_HANDOFF_TICK_S)
+            if self._sender.has_work:
+                self._wakeup.set()
+
     async def _heartbeat_forever(self) -> None:
         while True:
             await self._send(Heartbeat(self.worker_id, self._current_stats(), time.time()))
@@ -255,6 +365,12 @@ class Worker:
         if not self._is_stepping:
             self._stats = self._core.stats()
         extra = dict(self._stats.extra, num_rejected_frames=self._channel.receiver.num_rejected)
+        if self._sender is not None:
+            extra.update({f"handoff_{k}": float(v) for k, v in self._sender.counters.items()})
+            extra["handoff_blocks_pinned"] = float(self._sender.num_pinned_blocks)
+        if self._intake is not None:
+            extra.update({f"intake_{k}": float(v) for k, v in self._intake.counters.items()})
+            extra["num_rejected_kv_frames"] = float(self._intake.num_rejected)
         return msgspec.structs.replace(self._stats, extra=extra)
 
     # ------------------------------------------------------------------ plumbing
@@ -263,7 +379,11 @@ class Worker:
         return Ready(self.worker_id, self.role, core.model_name, core.max_model_len,
                      core.block_size, core.num_kv_blocks,
                      batch_invariant=self.config.batch_invariant,
-                     speculation=self.config.speculation, pid=os.getpid())
+                     speculation=self.config.speculation, pid=os.getpid(),
+                     kv_address=self._intake.address if self._intake else "",
+                     model_identity=getattr(core, "model_identity", ""),
+                     kv_dtype=self.config.weights_dtype if hasattr(core, "runner") else "",
+                     kv_layout=getattr(core, "kv_layout", ""))
 
     async def _in_core_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

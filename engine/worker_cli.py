@@ -1,6 +1,10 @@
 """`duplex worker`: run one engine worker process that connects to a frontend.
 
     duplex worker --role unified --connect ipc:///tmp/duplex/worker-0.ipc [engine flags]
+    duplex worker --role decode --connect tcp://10.0.0.5:5555 --kv-bind tcp://10.0.0.6:5600
+
+A decode worker binds a KV door (--kv-bind, default a free port on 127.0.0.1) and announces
+it to the frontend; prefill workers connect to it to hand over KV blocks.
 
 The supervisor starts it as `python -m engine.worker_cli ... --config-json '{...}'`, where the
 JSON EngineConfig replaces the engine flags. Hidden flags: `--core module:attr` picks another
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
+import json
 import logging
 import os
 import signal
@@ -20,7 +25,8 @@ import msgspec
 
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine.config import EngineConfig
-from engine.worker import ROLES, CoreFactory, Worker
+from engine.kv_transfer import LEASE_S
+from engine.worker import DEFAULT_KV_BIND, ROLES, CoreFactory, Worker, role_config
 
 DEFAULT_CORE = "engine.core:EngineCore"
 _PR_SET_PDEATHSIG = 1
@@ -39,6 +45,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an EngineConfig as JSON; replaces the engine flags")
     parser.add_argument("--heartbeat-s", type=float, default=0.5,
                         help="seconds between heartbeats")
+    parser.add_argument("--kv-bind", default=DEFAULT_KV_BIND, metavar="ADDRESS",
+                        help="decode role: address of the KV door prefill workers connect to "
+                             "(tcp://HOST:PORT, port * = any free one)")
+    parser.add_argument("--handoff-lease-s", type=float, default=LEASE_S, metavar="S",
+                        help="prefill role: longest time blocks are held for a decode worker's "
+                             "acknowledgement before the hand-off fails")
+    parser.add_argument("--cost-model-out", default=None, metavar="JSON",
+                        help="on exit, save the step-time cost model here (for `duplex plan`)")
+    parser.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="a long prompt's chunks leave part of each step to waiting "
+                             "requests and running streams")
     parser.add_argument("--core", default=DEFAULT_CORE, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     add_engine_arguments(parser)
@@ -48,10 +65,23 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.parent_pid is not None:
         _die_with_parent(args.parent_pid)
-    worker = Worker(_config_from(args), resolve_core_factory(args.core), address=args.connect,
+    worker = Worker(role_config(_config_from(args), args.role), resolve_core_factory(args.core),
+                    address=args.connect,
                     worker_id=args.worker_id or f"{args.role}-{os.getpid()}", role=args.role,
-                    heartbeat_s=args.heartbeat_s)
-    return _run_on_uvloop(worker)
+                    heartbeat_s=args.heartbeat_s, kv_bind=args.kv_bind,
+                    lease_s=args.handoff_lease_s, fair_prefill=args.fair_prefill)
+    code = _run_on_uvloop(worker)
+    if args.cost_model_out:
+        _save_cost_model(worker, args.cost_model_out)
+    return code
+
+
+def _save_cost_model(worker: Worker, path: str) -> None:
+    model = getattr(worker.core, "cost_model", None)
+    if model is not None:
+        with open(path, "w") as f:
+            json.dump({"worker_id": worker.worker_id, "role": worker.role,
+                       "cost_model": model.to_dict()}, f, indent=1)
 
 
 def resolve_core_factory(spec: str) -> CoreFactory:

@@ -1,6 +1,9 @@
 """Typed message queues over ZeroMQ: the only module of ours that touches a socket.
 
 One frontend binds a ROUTER; each worker connects a DEALER whose routing id is its worker id.
+For the prefill/decode split, each decode worker also binds a ROUTER for KV (`kv_server_
+channel`) and prefill workers connect a DEALER to it (`kv_client_channel`): KV bytes go from
+prefill to decode directly, never through the frontend.
 A message on the wire is a list of frames:
 
     [routing id]   ROUTER side only: added on send, stripped on receive by zmq itself
@@ -22,8 +25,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.messages import (MAX_FRAME_BYTES, BadFrame, decode_from_worker, decode_to_worker,
-                             encode)
+from engine.messages import (MAX_FRAME_BYTES, BadFrame, decode_from_decode_kv,
+                             decode_from_worker, decode_to_decode_kv, decode_to_worker, encode)
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +156,25 @@ def frontend_channel(ctx: zmq.asyncio.Context, address: str, **limits: int) -> C
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
     socket.bind(address)
     return Channel(socket, decode_from_worker, **limits)
+
+
+def kv_server_channel(ctx: zmq.asyncio.Context, address: str, *, max_raw_frames: int,
+                      **limits: int) -> Channel:
+    """A decode worker's KV door: a ROUTER bound at `address` (`tcp://127.0.0.1:*` picks a
+    free port; `address` of the channel tells which), to which prefill workers connect."""
+    socket = ctx.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    socket.bind(address)
+    return Channel(socket, decode_to_decode_kv, max_raw_frames=max_raw_frames, **limits)
+
+
+def kv_client_channel(ctx: zmq.asyncio.Context, address: str, worker_id: str) -> Channel:
+    """A prefill worker's link to one decode worker's KV door (a DEALER, routing id =
+    the prefill worker's id, so the decode worker can answer it)."""
+    socket = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.ROUTING_ID, worker_id.encode())
+    socket.setsockopt(zmq.LINGER, 0)
+    channel = Channel(socket, decode_from_decode_kv)
+    socket.connect(address)
+    return channel

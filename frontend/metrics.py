@@ -61,6 +61,10 @@ class Metrics:
         self.workers = Gauge("duplex_workers", "Engine workers by role (the layout)", ["role"],
                              registry=r)
         self.engine_ready = Gauge("duplex_engine_ready", "1 when a worker is ready", registry=r)
+        self.worker_figures = Gauge(
+            "duplex_worker_figure", "Per-worker figures: cost-model coefficients (cost_*), "
+            "median relative step-time prediction error, KV hand-offs (handoff_*, intake_*)",
+            ["worker", "name"], registry=r)
         self._window: collections.deque[list[int]] = collections.deque()  # [second, tokens]
         self.num_draft_proposed = 0  # totals for /v1/status (counters are write-only)
         self.num_draft_accepted = 0
@@ -110,6 +114,12 @@ class Metrics:
             self.kv_blocks_total.set(stats.num_kv_blocks_total)
             self.kv_usage.set(kv_usage(stats))
 
+    def update_workers(self, worker_stats: dict[str, WorkerStats]) -> None:
+        for worker_id, stats in worker_stats.items():
+            for name, value in stats.extra.items():
+                if name.startswith(_WORKER_FIGURES):
+                    self.worker_figures.labels(worker_id, name).set(value)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -124,6 +134,9 @@ class Metrics:
     def _trim(self, second: int) -> None:
         while self._window and self._window[0][0] <= second - THROUGHPUT_WINDOW_S:
             self._window.popleft()
+
+
+_WORKER_FIGURES = ("cost_", "handoff_", "intake_", "num_rejected_kv_frames")
 
 
 def kv_usage(stats: WorkerStats) -> float:

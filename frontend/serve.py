@@ -1,8 +1,9 @@
-"""`duplex serve`: the API server process (aiohttp on uvloop) and its engine worker.
+"""`duplex serve`: the API server process (aiohttp on uvloop) and its engine workers.
 
-    1 parse flags -> EngineConfig + ServerOptions
+    1 parse flags -> EngineConfig + ServerOptions + WorkerLayout
     2 load the recipe (tokenizer, chat template) of the model
-    3 start the supervisor (worker process) and the EngineClient talking to it
+    3 start the supervisor (one unified worker process, or --prefill-workers N and
+      --decode-workers M) and the EngineClient (with its router) talking to them
     4 serve HTTP at once (/health says 503 until the worker is ready); print the URL when ready
     5 on SIGTERM / SIGINT: refuse new requests (503), let in-flight ones finish for up to
       --shutdown-timeout, end the rest with one terminal error each, stop the worker, exit 0
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -20,12 +22,41 @@ from aiohttp import web
 
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
+from engine.kv_transfer import LEASE_S
+from frontend.router import DEFAULT_BUCKETS, parse_buckets
 from frontend.server import AppState, ServerOptions, build_app
 
 log = logging.getLogger("duplex.serve")
 
 # After the drain timeout, streams still open get their terminal error; this long to send it.
 FINAL_FLUSH_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerLayout:
+    """Which worker processes serve, and how requests are spread over them."""
+    num_prefill: int = 0  # 0 and 0: one unified worker
+    num_decode: int = 0
+    length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    handoff_failure: str = "recompute"
+    handoff_lease_s: float = LEASE_S
+    fair_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 0:
+            raise ValueError("--prefill-workers and --decode-workers must be >= 0")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError("a split needs both --prefill-workers and --decode-workers >= 1")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        if not self.num_prefill:
+            return ("unified",)
+        return ("prefill",) * self.num_prefill + ("decode",) * self.num_decode
+
+    def worker_args(self) -> list[str]:
+        return ["--handoff-lease-s", str(self.handoff_lease_s),
+                "--fair-prefill" if self.fair_prefill else "--no-fair-prefill"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +81,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest request body accepted")
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
+    workers = parser.add_argument_group("workers")
+    workers.add_argument("--prefill-workers", type=int, default=0, metavar="N",
+                         help="prefill worker processes (with --decode-workers; default: one "
+                              "unified worker)")
+    workers.add_argument("--decode-workers", type=int, default=0, metavar="M",
+                         help="decode worker processes (with --prefill-workers)")
+    workers.add_argument("--length-buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
+                         metavar="B1,B2", help="prefill queues by prompt tokens after cache "
+                         "hits: <=B1, <=B2, >B2 ('none': one FIFO)")
+    workers.add_argument("--handoff-failure", choices=["recompute", "fail"],
+                         default="recompute", help="when a KV hand-off or a worker fails: "
+                         "recompute the stream on a live worker, or fail it")
+    workers.add_argument("--handoff-lease-s", type=float, default=LEASE_S, metavar="S",
+                         help="longest a prefill worker holds blocks for a decode worker")
+    workers.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction,
+                         default=True, help="long prompts leave part of each step to short "
+                         "ones and to running streams")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,12 +111,19 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
             client_max_size=args.max_body_bytes)
         model_path = resolve_model_path(config.model)
+        layout = layout_from_args(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"duplex serve: {e}", file=sys.stderr)
         return 2
     import uvloop
     return uvloop.run(serve(config, options, model_path, args.host, args.port,
-                            args.shutdown_timeout))
+                            args.shutdown_timeout, layout))
+
+
+def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
+    return WorkerLayout(args.prefill_workers, args.decode_workers,
+                        parse_buckets(args.length_buckets), args.handoff_failure,
+                        args.handoff_lease_s, args.fair_prefill)
 
 
 def model_name(model: str | None) -> str:
@@ -80,14 +135,18 @@ def model_name(model: str | None) -> str:
 
 
 async def serve(config: EngineConfig, options: ServerOptions, model_path: str, host: str,
-                port: int, shutdown_timeout_s: float) -> int:
+                port: int, shutdown_timeout_s: float,
+                layout: WorkerLayout = WorkerLayout()) -> int:
     from frontend.engine_client import EngineClient
     from frontend.recipe import Recipe
+    from frontend.router import DEFAULT_BUCKET_LIMITS, Router
     from frontend.supervisor import Supervisor
 
     recipe = Recipe.from_model(model_path)
-    supervisor = Supervisor(config)
-    engine = EngineClient(supervisor.addresses[0])
+    supervisor = Supervisor(config, roles=layout.roles, worker_args=layout.worker_args())
+    limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)
+    engine = EngineClient(supervisor.address, handoff_failure=layout.handoff_failure,
+                          router=Router(layout.length_buckets, limits))
     supervisor.attach(engine)
     state = AppState(engine, recipe, options, supervisor=supervisor)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
@@ -98,7 +157,7 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         log.info("listening host=%s port=%d (waiting for the engine worker)", host, port)
-        await _announce_when_ready(engine, stop, f"http://{host}:{port}", options)
+        await _announce_when_ready(engine, stop, f"http://{host}:{port}", options, layout)
         await stop.wait()
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)
@@ -142,8 +201,8 @@ async def _drain(state: AppState, timeout_s: float, force: asyncio.Event) -> boo
     return drained.result()
 
 
-async def _announce_when_ready(engine, stop: asyncio.Event, url: str,
-                               options: ServerOptions) -> None:
+async def _announce_when_ready(engine, stop: asyncio.Event, url: str, options: ServerOptions,
+                               layout: WorkerLayout = WorkerLayout()) -> None:
     """Print the URL once the worker is ready (or give up waiting when asked to stop)."""
     ready = asyncio.ensure_future(engine.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
@@ -154,4 +213,10 @@ async def _announce_when_ready(engine, stop: asyncio.Event, url: str,
         return
     info = ready.result()
     print(f"Duplex is serving {options.served_model_names[0]} at {url} "
-          f"(max_model_len={info.max_model_len}, worker={info.role})", flush=True)
+          f"(max_model_len={info.max_model_len}, worker={_describe(layout)})", flush=True)
+
+
+def _describe(layout: WorkerLayout) -> str:
+    if not layout.num_prefill:
+        return "unified"
+    return f"{layout.num_prefill} prefill + {layout.num_decode} decode"

@@ -184,6 +184,9 @@ class AppState:
         """Copy the engine's latest stats and the worker layout into the gauges."""
         self.metrics.update_engine(self.engine.stats(), self.engine.ready_info,
                                    bool(self.engine.ready), self.layout())
+        worker_stats = getattr(self.engine, "worker_stats", None)
+        if worker_stats is not None:
+            self.metrics.update_workers(worker_stats())
 
     def status(self) -> dict:
         self.refresh_metrics()
@@ -226,9 +229,20 @@ class AppState:
                 for w in self.supervisor.status()]
 
     def health_status(self) -> str:
+        """ok; degraded: serving, but a worker is down (its streams were recomputed or
+        failed, the supervisor restarts it); unavailable: no worker; draining."""
         if self.admission.draining:
             return "draining"
-        return "ok" if self.engine.ready else "unavailable"
+        if not self.engine.ready:
+            return "unavailable"
+        num_ready, num_total = self.num_workers()
+        return "degraded" if num_ready < num_total else "ok"
+
+    def num_workers(self) -> tuple[int, int]:
+        """(workers alive and announced, worker slots); (1, 1) without a supervisor."""
+        if self.supervisor is None or not hasattr(self.engine, "workers"):
+            return 1, 1
+        return len(self.engine.workers()), len(self.supervisor.status())
 
 
 def _vocab_size(recipe) -> int | None:
@@ -263,8 +277,10 @@ class OpsApi:
 
     async def health(self, _: web.Request) -> web.Response:
         state = self.state
+        num_ready, num_total = state.num_workers()
         body = {"status": state.health_status(), "model": state.model_name,
-                "in_flight": state.admission.num_active}
+                "in_flight": state.admission.num_active,
+                "workers": {"ready": num_ready, "total": num_total}}
         return json_response(body, status=200 if state.is_ready else 503)
 
     async def status(self, _: web.Request) -> web.Response:

@@ -1,8 +1,10 @@
 """Supervisor: the engine worker processes of one server; starts them, restarts the dead ones
 with backoff, forwards signals, and never leaves one behind.
 
-Owns the worker processes and their addresses (ipc:// sockets in a private temp dir by default,
-or tcp://127.0.0.1 with free ports). No orphans, by three layers:
+Owns the worker processes, the one frontend address they all connect to (an ipc:// socket in a
+private temp dir by default, or tcp://127.0.0.1 with a free port), and each worker's share of
+the CPU threads (torch threads split evenly unless --num-threads is set). No orphans, by three
+layers:
 * `close()` (also on `async with` exit, exceptions included): SIGTERM, grace, then SIGKILL;
 * an atexit hook SIGKILLs whatever is still running if the loop never got to `close()`;
 * each worker asks Linux for SIGKILL when its parent dies (`--parent-pid` -> PR_SET_PDEATHSIG),
@@ -22,6 +24,8 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
+
+import dataclasses
 
 import msgspec
 
@@ -86,8 +90,10 @@ class Supervisor:
         self._worker_args = list(worker_args)  # extra `duplex worker` flags
         self._env = {**os.environ, **(env or {})}
         self._dir = tempfile.mkdtemp(prefix="duplex-")
-        self._slots = [_Slot(f"{role}-{i}", role, self._address(role, i, use_tcp),
-                             self._min_backoff_s) for i, role in enumerate(roles)]
+        self.address = self._address(use_tcp)
+        self._slots = [_Slot(f"{role}-{i}", role, self.address, self._min_backoff_s)
+                       for i, role in enumerate(roles)]
+        self._worker_config = worker_config(config, len(self._slots))
         self._exit_listeners: list[OnWorkerExit] = []
         self._tasks: list[asyncio.Task] = []
         self._closing = asyncio.Event()
@@ -95,6 +101,7 @@ class Supervisor:
     # ------------------------------------------------------------------ public API
     @property
     def addresses(self) -> list[str]:
+        """The frontend address of each worker (all the same: one ROUTER serves them all)."""
         return [slot.address for slot in self._slots]
 
     @property
@@ -168,7 +175,7 @@ class Supervisor:
             slot.signal(signal.SIGKILL)
 
     def _command(self, slot: _Slot) -> list[str]:
-        config_json = msgspec.json.encode(self.config).decode()
+        config_json = msgspec.json.encode(self._worker_config).decode()
         return [sys.executable, "-m", "engine.worker_cli", "--role", slot.role,
                 "--connect", slot.address, "--worker-id", slot.worker_id,
                 "--config-json", config_json, "--parent-pid", str(os.getpid()),
@@ -207,10 +214,18 @@ class Supervisor:
         self.forward_signal(signal.SIGKILL)
 
     # ------------------------------------------------------------------ addresses
-    def _address(self, role: str, index: int, use_tcp: bool) -> str:
+    def _address(self, use_tcp: bool) -> str:
         if use_tcp:
             return f"tcp://127.0.0.1:{_free_port()}"
-        return f"ipc://{self._dir}/{role}-{index}.ipc"
+        return f"ipc://{self._dir}/frontend.ipc"
+
+
+def worker_config(config: EngineConfig, num_workers: int) -> EngineConfig:
+    """Each worker's config: with --num-threads 0 the cores are split evenly between the
+    workers (at least one thread each), so N workers do not oversubscribe the machine."""
+    if config.num_threads or num_workers <= 1:
+        return config
+    return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // num_workers))
 
 
 def _free_port() -> int:
