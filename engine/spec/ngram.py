@@ -29,6 +29,8 @@ NO_MATCH = NgramMatch([], 0, 0, 0.0)
 
 
 class NgramDrafter:
+    cost = 0.0  # drafting costs no forward pass
+
     def __init__(self, max_n: int = 4, min_n: int = 1, max_lookback: int = 0) -> None:
         assert 1 <= min_n <= max_n, "need 1 <= min_n <= max_n"
         self.max_n = max_n

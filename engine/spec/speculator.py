@@ -16,11 +16,14 @@ progress (tokens, num_computed_tokens, blocks) stays with the Request, the engin
 KV manager: after verification EngineCore rolls num_computed_tokens back to the tokens
 kept and asks KVCacheManager.trim to free blocks that only held rejected drafts.
 
-Drafting that the rule switched off is retried now and then (EXPLORE_EVERY): one request
+Drafting that the rule switched off is retried now and then (EXPLORE_BUDGET): one request
 drafts its full length, so the acceptance estimates can recover when the workload changes.
 
 Requests with penalties, or below min_tokens, do not draft (their next-token rule depends
-on the tokens before it in ways verification of a whole run does not reproduce).
+on the tokens before it in ways verification of a whole run does not reproduce). Sampled
+requests keep their distribution exactly; a seeded one repeats its tokens only when its
+draft lengths repeat too (they depend on the batch and on the measured cost curve; a
+configured spec_token_cost makes the latter fixed).
 """
 from __future__ import annotations
 
@@ -43,9 +46,10 @@ from engine.spec.verify import Verified, target_probs, verify_greedy, verify_sam
 
 MAX_POSITIONS = 16  # EngineConfig caps num_draft_tokens here
 _EMA = 0.8  # weight of the past in a request's acceptance EMA
-# After this many decoding steps without a draft, one request drafts its full length anyway:
-# the estimates that switched drafting off only change with fresh verifications.
-EXPLORE_EVERY = 64
+# When the rule has switched drafting off, one request now and then drafts its full length
+# anyway (the estimates only change with fresh verifications), spaced so that these rounds
+# cost about EXPLORE_BUDGET of the steps they are spread over.
+EXPLORE_BUDGET = 0.02
 PRIOR_ACCEPTANCE = 0.75
 _PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected) of the acceptance estimates
 _FORGET = 0.98  # per verification round, for the estimates that steer drafting
@@ -139,6 +143,9 @@ class Speculator:
         self.recent: dict[str, float] = {}  # req_id -> acceptance EMA
         self.pending: dict[str, _Pending] = {}
         self.num_idle_steps = 0  # decoding steps in a row without drafts
+        k = options.num_draft_tokens
+        explore_cost = step_cost(1 + k) - 1.0 + k * drafter.cost
+        self.explore_every = max(16, int(explore_cost / EXPLORE_BUDGET))
 
     @classmethod
     def build(cls, options: SpecOptions, *, model, runner, kv, load_model: Callable,
@@ -176,7 +183,7 @@ class Speculator:
         if not any(limits):
             return
         explore = None
-        if self.num_idle_steps >= EXPLORE_EVERY:
+        if self.num_idle_steps >= self.explore_every:
             explore = next((i for i, n in enumerate(limits) if n), None)
         if isinstance(self.drafter, NgramDrafter):
             self._propose_ngram(decoding, limits, explore)
@@ -214,14 +221,17 @@ class Speculator:
     def _propose_model(self, reqs: list[Request], limits: list[int],
                        explore: int | None) -> None:
         drafter: ModelDrafterBase = self.drafter
+        # Every draft forward is paid before its tokens can be judged, so the recent
+        # acceptance curve first bounds the run (to nothing when drafting does not pay).
+        k = best_uniform_length(self.stats.survival(max(limits, default=0)),
+                                sum(1 for n in limits if n), sum(1 for n in limits if not n),
+                                self.step_cost, drafter.cost)
+        limits = [n if i == explore else min(n, k) for i, n in enumerate(limits)]
+        if not any(limits):
+            return
         keep_going = None
         if self.options.use_confidence:
             keep_going = self._keep_going_rule(reqs, explore)
-        else:
-            k = best_uniform_length(self.stats.survival(max(limits, default=0)),
-                                    sum(1 for n in limits if n), sum(1 for n in limits if not n),
-                                    self.step_cost, drafter.cost)
-            limits = [n if i == explore else min(n, k) for i, n in enumerate(limits)]
         drafts = drafter.propose(reqs, limits, keep_going)
         features = [make_features(d.draft_prob, d.entropy, np.arange(len(d.token_ids)), 0,
                                   self._recent(req)) for req, d in zip(reqs, drafts)]

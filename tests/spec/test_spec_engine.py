@@ -11,7 +11,6 @@ import torch
 
 from engine.messages import AddRequest
 from engine.sampling_params import SamplingParams
-from engine.spec.speculator import EXPLORE_EVERY
 from tests.engine.conftest import make_core
 
 VOCAB = 384
@@ -109,10 +108,7 @@ def _spec_kwargs(method: str, small_draft: str, target: str) -> dict:
     return dict(speculation=method)
 
 
-# (drafter, confidence head); a draft model as costly as the target never pays for itself
-# under a fixed length, so draft_is_target runs with the head only
-CASES = [(m, c) for m in ("ngram", "self", "draft") for c in (True, False)] + \
-    [("draft_is_target", True)]
+CASES = [(m, c) for m in ("ngram", "self", "draft", "draft_is_target") for c in (True, False)]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +125,8 @@ def test_greedy_output_is_identical_with_speculation(target, small_draft, refere
     prompts = _prompts()
     core = make_core(target, block_size=8, spec_confidence=confidence,
                      **_spec_kwargs(method, small_draft, target))
+    if method == "draft_is_target":
+        core.spec.drafter.cost = 0.0  # a draft as costly as the target never pays: call it free
     tokens, logprobs, deltas = _run(core, prompts, GREEDY, arrivals=[0, 0, 1, 3, 3, 6])
     ref_tokens, ref_logprobs, _ = reference
     for i in range(len(prompts)):
@@ -178,10 +176,12 @@ def test_stop_inside_an_accepted_run_ends_the_request_there(target, small_draft,
                             stop_token_ids=[ref[stop_at]])
     for method in ("ngram", "draft_is_target"):
         core = make_core(target, block_size=8, **_spec_kwargs(method, small_draft, target))
+        core.spec.drafter.cost = 0.0
         tokens, _, deltas = _run(core, [_prompts()[0]], params)
         assert tokens["r0"] == ref[:stop_at + 1]
         assert deltas["r0"][-1].finish_reason == "stop"
         core = make_core(target, block_size=8, **_spec_kwargs(method, small_draft, target))
+        core.spec.drafter.cost = 0.0
         short = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
         tokens, _, deltas = _run(core, [_prompts()[0]], short)
         assert tokens["r0"] == ref[:7] and deltas["r0"][-1].finish_reason == "length"
@@ -211,7 +211,7 @@ def test_speculation_is_switched_off_under_load(target):
     core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False,
                      spec_token_cost=1.0)
     _run(core, prompts, GREEDY)
-    assert core.stats().extra["spec_num_rounds"] <= NUM_NEW // EXPLORE_EVERY
+    assert core.stats().extra["spec_num_rounds"] <= NUM_NEW // core.spec.explore_every
     core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False)
     _run(core, prompts[:1], GREEDY)
     assert core.stats().extra["spec_num_draft_accepted"] >= NUM_NEW // 4
