@@ -30,7 +30,8 @@ def _prompts() -> list[list[int]]:
 def _generate(path: str, run: dict) -> dict:
     """Run the prompts in this process: with EP when `run` has a redundancy setting."""
     with set_batch_invariant_mode(run["batch_invariant"]):
-        core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)
+        core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8,
+                         batch_invariant=run["batch_invariant"])
         ep = None
         if "redundant" in run:
             ep = enable_expert_parallel(core.model, num_redundant=run["redundant"],
