@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-pool-blocks", type=int, default=256)
     parser.add_argument("--host-bytes", type=int, default=64 * 2**20)
     parser.add_argument("--ttft-tokens", type=int, default=2000)
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="extra flag for duplex serve in the multi-turn run (repeatable)")
     parser.add_argument("--out", default=None)
 
 
@@ -69,7 +71,7 @@ def _by_turn(result: dict) -> dict:
 
 
 def multi_turn(args) -> dict:
-    result = _serve_and_run([], "multi-turn", num_conversations=args.conversations,
+    result = _serve_and_run(args.serve_arg, "multi-turn", num_conversations=args.conversations,
                             num_turns=args.turns, concurrency=args.concurrency,
                             output_len=args.output_len)
     s = result["summary"]
