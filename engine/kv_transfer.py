@@ -294,11 +294,11 @@ class KVSender:
                 await self._send(link, KvCancel(h.msg.req_id, h.outcome))
             except (zmq.ZMQError, TimeoutError):
                 pass
-        if not any(o.msg.handoff_address == h.msg.handoff_address
-                   for o in self._outgoing.values()):
-            self._close_link(h.msg.handoff_address)
         if h.outcome in ("aborted", "ended on the prefill worker"):
             return None
+        if not any(o.msg.handoff_address == h.msg.handoff_address
+                   for o in self._outgoing.values()):
+            self._close_link(h.msg.handoff_address)  # a new connection for the next one
         self.counters["failed"] += 1
         log.warning("hand-off of %s to %s failed: %s", h.msg.req_id, h.msg.handoff_to,
                     h.outcome)

@@ -157,6 +157,11 @@ class Worker:
             core.scheduler.prefill_chunk_fn = fair_prefill(core.scheduler)
         if not hasattr(core, "runner"):
             return
+        if getattr(core, "layout", None) is not None and self.role != "unified":
+            log.warning("worker %s: hybrid (sliding-window) KV cannot be handed over; it "
+                        "serves as a unified worker", self.worker_id)
+            self.role = "unified"  # what Ready announces, so the router plans with it
+            return
         if self.role == "prefill":
             self._sender = KVSender(core, self._ctx, self.worker_id, wakeup=self._wakeup.set,
                                     lease_s=self._lease_s)

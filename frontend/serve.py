@@ -41,6 +41,7 @@ class WorkerLayout:
     handoff_failure: str = "recompute"
     handoff_lease_s: float = LEASE_S
     fair_prefill: bool = True
+    worker_bind: str | None = None  # None: a private ipc socket
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0:
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "unified worker)")
     workers.add_argument("--decode-workers", type=int, default=0, metavar="M",
                          help="decode worker processes (with --prefill-workers)")
+    workers.add_argument("--worker-bind", default=None, metavar="ADDRESS",
+                         help="bind the worker channel here (tcp://HOST:PORT), so that more "
+                              "workers can join with `duplex worker --connect` (default: a "
+                              "private ipc socket)")
     workers.add_argument("--length-buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
                          metavar="B1,B2", help="prefill queues by prompt tokens after cache "
                          "hits: <=B1, <=B2, >B2 ('none': one FIFO)")
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
     return WorkerLayout(args.prefill_workers, args.decode_workers,
                         parse_buckets(args.length_buckets), args.handoff_failure,
-                        args.handoff_lease_s, args.fair_prefill)
+                        args.handoff_lease_s, args.fair_prefill, args.worker_bind)
 
 
 def model_name(model: str | None) -> str:
@@ -143,7 +148,8 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
     from frontend.supervisor import Supervisor
 
     recipe = Recipe.from_model(model_path)
-    supervisor = Supervisor(config, roles=layout.roles, worker_args=layout.worker_args())
+    supervisor = Supervisor(config, roles=layout.roles, worker_args=layout.worker_args(),
+                            address=layout.worker_bind)
     limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)
     engine = EngineClient(supervisor.address, handoff_failure=layout.handoff_failure,
                           router=Router(layout.length_buckets, limits))

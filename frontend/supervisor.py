@@ -84,13 +84,14 @@ class _Slot:
 class Supervisor:
     def __init__(self, config: EngineConfig, *, roles: Sequence[str] = ("unified",),
                  use_tcp: bool = False, restart_backoff_s: tuple[float, float] = (0.5, 10.0),
-                 worker_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+                 worker_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 address: str | None = None) -> None:
         self.config = config
         self._min_backoff_s, self._max_backoff_s = restart_backoff_s
         self._worker_args = list(worker_args)  # extra `duplex worker` flags
         self._env = {**os.environ, **(env or {})}
         self._dir = tempfile.mkdtemp(prefix="duplex-")
-        self.address = self._address(use_tcp)
+        self.address = address or self._address(use_tcp)  # where the frontend binds
         self._slots = [_Slot(f"{role}-{i}", role, self.address, self._min_backoff_s)
                        for i, role in enumerate(roles)]
         self._worker_config = worker_config(config, len(self._slots))

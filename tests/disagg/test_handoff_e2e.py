@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -17,7 +19,7 @@ import zmq.asyncio
 
 from engine.messages import KvBlocks, KvDone, KvOffer, encode
 
-from .conftest import (GREEDY, VOCAB, Cluster, collect, finals, request, tokens,
+from .conftest import (GREEDY, REPO, VOCAB, Cluster, collect, finals, request, tokens,
                        unified_reference, until)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -150,3 +152,26 @@ def _is_running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_a_worker_started_by_hand_joins_and_takes_streams(cluster, reference):
+    """`duplex worker --role decode --connect tcp://...` from elsewhere: the router uses it."""
+    config = msgspec.json.encode(cluster.supervisor.config).decode()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.worker_cli", "--role", "decode", "--connect",
+         cluster.client.address, "--worker-id", "by-hand", "--heartbeat-s", "0.2",
+         "--config-json", config], cwd=REPO, stderr=subprocess.DEVNULL)
+    try:
+        await until(lambda: "by-hand" in cluster.client.workers(), timeout_s=120)
+        prompts = {f"by-hand-{i}": PROMPTS["shared-b"][:40 + i] for i in range(4)}
+        expected = unified_reference(prompts)
+        results = await asyncio.gather(*(collect(cluster.client, request(req_id, prompt))
+                                         for req_id, prompt in prompts.items()))
+        assert [tokens(d) for d in results] == list(expected.values())
+        stats = cluster.client.worker_stats
+        await until(lambda: stats().get("by-hand") is not None
+                    and stats()["by-hand"].extra.get("intake_continued", 0) >= 1)
+    finally:
+        process.kill()
+        process.wait()
+    await until(lambda: "by-hand" not in cluster.client.workers(), timeout_s=60)
