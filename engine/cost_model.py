@@ -27,6 +27,8 @@ import numpy as np
 
 NAMES = ("prefill_token_s", "attended_ktoken_s", "decode_seq_s", "step_s")
 MIN_SAMPLES = 8  # fewer measured steps: the model abstains (predict -> None)
+RIDGE = 0.01  # weight of the tie-breaking penalty, relative to the number of samples
+_DECODE = NAMES.index("decode_seq_s")
 
 
 class StepFeatures(NamedTuple):
@@ -146,8 +148,16 @@ class CostModel:
 
 def _fit_non_negative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: refit without the features that come out
-    negative until none does (at most one pass per feature)."""
-    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    negative until none does (at most one pass per feature).
+
+    A light ridge term on the per-sequence contribution settles what the data cannot tell
+    apart in favour of the per-step constant: with a decode batch that hardly varies, the
+    two are collinear, and the constant (reading the weights) is what a bigger batch does
+    not pay again."""
+    penalty = np.zeros((1, x.shape[1]))
+    penalty[0, _DECODE] = np.sqrt(RIDGE * len(y) * (x[:, _DECODE] ** 2).mean())
+    x, y = np.vstack([x, penalty]), np.append(y, 0.0)
+    active = [j for j in range(x.shape[1]) if np.any(x[:-1, j])]
     coef = np.zeros(x.shape[1])
     while active:
         solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)

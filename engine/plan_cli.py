@@ -19,7 +19,7 @@ Model of a layout with P prefill and D decode workers
            queue for the first free prefill worker (simulated): TTFT = wait + compute.
   decode   a worker holding B streams of mean context K steps in t(B) = c_step + c_decode·B
            + c_attend·B·K/1000; Little's law gives B = λ·out·t(B)/D, solved by fixed point;
-           TPOT = t(B). No fixed point: the decode side cannot keep up.
+           TPOT = t(max(B, 1)). No fixed point: the decode side cannot keep up.
 The smallest total P + D meeting both targets (p90 TTFT, TPOT) is recommended, then the split
 with the most headroom. It is a model: check it with `duplex bench serve`.
 """
@@ -67,8 +67,12 @@ def load_workload(path: str, max_requests: int | None = None) -> list[PlanReques
         whole = json.loads(text)
     except json.JSONDecodeError:
         whole = None  # JSONL
+    if isinstance(whole, dict) and "results" in whole:  # `duplex bench disagg`: the first run
+        whole = whole["results"][0]
     if isinstance(whole, dict) and "records" in whole:
         requests = _from_bench_result(whole)
+    elif whole is not None and text.count("\n") <= 1 and not isinstance(whole, dict):
+        raise ValueError(f"{path}: not a trace (JSONL) nor a bench result")
     else:
         requests = _from_trace(text.splitlines())
     if not requests:
@@ -142,7 +146,7 @@ def decode_tpot(model: CostModel, rate: float, mean_output: float, mean_context:
     if demand * per_stream >= 1.0:
         return float("inf"), float("inf")
     streams = demand * c_step / (1.0 - demand * per_stream)
-    return c_step + per_stream * streams, streams
+    return c_step + per_stream * max(streams, 1.0), streams  # a stream steps with itself
 
 
 def evaluate(requests: list[PlanRequest], prefill: CostModel, decode: CostModel,

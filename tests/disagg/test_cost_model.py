@@ -127,3 +127,14 @@ def test_a_short_prompt_gets_its_first_token_during_a_long_prefill():
     fair, fifo = first_token_steps(True), first_token_steps(False)
     assert fair["short"] <= 3 < fair["long"]
     assert fifo["short"] >= fifo["long"]  # without the share it waits for the whole prompt
+
+
+def test_a_batch_that_hardly_varies_is_explained_by_the_step_constant():
+    rng = random.Random(1)
+    model = CostModel()
+    for _ in range(200):  # decode only, 1 or 2 sequences: constant and per-seq are collinear
+        num_decode = rng.choice([1, 2])
+        f = StepFeatures(0, num_decode * 0.3, num_decode)
+        model.observe(f, (0.2 + 0.01 * num_decode) * (1 + rng.uniform(-0.05, 0.05)))
+    assert model.coef[3] > 0.15  # most of the 0.2 s per step, not a big per-sequence cost
+    assert model.predict(StepFeatures(0, 3.0, 10)) < 0.5

@@ -42,7 +42,10 @@ def test_decode_fixed_point_and_saturation():
     tpot, streams = decode_tpot(MODEL, rate=1.0, mean_output=100, mean_context=500,
                                 num_decode=1)
     per_stream = 2e-3 + 1e-4 * 0.5
-    assert abs(streams - 100 * tpot) < 1e-9 and abs(tpot - (2e-2 + per_stream * streams)) < 1e-9
+    assert streams > 1 and abs(tpot - (2e-2 + per_stream * streams)) < 1e-9
+    assert abs(streams - 100 * (2e-2 + per_stream * streams)) < 1e-9  # Little's law
+    light, _ = decode_tpot(MODEL, 0.01, 10, 500, 1)
+    assert light == 2e-2 + per_stream  # never below one stream's step
     assert decode_tpot(MODEL, 10.0, 100, 500, 1) == (float("inf"), float("inf"))
 
 
