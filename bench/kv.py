@@ -2,8 +2,9 @@
 
   multi-turn  C conversations x T turns sharing a system prompt, through `duplex serve`:
               input-token hit rate, prefill tokens computed, TTFT p50 of turn >= 2 vs turn 1.
-  mooncake    replay of the Mooncake conversation trace (16 tokens per hash block) against a
-              small device pool + RAM tier, then the same with the SSD tier added.
+  mooncake    replay of the Mooncake conversation trace (16 tokens per hash block; the first
+              N sessions with 3+ requests) against a small device pool + RAM tier, then the
+              same with the SSD tier added.
   ttft        cold vs device / host / disk-hit time to first token of a 2,000-token prompt
               (offline, `engine.kv_tiers_bench`).
   disk        the SSD tier's read MB/s next to plain file reads (`kvstore.diskbench`).
@@ -26,7 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=256,
+                        help="multi-turn: tokens of each new user turn")
+    parser.add_argument("--system-len", type=int, default=512,
+                        help="multi-turn: tokens of the shared system prompt")
     parser.add_argument("--mooncake-requests", type=int, default=300)
+    parser.add_argument("--mooncake-sessions", type=int, default=40,
+                        help="replay the trace's first N multi-request sessions (0: the "
+                             "first --mooncake-requests lines in order)")
     parser.add_argument("--mooncake-time-scale", type=float, default=0.02,
                         help="trace time compression (0.02: 50x faster than recorded)")
     parser.add_argument("--small-pool-blocks", type=int, default=256)
@@ -73,16 +81,30 @@ def _by_turn(result: dict) -> dict:
 def multi_turn(args) -> dict:
     result = _serve_and_run(args.serve_arg, "multi-turn", num_conversations=args.conversations,
                             num_turns=args.turns, concurrency=args.concurrency,
-                            output_len=args.output_len)
+                            output_len=args.output_len, input_len=args.input_len,
+                            system_len=args.system_len)
     s = result["summary"]
     out = {"completed": s["completed"], "failed": s["failed"],
            "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"],
            "hit_rate": s["cache_hit_rate"],
            "prefill_tokens_computed": s["prompt_tokens"] - s["cached_tokens"]}
+    out["hit_rate_bound"] = _hit_rate_bound(args)
     out.update(_by_turn(result))
     if out["ttft_p50_turn1_ms"] and out["ttft_p50_later_turns_ms"]:
         out["ttft_turn1_over_later"] = out["ttft_p50_turn1_ms"] / out["ttft_p50_later_turns_ms"]
     return out
+
+
+def _hit_rate_bound(args) -> float:
+    """The best input-token hit rate the multi-turn workload allows: every turn can reuse all
+    earlier turns of its conversation (and the first, the shared system prompt), but never
+    its own new user turn. Chat-template tokens and block rounding are left out."""
+    prompt = cached = 0
+    for turn in range(args.turns):
+        history = args.system_len + turn * (args.input_len + args.output_len)
+        prompt += args.conversations * (history + args.input_len)
+        cached += args.conversations * history - (args.system_len if turn == 0 else 0)
+    return cached / prompt
 
 
 def mooncake(args) -> dict:
@@ -93,6 +115,7 @@ def mooncake(args) -> dict:
         for label, extra in (("device+ram", []), ("device+ram+ssd", ["--kv-dir", kv_dir])):
             result = _serve_and_run(base + extra, "mooncake", max_requests=args.mooncake_requests,
                                     time_scale=args.mooncake_time_scale, output_scale=0.05,
+                                    sessions=args.mooncake_sessions,
                                     concurrency=args.concurrency)
             s = result["summary"]
             out[label] = {"completed": s["completed"], "failed": s["failed"],

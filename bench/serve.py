@@ -136,6 +136,9 @@ def _add_workload_arguments(work) -> None:
                       help="mooncake: divide trace arrival times by this")
     work.add_argument("--max-requests", type=int, default=None,
                       help="mooncake: trace lines to read (default: --num-requests, else all)")
+    work.add_argument("--sessions", type=int, default=0,
+                      help="mooncake: replay the first N multi-request sessions of the trace "
+                           "(0: trace lines in order)")
     work.add_argument("--output-scale", type=float, default=1.0,
                       help="mooncake: multiply trace output lengths by this")
     work.add_argument("--temperature", type=float, default=0.0)

@@ -77,6 +77,7 @@ class WorkloadOptions:
     tokens_per_block: int = 16
     time_scale: float = 1.0
     max_requests: int | None = None
+    sessions: int = 0                # mooncake: 0 = trace lines in order; N = N sessions
     output_scale: float = 1.0
     max_model_len: int = 8192
     seed: int = 0
@@ -89,6 +90,8 @@ class WorkloadOptions:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.agent_mark not in AGENT_MARKS:
             raise ValueError(f"agent_mark must be one of {AGENT_MARKS}, got {self.agent_mark!r}")
+        if self.sessions < 0:
+            raise ValueError(f"sessions must be >= 0, got {self.sessions}")
         if self.time_scale <= 0 or self.output_scale <= 0:
             raise ValueError("time_scale and output_scale must be positive")
 
@@ -161,21 +164,45 @@ def mooncake_workload(text: TextSource, options: WorkloadOptions) -> Workload:
     A request's prompt is its blocks concatenated (at most what fits the context), so requests
     whose hash ids share a prefix share a token prefix. Arrival times are the trace timestamps
     divided by `time_scale`; output lengths are scaled by `output_scale` and clipped to fit.
+
+    With `sessions` = N, the replay is instead every request of the trace's first N sessions
+    (requests sharing their second hash id; sessions of at least `MIN_SESSION_REQUESTS`),
+    in trace order with time rebased to the first one: each session's later turns reuse its
+    earlier context, often many minutes later, which is what the RAM and SSD tiers are for.
     """
     path = options.trace or default_trace_path()
     blocks: dict[int, str] = {}
     max_blocks = max((options.max_model_len - _CONTEXT_MARGIN - 1) // options.tokens_per_block, 1)
     conversations = []
-    for i, entry in enumerate(read_trace(path, options.max_requests)):
+    entries = read_trace(path, None if options.sessions else options.max_requests)
+    if options.sessions:
+        entries = select_sessions(entries, options.sessions)[:options.max_requests]
+    start_ms = entries[0]["timestamp"] if entries and options.sessions else 0
+    for i, entry in enumerate(entries):
         hash_ids = entry["hash_ids"][:max_blocks]
         prompt = "".join(_block(text, blocks, h, options) for h in hash_ids)
         room = options.max_model_len - _CONTEXT_MARGIN - len(hash_ids) * options.tokens_per_block
         max_tokens = max(1, min(round(entry["output_length"] * options.output_scale), room))
-        arrival_s = entry["timestamp"] / 1e3 / options.time_scale
+        arrival_s = (entry["timestamp"] - start_ms) / 1e3 / options.time_scale
         conversations.append(Conversation(i, (Turn((_user(prompt),), max_tokens),), arrival_s))
     params = _params(options, "tokens_per_block", "time_scale", "max_requests", "output_scale",
-                     "max_model_len") | {"trace": path}
+                     "max_model_len", "sessions") | {"trace": path}
     return Workload("mooncake", conversations, params)
+
+
+MIN_SESSION_REQUESTS = 3
+
+
+def select_sessions(entries: list[dict[str, Any]], num_sessions: int) -> list[dict[str, Any]]:
+    """The requests of the first `num_sessions` sessions with >= MIN_SESSION_REQUESTS
+    requests, in trace order. A session is the requests sharing their second hash id (the
+    first is the trace-wide system prompt)."""
+    sessions: dict[int, list[int]] = {}
+    for index, entry in enumerate(entries):
+        if len(entry["hash_ids"]) > 1:
+            sessions.setdefault(entry["hash_ids"][1], []).append(index)
+    chosen = [s for s in sessions.values() if len(s) >= MIN_SESSION_REQUESTS][:num_sessions]
+    return [entries[i] for i in sorted(i for s in chosen for i in s)]
 
 
 def read_trace(path: str, max_requests: int | None = None) -> list[dict[str, Any]]:

@@ -33,6 +33,13 @@ _HELP = {
     "agent_ttl_s": "retention of agent KV blocks in seconds (default 3 days)",
     "step_budget_ms": "time budget of one scheduler step in ms (0: token budget only)",
     "hybrid_kv": "sliding-window layers keep only their window of KV (models with SWA layers)",
+    "expert_parallel": "processes the experts of a MoE model are sharded over (EP ranks)",
+    "ep_redundant_experts": "spare expert slots per MoE layer for replicas of hot experts",
+    "eplb_interval_steps": "engine steps between expert rebalances (EPLB)",
+    "ep_master": "HOST:PORT of the EP rendezvous (default: MASTER_ADDR and MASTER_PORT, "
+                 "else a free local port)",
+    "ep_local_ranks": "EP ranks started on this host (0: all; the others join with "
+                      "`duplex worker --ep-rank R`)",
 }
 
 

@@ -68,6 +68,12 @@ class EngineConfig:
     # sliding-window layers keep only their window, prefix hits restore bonded windows
     # (engine/hybrid_kv.py); off: every layer keeps all its KV. No effect without SWA layers
     hybrid_kv: bool = True
+    # expert parallelism (engine/ep_group.py): MoE experts sharded over this many processes
+    expert_parallel: int = 1
+    ep_redundant_experts: int = 0  # spare expert slots per MoE layer for hot-expert replicas
+    eplb_interval_steps: int = 3000  # steps between expert rebalances
+    ep_master: str | None = None  # HOST:PORT of the EP rendezvous; None: MASTER_ADDR/PORT or local
+    ep_local_ranks: int = 0  # ranks started on this host; 0: all (others join from elsewhere)
 
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size",
@@ -92,6 +98,20 @@ class EngineConfig:
                  self.spec_token_cost)
         _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                  "must be >= 1", self.max_model_len)
+        _require(self.expert_parallel >= 1, "expert_parallel", "must be >= 1",
+                 self.expert_parallel)
+        _require(self.ep_redundant_experts >= 0, "ep_redundant_experts", "must be >= 0",
+                 self.ep_redundant_experts)
+        _require(self.eplb_interval_steps >= 1, "eplb_interval_steps", "must be >= 1",
+                 self.eplb_interval_steps)
+        _require(0 <= self.ep_local_ranks <= self.expert_parallel, "ep_local_ranks",
+                 "must be in [0, expert_parallel]", self.ep_local_ranks)
+        if self.expert_parallel > 1:  # the ranks replay one schedule: nothing may depend on time
+            for field, off in (("kv_dir", None), ("kv_host_bytes", 0), ("step_budget_ms", 0.0),
+                               ("speculation", "off")):
+                _require(getattr(self, field) == off, field, "is not supported with "
+                         "expert_parallel > 1 (ranks step in lockstep; it makes scheduling "
+                         f"depend on timing): leave it at {off!r}", getattr(self, field))
 
 
 def _require(ok: bool, field: str, rule: str, value: object) -> None:

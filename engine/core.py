@@ -49,6 +49,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        if config.expert_parallel > 1 and not torch.distributed.is_initialized():
+            raise ValueError("--expert-parallel N runs under `duplex serve` or `duplex worker`, "
+                             "which form the group of N processes (engine/ep_group.py)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = _DTYPES[config.weights_dtype]

@@ -127,6 +127,7 @@ class Worker:
             await self._send_error(_describe(e))
             return 1
         finally:
+            await self._close_core()
             self._executor.shutdown(wait=False, cancel_futures=True)
             for side in (self._sender, self._intake):
                 if side is not None:
@@ -169,6 +170,17 @@ class Worker:
             self._intake = KVIntake(core, self._ctx, self._kv_bind,
                                     deliver=self._deliver_handed_over,
                                     is_live=self._live_req_ids.__contains__)
+
+    async def _close_core(self) -> None:
+        """Let the core flush and release what it holds (KV writes, an EP group), in its own
+        thread; skipped while a step is still in flight there."""
+        close = getattr(self._core, "close", None)
+        if close is None or self._is_stepping:
+            return
+        try:
+            await asyncio.wait_for(self._in_core_thread(close), 10.0)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            log.exception("worker %s: closing the core failed", self.worker_id)
 
     def _warm_up(self) -> None:
         """One tiny request through the whole path, so the first real step is not the slowest."""

@@ -2,9 +2,12 @@
 
     duplex worker --role unified --connect ipc:///tmp/duplex/worker-0.ipc [engine flags]
     duplex worker --role decode --connect tcp://10.0.0.5:5555 --kv-bind tcp://10.0.0.6:5600
+    duplex worker --ep-rank 2 --expert-parallel 4 --ep-master 10.0.0.5:29500 [engine flags]
 
 A decode worker binds a KV door (--kv-bind, default a free port on 127.0.0.1) and announces
-it to the frontend; prefill workers connect to it to hand over KV blocks.
+it to the frontend; prefill workers connect to it to hand over KV blocks. With
+--expert-parallel N the worker is rank 0 of an expert-parallel group (engine/ep_group.py);
+`--ep-rank R` runs one of the other ranks, which talks only to the group.
 
 The supervisor starts it as `python -m engine.worker_cli ... --config-json '{...}'`, where the
 JSON EngineConfig replaces the engine flags. Hidden flags: `--core module:attr` picks another
@@ -37,8 +40,13 @@ log = logging.getLogger("engine.worker")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=ROLES, default="unified",
                         help="unified (prefill and decode in one scheduler), prefill or decode")
-    parser.add_argument("--connect", required=True, metavar="ADDRESS",
-                        help="frontend address, tcp://HOST:PORT or ipc://PATH")
+    parser.add_argument("--connect", default=None, metavar="ADDRESS",
+                        help="frontend address, tcp://HOST:PORT or ipc://PATH (required, "
+                             "except for --ep-rank > 0)")
+    parser.add_argument("--ep-rank", type=int, default=0, metavar="R",
+                        help="join an expert-parallel group as rank R (1..N-1) of "
+                             "--expert-parallel N at --ep-master; rank 0 is the worker that "
+                             "`duplex serve` starts")
     parser.add_argument("--worker-id", default=None,
                         help="routing id of this worker (default: ROLE-PID)")
     parser.add_argument("--config-json", default=None, metavar="JSON",
@@ -65,7 +73,21 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.parent_pid is not None:
         _die_with_parent(args.parent_pid)
-    worker = Worker(role_config(_config_from(args), args.role), resolve_core_factory(args.core),
+    config = _config_from(args)
+    if args.ep_rank:
+        from engine.ep_group import follow
+
+        return follow(config, args.ep_rank, started_by_leader=args.parent_pid is not None)
+    if args.connect is None:
+        print("duplex worker: --connect is required", file=sys.stderr)
+        return 2
+    factory = resolve_core_factory(args.core)
+    if config.expert_parallel > 1 and args.core == DEFAULT_CORE:
+        if args.role != "unified":
+            print("duplex worker: --expert-parallel runs as a unified worker", file=sys.stderr)
+            return 2
+        from engine.ep_group import leader_core as factory
+    worker = Worker(role_config(config, args.role), factory,
                     address=args.connect,
                     worker_id=args.worker_id or f"{args.role}-{os.getpid()}", role=args.role,
                     heartbeat_s=args.heartbeat_s, kv_bind=args.kv_bind,

@@ -7,6 +7,7 @@ layout) are copied from the worker's latest stats when /metrics or /v1/status is
 from __future__ import annotations
 
 import collections
+import re
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -65,6 +66,15 @@ class Metrics:
             "duplex_worker_figure", "Per-worker figures: cost-model coefficients (cost_*), "
             "median relative step-time prediction error, KV hand-offs (handoff_*, intake_*)",
             ["worker", "name"], registry=r)
+        self.moe_rank_load = Gauge(
+            "duplex_moe_rank_load_tokens", "MoE: (token, expert) pairs each expert-parallel "
+            "rank computed over the statistics window, summed over MoE layers",
+            ["worker", "rank"], registry=r)
+        self.moe_imbalance = Gauge(
+            "duplex_moe_imbalance", "MoE: max / mean rank load (1.0 = balanced), mean or max "
+            "over MoE layers", ["worker", "over_layers"], registry=r)
+        self.moe_rebalances = Gauge("duplex_moe_rebalances", "MoE: expert placements switched "
+                                    "in by the load balancer", ["worker"], registry=r)
         self._window: collections.deque[list[int]] = collections.deque()  # [second, tokens]
         self.num_draft_proposed = 0  # totals for /v1/status (counters are write-only)
         self.num_draft_accepted = 0
@@ -119,6 +129,12 @@ class Metrics:
             for name, value in stats.extra.items():
                 if name.startswith(_WORKER_FIGURES):
                     self.worker_figures.labels(worker_id, name).set(value)
+                elif match := _MOE_RANK.fullmatch(name):
+                    self.moe_rank_load.labels(worker_id, match.group(1)).set(value)
+                elif name in ("moe_imbalance_mean", "moe_imbalance_max"):
+                    self.moe_imbalance.labels(worker_id, name.rsplit("_", 1)[1]).set(value)
+                elif name == "moe_rebalances":
+                    self.moe_rebalances.labels(worker_id).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -136,6 +152,7 @@ class Metrics:
             self._window.popleft()
 
 
+_MOE_RANK = re.compile(r"moe_rank(\d+)_tokens")
 _WORKER_FIGURES = ("cost_", "handoff_", "intake_", "num_rejected_kv_frames")
 
 

@@ -3,7 +3,8 @@
     1 parse flags -> EngineConfig + ServerOptions + WorkerLayout
     2 load the recipe (tokenizer, chat template) of the model
     3 start the supervisor (one unified worker process, or --prefill-workers N and
-      --decode-workers M) and the EngineClient (with its router) talking to them
+      --decode-workers M) and the EngineClient (with its router) talking to them; with
+      --expert-parallel N the unified worker starts N-1 more ranks of its own (engine/ep_group)
     4 serve HTTP at once (/health says 503 until the worker is ready); print the URL when ready
     5 on SIGTERM / SIGINT: refuse new requests (503), let in-flight ones finish for up to
       --shutdown-timeout, end the rest with one terminal error each, stop the worker, exit 0
@@ -117,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
             client_max_size=args.max_body_bytes)
         model_path = resolve_model_path(config.model)
         layout = layout_from_args(args)
+        if config.expert_parallel > 1 and layout.num_prefill:
+            raise ValueError("--expert-parallel runs with one unified worker; it cannot be "
+                             "combined with --prefill-workers / --decode-workers yet")
     except (ValueError, FileNotFoundError) as e:
         print(f"duplex serve: {e}", file=sys.stderr)
         return 2
@@ -163,7 +167,8 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         log.info("listening host=%s port=%d (waiting for the engine worker)", host, port)
-        await _announce_when_ready(engine, stop, f"http://{host}:{port}", options, layout)
+        await _announce_when_ready(engine, stop, f"http://{host}:{port}", options, layout,
+                                   config.expert_parallel)
         await stop.wait()
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)
@@ -208,7 +213,8 @@ async def _drain(state: AppState, timeout_s: float, force: asyncio.Event) -> boo
 
 
 async def _announce_when_ready(engine, stop: asyncio.Event, url: str, options: ServerOptions,
-                               layout: WorkerLayout = WorkerLayout()) -> None:
+                               layout: WorkerLayout = WorkerLayout(),
+                               expert_parallel: int = 1) -> None:
     """Print the URL once the worker is ready (or give up waiting when asked to stop)."""
     ready = asyncio.ensure_future(engine.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
@@ -219,10 +225,13 @@ async def _announce_when_ready(engine, stop: asyncio.Event, url: str, options: S
         return
     info = ready.result()
     print(f"Duplex is serving {options.served_model_names[0]} at {url} "
-          f"(max_model_len={info.max_model_len}, worker={_describe(layout)})", flush=True)
+          f"(max_model_len={info.max_model_len}, worker={_describe(layout, expert_parallel)})",
+          flush=True)
 
 
-def _describe(layout: WorkerLayout) -> str:
+def _describe(layout: WorkerLayout, expert_parallel: int = 1) -> str:
+    if expert_parallel > 1:
+        return f"unified over {expert_parallel} expert-parallel ranks"
     if not layout.num_prefill:
         return "unified"
     return f"{layout.num_prefill} prefill + {layout.num_decode} decode"

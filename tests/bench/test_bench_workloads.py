@@ -153,3 +153,30 @@ def test_bad_options_are_refused():
         WorkloadOptions(input_len=0)
     with pytest.raises(ValueError, match="agent_mark"):
         WorkloadOptions(agent_mark="shout")
+
+
+def test_mooncake_sessions_keep_whole_sessions_in_trace_order(text_source, tmp_path):
+    lines = [  # sessions by second hash id: 7 (3 requests), 8 (2: too short), 9 (3)
+        {"timestamp": 100, "output_length": 4, "hash_ids": [0, 7]},
+        {"timestamp": 200, "output_length": 4, "hash_ids": [0, 8]},
+        {"timestamp": 300, "output_length": 4, "hash_ids": [0, 9]},
+        {"timestamp": 400, "output_length": 4, "hash_ids": [0, 7, 1]},
+        {"timestamp": 500, "output_length": 4, "hash_ids": [0, 8, 2]},
+        {"timestamp": 600, "output_length": 4, "hash_ids": [0, 9, 3]},
+        {"timestamp": 700, "output_length": 4, "hash_ids": [0, 7, 1, 4]},
+        {"timestamp": 800, "output_length": 4, "hash_ids": [0, 9, 3, 5]},
+        {"timestamp": 900, "output_length": 4, "hash_ids": [0]},
+    ]
+    trace = write_trace(tmp_path / "trace.jsonl", lines)
+    one = build("mooncake", text_source, trace=trace, tokens_per_block=4, sessions=1)
+    assert [c.arrival_s for c in one.conversations] == [0.0, 0.3, 0.6]  # rebased to t=100
+    prompts = [c.turns[0].messages[0]["content"] for c in one.conversations]
+    assert prompts[1].startswith(prompts[0]) and prompts[2].startswith(prompts[1])
+    two = build("mooncake", text_source, trace=trace, tokens_per_block=4, sessions=5)
+    assert [text_source.count(c.turns[0].messages[0]["content"]) // 4
+            for c in two.conversations] == [2, 2, 3, 3, 4, 4]
+    capped = build("mooncake", text_source, trace=trace, tokens_per_block=4, sessions=5,
+                   max_requests=4)
+    assert capped.num_requests == 4
+    with pytest.raises(ValueError, match="sessions"):
+        WorkloadOptions(sessions=-1)

@@ -64,3 +64,23 @@ def tiny_moe(tmp_path_factory):
         return built[name]
 
     return get
+
+
+def add_word_tokenizer(path) -> str:
+    """Give a tiny model directory a tokenizer `duplex serve` can use: token i is the word
+    "w<i>" (0 is <eos>, 1 a control token), with a one-line chat template."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(2, VOCAB)} | {"<eos>": 0, "<|user|>": 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
+    tokenizer.add_special_tokens(["<eos>", "<|user|>"])
+    tokenizer.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "w2",
+        "chat_template": "{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"}))
+    return str(path)
