@@ -319,6 +319,8 @@ class _Choice:
         self.num_draft_accepted = 0
         self.start = time.time()
         self.first_token_at = 0.0
+        self.last_token_at = 0.0
+        self.num_first_tokens = 0  # tokens of the first delta (more than one with drafts)
         self.deadline = 0.0
 
     def add_request(self) -> AddRequest:
@@ -368,8 +370,11 @@ class _Choice:
 
     # ------------------------------------------------------------ steps
     def _count(self, delta: RequestDelta) -> None:
-        if delta.new_token_ids and not self.first_token_at:
-            self.first_token_at = time.time()
+        if delta.new_token_ids:
+            self.last_token_at = time.time()
+            if not self.first_token_at:
+                self.first_token_at = self.last_token_at
+                self.num_first_tokens = len(delta.new_token_ids)
         self.num_tokens += len(delta.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.cached_tokens_by_tier:
@@ -424,8 +429,11 @@ class _Choice:
         end = time.time()
         if not self.first_token_at:
             return Timings(0.0, 0.0, end - self.start)
-        decode_s = end - self.first_token_at
-        rate = (self.num_tokens - 1) / decode_s if self.num_tokens > 1 and decode_s > 0 else 0.0
+        # decode rate: tokens after the first delta over the time they took to arrive; 0 when
+        # every token came at once (a rate over no time means nothing)
+        decode_s = self.last_token_at - self.first_token_at
+        later = self.num_tokens - self.num_first_tokens
+        rate = later / decode_s if later > 0 and decode_s > 0 else 0.0
         return Timings(self.first_token_at - self.start, rate, end - self.start)
 
 

@@ -131,3 +131,31 @@ def test_sampling_params_errors_name_the_field():
     with pytest.raises(ApiError) as info:
         sampling_params(top_p=2.0)
     assert info.value.param == "top_p" and info.value.kind == "invalid_request"
+
+
+class _BurstEngine(FakeEngineClient):
+    """Replies in the given bursts of tokens, `gap_s` apart (drafts arrive several at once)."""
+
+    def __init__(self, bursts: list[int], gap_s: float) -> None:
+        super().__init__(reply="abcdefghij")
+        self.bursts, self.gap_s = bursts, gap_s
+
+    async def _deltas(self, msg):
+        ids = self.reply_ids(msg)
+        for k, size in enumerate(self.bursts):
+            if k:
+                await asyncio.sleep(self.gap_s)
+            taken, ids = ids[:size], ids[size:]
+            last = k == len(self.bursts) - 1
+            yield RequestDelta(msg.req_id, taken, finish_reason="length" if last else None,
+                               num_prompt_tokens=3)
+
+
+@pytest.mark.parametrize("bursts, low, high", [
+    ([5], 0.0, 0.0),              # all at once: no decode time, no rate (not infinity)
+    ([3, 2], 2 / 0.5, 2 / 0.04),  # 2 tokens after the first burst, ~0.05 s later
+])
+async def test_decode_rate_counts_tokens_after_the_first_delta(bursts, low, high):
+    events = await run_all(pipeline(_BurstEngine(bursts, gap_s=0.05)), job())
+    rate = events[-1].timings.tokens_per_s
+    assert low <= rate <= high
