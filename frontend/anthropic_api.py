@@ -63,7 +63,13 @@ class AnthropicApi:
     def _encode(self, body: CountTokensRequest) -> list[int]:
         self.state.check_model(body.model)
         tools = [tool_dict(t) for t in body.tools] if body.tools else None
-        return self.state.encode_chat(chat_messages(body), tools)
+        messages = chat_messages(body)
+        prefill = bool(body.messages) and body.messages[-1].role == "assistant"
+        content = messages[-1].get("content") if prefill else None
+        if isinstance(content, str) and content != content.rstrip():
+            raise invalid("final assistant content cannot end with trailing whitespace",
+                          param=f"messages[{len(body.messages) - 1}].content")
+        return self.state.encode_chat(messages, tools, continue_final_message=prefill)
 
     def _job(self, request: web.Request, body: MessagesRequest) -> Job:
         state = self.state

@@ -63,7 +63,8 @@ class OpenAIApi:
         tools = [tool_dict(t) for t in body.tools] if body.tools else None
         _check_tool_choice(body)
         prompt_ids = state.encode_chat(chat_messages(body.messages), tools,
-                                       body.add_generation_prompt, body.chat_template)
+                                       body.add_generation_prompt, body.chat_template,
+                                       continue_final_message=body.continue_final_message)
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                             if body.max_completion_tokens is not None
                             else (body.max_tokens, "max_tokens"))

@@ -105,6 +105,7 @@ class ChatCompletionRequest(SamplingFields, **_KW):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the final assistant message
 
 
 class CompletionRequest(SamplingFields, **_KW):

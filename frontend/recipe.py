@@ -846,8 +846,18 @@ class Recipe:
                            bool(add_generation_prompt), self._variables, self.limits)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, template: str | None = None) -> list[int]:
-        """Token ids of a chat: control tokens only where the template wrote them."""
+                    add_generation_prompt: bool = True, template: str | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of a chat: control tokens only where the template wrote them.
+
+        continue_final_message: the last message is the start of the assistant's reply
+        (Anthropic's prefill, vLLM's `continue_final_message`): the history is rendered with
+        the generation prompt and the reply's text follows as plain text (never a control
+        token), so the model continues it instead of starting a new turn."""
+        if continue_final_message:
+            history, prefix = _split_final_assistant(messages)
+            return (self.encode_chat(history, tools, True, template)
+                    + self._text_ids(prefix, at_start=False))
         rendered = self.render_chat(messages, tools, add_generation_prompt, template)
         return self._encode_rendered(rendered)
 
@@ -913,6 +923,17 @@ class Recipe:
                 return (self._text_ids(text[:middle], at_start)
                         + self._text_ids(text[middle:], at_start=False))
         return list(encoding.ids)
+
+
+def _split_final_assistant(messages: list[dict]) -> tuple[list[dict], str]:
+    if not messages or messages[-1].get("role") != "assistant":
+        raise RecipeError("continuing the final message needs a final assistant message")
+    last = messages[-1]
+    if last.get("tool_calls") or not isinstance(last.get("content"), str):
+        raise RecipeError("the final assistant message to continue must be plain text")
+    if len(messages) == 1:
+        raise RecipeError("continuing the final message needs a message before it")
+    return list(messages[:-1]), last["content"]
 
 
 def _inside(spans: list[tuple[int, int]], starts: list[int], offset: tuple[int, int]) -> bool:

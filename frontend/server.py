@@ -157,10 +157,14 @@ class AppState:
 
     # ------------------------------------------------------------ tokenizing
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, template: str | None = None) -> list[int]:
+                    add_generation_prompt: bool = True, template: str | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty", param="messages")
         try:
+            if continue_final_message:  # keyword only when used: fakes need not know it
+                return self.recipe.encode_chat(messages, tools=tools, template=template,
+                                               continue_final_message=True)
             return self.recipe.encode_chat(messages, tools=tools,
                                            add_generation_prompt=add_generation_prompt,
                                            template=template)

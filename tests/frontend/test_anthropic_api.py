@@ -145,3 +145,26 @@ async def test_unknown_model_is_404_in_anthropic_shape(harness):
     assert response.status == 404
     body = await response.json()
     assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+
+
+async def test_assistant_prefill_is_continued(harness):
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure:"}]
+    message = await sdk(harness).messages.create(model="fake-model", max_tokens=64,
+                                                 messages=prefill)
+    prompt = harness.engine.added[-1].prompt_token_ids
+    assert prompt == harness.recipe.encode_prompt("<user>hi\n<assistant>Sure:")
+    assert message.content[0].text == "Hello there, friend!"  # only the continuation
+    count = await sdk(harness).messages.count_tokens(model="fake-model", messages=prefill)
+    assert count.input_tokens == len(prompt)
+
+
+async def test_assistant_prefill_with_trailing_whitespace_is_refused(harness):
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
+    try:
+        await sdk(harness).messages.create(model="fake-model", max_tokens=64, messages=prefill)
+    except anthropic.BadRequestError as e:
+        assert e.body["error"]["type"] == "invalid_request_error"
+        assert "trailing whitespace" in e.body["error"]["message"]
+    else:
+        raise AssertionError("a prefill ending in whitespace was accepted")
+    assert not harness.engine.added

@@ -256,3 +256,20 @@ async def test_tokenize(harness):
     assert body["count"] == len("<user>hi\n<assistant>") == len(body["tokens"])
     response = await harness.post("/tokenize", {})
     assert response.status == 400
+
+
+async def test_continue_final_message(harness):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure:"}]
+    done = await sdk(harness).chat.completions.create(
+        model="fake-model", messages=messages, extra_body={"continue_final_message": True})
+    assert harness.engine.added[-1].prompt_token_ids == \
+        harness.recipe.encode_prompt("<user>hi\n<assistant>Sure:")
+    assert done.choices[0].message.content == "Hello there, friend!"
+    try:
+        await sdk(harness).chat.completions.create(
+            model="fake-model", messages=messages[:1],
+            extra_body={"continue_final_message": True})
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "messages" and "final assistant" in e.body["message"]
+    else:
+        raise AssertionError("nothing to continue, yet accepted")
