@@ -95,8 +95,11 @@ def _attend_paged(q, q_pos, k_cache, v_cache, block_tables, seq_lens, scale, sli
     k = gather_kv(k_cache, block_tables, max_len)  # [B, L, KVH, D]
     v = gather_kv(v_cache, block_tables, max_len)
     past_end = torch.arange(k.shape[1], device=q.device) >= seq_lens[:, None]  # [B, L]
-    # masked keys get probability 0, but 0 * garbage (NaN in a fresh cache) is still NaN
-    v[past_end.nonzero(as_tuple=True)] = 0.0
+    # masked keys get probability 0, but 0 * garbage (NaN in a fresh cache) is still NaN, and
+    # a fused kernel adds the mask to the score, so NaN keys must go too
+    padding = past_end.nonzero(as_tuple=True)
+    k[padding] = 0.0
+    v[padding] = 0.0
     mask = attention_mask(q_pos, k.shape[1], sliding_window)  # [B, Q, L]
     return _attend(q, k, v, mask, scale, soft_cap)
 
@@ -104,7 +107,14 @@ def _attend_paged(q, q_pos, k_cache, v_cache, block_tables, seq_lens, scale, sli
 def _attend(q, k, v, mask, scale, soft_cap):
     """q `[B, Q, H, D]`, k/v `[B, L, KVH, D]` fp32, mask `[B, Q, L]` -> `[B, Q, H, D]` in q.dtype.
 
-    One batched matmul per kv head on strided views of k and v: no transposed copies."""
+    Without a soft cap: torch's fused CPU attention (scaled_dot_product_attention, grouped
+    query heads), on strided views — 1.5-1.8x faster than matmul + softmax on small decode
+    batches. With one: one batched matmul per kv head."""
+    if soft_cap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None], scale=scale, enable_gqa=True)  # [B, H, Q, D]
+        return out.transpose(1, 2).to(q.dtype)
     B, Q, H, D = q.shape
     kv_heads = k.shape[2]
     group = H // kv_heads
