@@ -58,9 +58,10 @@ class AnthropicApi:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await read_json(request, CountTokensRequest)
-        return json_response(CountTokensResponse(len(self._encode(body))))
+        return json_response(CountTokensResponse(len(self._encode(body)[0])))
 
-    def _encode(self, body: CountTokensRequest) -> list[int]:
+    def _encode(self, body: CountTokensRequest) -> tuple[list[int], str]:
+        """(prompt ids, the forced start of the reply: a tool call for tool_choice any/tool)."""
         self.state.check_model(body.model)
         tools = [tool_dict(t) for t in body.tools] if body.tools else None
         messages = chat_messages(body)
@@ -69,11 +70,23 @@ class AnthropicApi:
         if isinstance(content, str) and content != content.rstrip():
             raise invalid("final assistant content cannot end with trailing whitespace",
                           param=f"messages[{len(body.messages) - 1}].content")
-        return self.state.encode_chat(messages, tools, continue_final_message=prefill)
+        ids = self.state.encode_chat(messages, tools, continue_final_message=prefill)
+        choice = body.tool_choice
+        if not tools or choice is None or choice.type not in ("any", "tool"):
+            return ids, ""
+        names = [t["function"]["name"] for t in tools]
+        if choice.type == "tool" and choice.name not in names:
+            raise invalid(f"tool_choice names {choice.name!r}, which is not in tools",
+                          param="tool_choice")
+        if prefill:
+            raise invalid("an assistant prefill cannot be combined with tool_choice "
+                          f"{choice.type!r}", param="tool_choice")
+        return self.state.force_tool_call(ids, names,
+                                          choice.name if choice.type == "tool" else None)
 
     def _job(self, request: web.Request, body: MessagesRequest) -> Job:
         state = self.state
-        prompt_ids = self._encode(body)
+        prompt_ids, forced = self._encode(body)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
         params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
                                  top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
@@ -82,6 +95,7 @@ class AnthropicApi:
         parse_tools = bool(body.tools) and not (body.tool_choice and
                                                 body.tool_choice.type == "none")
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
+                   forced_text=forced,
                    params=params, parse_tools=parse_tools, retention=body.retention,
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 

@@ -43,6 +43,9 @@ class Job:
     params: SamplingParams
     n: int = 1
     parse_tools: bool = False
+    # the start of the reply the prompt already holds (a forced tool call): the tool parser
+    # reads it before the model's text; it is never sent as content
+    forced_text: str = ""
     retention: str = "chat"
     cache_salt: str = ""
 
@@ -310,6 +313,8 @@ class _Choice:
         self.stop = (StopChecker(params.stop, params.include_stop_str_in_output)
                      if params.stop else None)
         self.tools = ToolCallParser() if job.parse_tools else None
+        self._forced_events = self.tools.push(job.forced_text) \
+            if self.tools is not None and job.forced_text else []
         self.has_tool_calls = False
         self.raw_tail = ""  # recent text before stop checking, to name the stop string hit
         self.num_tokens = 0
@@ -393,7 +398,8 @@ class _Choice:
     def _parse_tools(self, text: str, is_last: bool) -> tuple[str, list]:
         if self.tools is None:
             return text, []
-        events = self.tools.push(text) if text else []
+        events, self._forced_events = self._forced_events, []
+        events += self.tools.push(text) if text else []
         if is_last:
             events += self.tools.finish()
         plain = "".join(e.text for e in events if isinstance(e, TextDelta))

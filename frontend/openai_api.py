@@ -22,7 +22,8 @@ from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                ChoiceLogprobs, ChunkChoice, ChunkDelta, Completion,
                                CompletionChoice, CompletionLogprobs, CompletionRequest,
                                CompletionUsage, DeltaFunction, DeltaToolCall, DraftStats,
-                               FunctionCall, ModelCard, ModelList, PromptTokensDetails,
+                               FunctionCall, ModelCard, ModelList, NamedToolChoice,
+                               PromptTokensDetails,
                                SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
                                Tool, ToolCall, TopLogprob, REQ_ID, json_response, read_json)
 from frontend.tool_parser import ToolCallArgsDelta, ToolCallStart
@@ -68,10 +69,20 @@ class OpenAIApi:
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                             if body.max_completion_tokens is not None
                             else (body.max_tokens, "max_tokens"))
+        forced = ""
+        choice = body.tool_choice
+        if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            if body.continue_final_message:
+                raise invalid("continue_final_message cannot be combined with a required or "
+                              "named tool_choice", param="tool_choice")
+            prompt_ids, forced = state.force_tool_call(
+                prompt_ids, [t["function"]["name"] for t in tools],
+                None if choice == "required" else choice.function.name, body.chat_template)
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, param)
         params = params_from_fields(body, max_tokens, state.stop_token_ids,
                                     logprobs=_chat_logprobs_count(body))
         return Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
+                   forced_text=forced,
                    params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
                    retention=body.retention,
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))

@@ -872,6 +872,11 @@ class Recipe:
             raise RecipeError("prompt must be a string")
         return self._prompt_prefix + self._text_ids(text, at_start=True)
 
+    def encode_reply_start(self, text: str) -> list[int]:
+        """Ids of text the server writes at the start of the reply (a forced tool call's tag
+        and header), as the model would write it, control tokens included. Never user text."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

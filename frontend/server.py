@@ -28,6 +28,7 @@ from frontend.errors import ApiError, invalid
 from frontend.generation import Pipeline
 from frontend.metrics import Metrics, kv_usage
 from frontend.protocol import REQ_ID, json_response
+from frontend.tool_parser import forced_call_prefix, tools_supported
 
 log = logging.getLogger("duplex.server")
 
@@ -170,6 +171,17 @@ class AppState:
                                            template=template)
         except (ValueError, TypeError) as e:  # RecipeError is a ValueError
             raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
+
+    def force_tool_call(self, prompt_ids: list[int], tool_names: list[str], name: str | None,
+                        template: str | None = None) -> tuple[list[int], str]:
+        """(prompt ids that end inside the start of a tool call, that start's text), for
+        tool_choice 'required' / 'any' (name None) or a named tool."""
+        source = template if template is not None else getattr(self.recipe, "template", None)
+        if not tools_supported(source):
+            raise invalid("this model's chat template has no tool calling, so a required or "
+                          "named tool_choice cannot be honoured", param="tool_choice")
+        forced = forced_call_prefix(tool_names, name)
+        return prompt_ids + self.recipe.encode_reply_start(forced), forced
 
     def encode_prompt(self, text: str) -> list[int]:
         try:

@@ -164,6 +164,17 @@ def parse_tool_calls(text: str, id_factory: Callable[[], str] = new_call_id
     return "".join(content), calls
 
 
+def forced_call_prefix(tool_names: list[str], name: str | None) -> str:
+    """The start of the assistant turn that makes the model call a tool: `name`'s call up to
+    its arguments, or, with no name, a call whose name the model writes (one tool: that one).
+    Hermes-style, the way the templates `tools_supported` accepts render a call."""
+    if name is None and len(tool_names) == 1:
+        name = tool_names[0]
+    if name is None:
+        return OPEN_TAG + '\n{"name": "'
+    return OPEN_TAG + '\n{"name": ' + json.dumps(name) + ', "arguments": '
+
+
 def tools_supported(template: str | None) -> bool:
     """Whether a chat template renders tools and asks for Hermes-style <tool_call> output."""
     return bool(template) and OPEN_TAG in template and re.search(r"\btools\b", template) is not None

@@ -44,6 +44,8 @@ class FakeDetokenizer:
 class FakeRecipe:
     eos_token_ids = [EOS]
     vocab_size = 256 + OFFSET
+    # enough of a Hermes-style template for tool_parser.tools_supported
+    template = "{% if tools %}<tools>{{ tools }}</tools>{% endif %} ... <tool_call>"
 
     def __init__(self) -> None:
         self.chat_calls: list[dict] = []
@@ -66,6 +68,9 @@ class FakeRecipe:
         if tools:
             text = "<tools>" + json.dumps(tools) + "\n" + text
         return self.encode_prompt(text + ("<assistant>" if add_generation_prompt else ""))
+
+    def encode_reply_start(self, text: str) -> list[int]:
+        return self.encode_prompt(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")

@@ -168,3 +168,29 @@ async def test_assistant_prefill_with_trailing_whitespace_is_refused(harness):
     else:
         raise AssertionError("a prefill ending in whitespace was accepted")
     assert not harness.engine.added
+
+
+async def test_tool_choice_tool_forces_that_call(make_harness):
+    h = await make_harness(FakeEngineClient(reply='{"city": "Oslo"}}\n</tool_call>'))
+    message = await sdk(h).messages.create(
+        model="fake-model", max_tokens=64, messages=HI, tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"})
+    assert [b.type for b in message.content] == ["tool_use"]
+    assert message.content[0].name == "get_weather"
+    assert message.content[0].input == {"city": "Oslo"}
+    assert message.stop_reason == "tool_use"
+    count = await sdk(h).messages.count_tokens(
+        model="fake-model", messages=HI, tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"})
+    assert count.input_tokens == len(h.engine.added[-1].prompt_token_ids)
+
+
+async def test_tool_choice_naming_an_unknown_tool_is_refused(harness):
+    try:
+        await sdk(harness).messages.create(model="fake-model", max_tokens=64, messages=HI,
+                                           tools=[WEATHER_TOOL],
+                                           tool_choice={"type": "tool", "name": "nope"})
+    except anthropic.BadRequestError as e:
+        assert "not in tools" in e.body["error"]["message"]
+    else:
+        raise AssertionError("an unknown tool name was accepted")

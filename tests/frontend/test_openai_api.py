@@ -273,3 +273,52 @@ async def test_continue_final_message(harness):
         assert e.body["param"] == "messages" and "final assistant" in e.body["message"]
     else:
         raise AssertionError("nothing to continue, yet accepted")
+
+
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}}}}
+FORCED_ARGS = '{"city": "Oslo"}}\n</tool_call>'  # what the model writes after a forced header
+
+
+async def test_named_tool_choice_forces_that_call(make_harness):
+    h = await make_harness(FakeEngineClient(reply=FORCED_ARGS))
+    reply = await sdk(h).chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "weather?"}],
+        tools=[WEATHER_TOOL, CLOCK_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    forced = '<tool_call>\n{"name": "get_weather", "arguments": '
+    prompt = h.engine.added[-1].prompt_token_ids
+    assert prompt[-len(forced):] == h.recipe.encode_prompt(forced)  # the prompt opens the call
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert reply.usage.prompt_tokens == len(prompt)
+
+
+async def test_required_tool_choice_lets_the_model_name_the_tool(make_harness):
+    h = await make_harness(FakeEngineClient(reply='get_time", "arguments": {}}</tool_call>'))
+    reply = await sdk(h).chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "time?"}],
+        tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice="required", stream=True)
+    names = [call.function.name async for chunk in reply for call in
+             (chunk.choices[0].delta.tool_calls or [] if chunk.choices else [])
+             if call.function and call.function.name]
+    assert names == ["get_time"]
+    forced = '<tool_call>\n{"name": "'
+    assert h.engine.added[-1].prompt_token_ids[-len(forced):] == h.recipe.encode_prompt(forced)
+
+
+async def test_forced_tool_choice_needs_a_tool_calling_template(make_harness):
+    h = await make_harness()
+    h.recipe.template = "{{ messages }}"  # no tool calling
+    try:
+        await sdk(h).chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "hi"}],
+            tools=[WEATHER_TOOL], tool_choice="required")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "tool_choice" and "no tool calling" in e.body["message"]
+    else:
+        raise AssertionError("a forced tool call was accepted without tool calling")
+    assert not h.engine.added

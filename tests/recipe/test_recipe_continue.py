@@ -40,3 +40,17 @@ def test_continued_text_never_becomes_a_control_token(default_recipe):
 def test_continuation_needs_a_final_plain_assistant_message(default_recipe, messages):
     with pytest.raises(RecipeError):
         default_recipe.encode_chat(messages, continue_final_message=True)
+
+
+def test_forced_tool_call_start_uses_the_models_own_tool_token(tools_recipe):
+    from frontend.tool_parser import forced_call_prefix, tools_supported
+
+    assert tools_supported(tools_recipe.template)
+    forced = forced_call_prefix(["get_weather", "get_time"], "get_weather")
+    ids = tools_recipe.encode_reply_start(forced)
+    tool_call_id = tools_recipe.tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert ids[0] == tool_call_id  # one token, as the model writes it
+    assert tools_recipe.tokenizer.decode(ids) == forced
+    # the same text typed by a user stays plain text
+    typed = tools_recipe.encode_chat([{"role": "user", "content": forced}])
+    assert tool_call_id not in typed
