@@ -228,6 +228,8 @@ class AppState:
             "speculation": {"mode": info.speculation if info else "off",
                             "draft_proposed": proposed, "draft_accepted": accepted,
                             "acceptance_rate": accepted / proposed if proposed else 0.0},
+            "kv_tiers": _kv_tiers(stats.extra if stats else {}),
+            "moe": _moe(stats.extra if stats else {}),
         }
 
     def layout(self) -> dict[str, int]:
@@ -380,3 +382,23 @@ def _endpoint(request: web.Request) -> str:
     """A bounded label: the route's pattern, never the raw path of an unknown URL."""
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "other"
+
+
+def _kv_tiers(extra: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Bytes held and prompt tokens served per KV tier (device pool, host RAM, SSD)."""
+    return {tier: {"bytes": extra.get(f"kv_bytes_{tier}", 0.0),
+                   "hit_tokens": extra.get(f"kv_hit_tokens_{tier}", 0.0)}
+            for tier in ("device", "host", "disk")}
+
+
+def _moe(extra: dict[str, float]) -> dict | None:
+    """Expert load of a mixture-of-experts model (None for dense models)."""
+    loads = []
+    while f"moe_rank{len(loads)}_tokens" in extra:
+        loads.append(extra[f"moe_rank{len(loads)}_tokens"])
+    if not loads:
+        return None
+    return {"ep_ranks": int(extra.get("moe_ep_ranks", 1)), "rank_load_tokens": loads,
+            "imbalance_mean": extra.get("moe_imbalance_mean", 1.0),
+            "imbalance_max": extra.get("moe_imbalance_max", 1.0),
+            "rebalances": int(extra.get("moe_rebalances", 0))}

@@ -1,6 +1,7 @@
 """Operations endpoints: /metrics, /v1/status, /health, /openapi.json, the web UI."""
 from __future__ import annotations
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.openapi import ENDPOINTS
@@ -68,6 +69,25 @@ async def test_status(make_harness):
     assert status["batch_invariant"] is False
     assert status["speculation"] == {"mode": "off", "draft_proposed": 12, "draft_accepted": 9,
                                      "acceptance_rate": 0.75}
+    assert status["kv_tiers"]["disk"] == {"bytes": 0.0, "hit_tokens": 0.0}
+    assert status["moe"] is None  # a dense model
+
+
+async def test_status_per_tier_kv_and_expert_load(make_harness):
+    engine = FakeEngineClient()
+    extra = {"kv_bytes_device": 4096.0, "kv_bytes_host": 2048.0, "kv_bytes_disk": 8192.0,
+             "kv_hit_tokens_device": 32.0, "kv_hit_tokens_disk": 16.0,
+             "moe_rank0_tokens": 30.0, "moe_rank1_tokens": 10.0, "moe_ep_ranks": 2.0,
+             "moe_imbalance_mean": 1.4, "moe_imbalance_max": 1.5, "moe_rebalances": 3.0}
+    base = engine.stats()
+    engine.stats = lambda: msgspec.structs.replace(base, extra=extra)
+    h = await make_harness(engine)
+    status = await (await h.client.get("/v1/status")).json()
+    assert status["kv_tiers"] == {"device": {"bytes": 4096.0, "hit_tokens": 32.0},
+                                  "host": {"bytes": 2048.0, "hit_tokens": 0.0},
+                                  "disk": {"bytes": 8192.0, "hit_tokens": 16.0}}
+    assert status["moe"] == {"ep_ranks": 2, "rank_load_tokens": [30.0, 10.0],
+                             "imbalance_mean": 1.4, "imbalance_max": 1.5, "rebalances": 3}
 
 
 async def test_openapi_is_complete_and_self_consistent(harness):
