@@ -55,12 +55,25 @@ class Request:
         self.stop_reason: int | None = None
         self.logprobs: list[TokenLogprob] = []
         self.num_preemptions = 0
-        self.generator: torch.Generator | None = None
+        self._generator: torch.Generator | None = None
+        self.draft_generator: torch.Generator | None = None  # a draft model's own stream
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            self._generator = torch.Generator()
+            self.draft_generator = torch.Generator().manual_seed(params.seed)
         self.spec_token_ids: list[int] = []  # draft tokens appended for verification
         self.num_draft_proposed = 0
         self.num_draft_accepted = 0
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """A seeded request's generator for this step's draws, re-seeded from (seed, output
+        position): the token at position i gets the same randomness wherever and whenever it
+        is sampled — after a prefill/decode hand-off, a resume on another worker, or a
+        preemption. None without a seed (the engine's generator is used)."""
+        if self._generator is None:
+            return None
+        return self._generator.manual_seed(position_seed(self.params.seed,
+                                                         self.num_output_tokens))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,3 +114,12 @@ class Request:
             self.finish_reason = "length"
             return True
         return False
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for output position `position` of a request seeded with `seed`
+    (splitmix64 of the pair)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1

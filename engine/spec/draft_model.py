@@ -114,7 +114,7 @@ class ModelDrafterBase:
             token = int(torch.argmax(logits))
         else:
             probs = target_probs(logits[None], params)[0]
-            token = int(torch.multinomial(probs, 1, generator=r.req.generator or self.generator))
+            token = int(torch.multinomial(probs, 1, generator=r.req.draft_generator or self.generator))
             r.q_rows.append(probs)
         logp = torch.log(probs.clamp_min(1e-30))
         r.entropy.append(float(-(probs * logp).sum()))
