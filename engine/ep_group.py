@@ -34,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Union
 
 import msgspec
@@ -181,7 +182,9 @@ class LeaderCore:
         self._closed = False
 
     def add_request(self, msg: AddRequest) -> None:
-        msg = msgspec.structs.replace(msg, deadline=0.0)  # the worker loop owns deadlines
+        # the worker loop owns deadlines; every rank gets rank 0's clock for the arrival
+        msg = msgspec.structs.replace(msg, deadline=0.0,
+                                      arrival_time=msg.arrival_time or time.time())
         self._core.add_request(msg)  # raises (and queues nothing) if the request is invalid
         self._ops.append(msg)
 
