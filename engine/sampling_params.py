@@ -28,6 +28,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     logprobs: int | None = None  # None: off; 0: chosen token only; N: plus top-N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    speculate: bool = True  # False: never draft for this request (server speculation on)
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)

@@ -90,7 +90,7 @@ class AnthropicApi:
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
         params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
                                  top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
-                                 ignore_eos=body.ignore_eos,
+                                 ignore_eos=body.ignore_eos, speculate=body.speculate,
                                  stop_token_ids=[] if body.ignore_eos else state.stop_token_ids)
         parse_tools = bool(body.tools) and not (body.tool_choice and
                                                 body.tool_choice.type == "none")

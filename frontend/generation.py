@@ -189,6 +189,7 @@ def params_from_fields(fields: SamplingFields, max_tokens: int, stop_token_ids: 
         repetition_penalty=fields.repetition_penalty, min_tokens=fields.min_tokens,
         ignore_eos=fields.ignore_eos, skip_special_tokens=fields.skip_special_tokens,
         include_stop_str_in_output=fields.include_stop_str_in_output, logprobs=logprobs,
+        speculate=fields.speculate,
         stop_token_ids=[] if fields.ignore_eos else stop_token_ids)
 
 

@@ -38,6 +38,7 @@ class SamplingFields(msgspec.Struct, **_KW):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculate: bool = True  # Duplex: false turns speculative decoding off for this request
     retention: Literal["chat", "agent"] = "chat"
     cache_salt: str | None = None
 
@@ -332,6 +333,7 @@ class MessagesRequest(CountTokensRequest, **_KW):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     ignore_eos: bool = False
+    speculate: bool = True  # Duplex: false turns speculative decoding off for this request
     retention: Literal["chat", "agent"] = "chat"
     cache_salt: str | None = None
 

@@ -225,7 +225,7 @@ class AppState:
             "layout": self.layout(),
             "workers": self.workers(),
             "batch_invariant": bool(info and info.batch_invariant),
-            "speculation": {"mode": info.speculation if info else "off",
+            "speculation": {"mode": info.speculation if info else "off", "per_request": True,
                             "draft_proposed": proposed, "draft_accepted": accepted,
                             "acceptance_rate": accepted / proposed if proposed else 0.0},
             "kv_tiers": _kv_tiers(stats.extra if stats else {}),

@@ -33,7 +33,7 @@ export class Settings {
     const v = this.values;
     const fields = { temperature: v.temperature, top_p: v.topP };
     if (v.maxTokens !== null) fields.max_tokens = v.maxTokens;  // unset: the rest of the context
-    if (this.speculationAllowed) fields.speculation = v.speculation;
+    if (this.speculationAllowed) fields.speculate = v.speculation;  // SamplingFields.speculate
     return fields;
   }
 

@@ -196,7 +196,8 @@ class Speculator:
 
     def _max_drafts(self, req: Request) -> int:
         params = req.params
-        if params.has_penalties or req.num_output_tokens < params.min_tokens:
+        if not params.speculate or params.has_penalties or \
+                req.num_output_tokens < params.min_tokens:
             return 0
         # every draft kept still leaves room for the bonus token
         return max(0, min(self.options.num_draft_tokens,

@@ -94,6 +94,9 @@ class Terminal:
         pid, fd = pty.fork()
         if pid == 0:  # the child: become the program
             os.chdir(cwd)
+            # as in a fresh terminal: a runner started in the background (`cmd &`, nohup)
+            # ignores SIGINT, which exec would pass on, and Python then never sees Ctrl-C
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(argv[0], argv, env)
         self.pid, self.fd = pid, fd
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))

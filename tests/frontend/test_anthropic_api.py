@@ -194,3 +194,9 @@ async def test_tool_choice_naming_an_unknown_tool_is_refused(harness):
         assert "not in tools" in e.body["error"]["message"]
     else:
         raise AssertionError("an unknown tool name was accepted")
+
+
+async def test_speculate_false_reaches_the_engine(harness):
+    await sdk(harness).messages.create(model="fake-model", max_tokens=8, messages=HI,
+                                       extra_body={"speculate": False})
+    assert harness.engine.added[-1].params.speculate is False

@@ -322,3 +322,11 @@ async def test_forced_tool_choice_needs_a_tool_calling_template(make_harness):
     else:
         raise AssertionError("a forced tool call was accepted without tool calling")
     assert not h.engine.added
+
+
+async def test_speculate_false_reaches_the_engine(harness):
+    await sdk(harness).chat.completions.create(model="fake-model", messages=HI,
+                                               extra_body={"speculate": False})
+    assert harness.engine.added[-1].params.speculate is False
+    await sdk(harness).chat.completions.create(model="fake-model", messages=HI)
+    assert harness.engine.added[-1].params.speculate is True

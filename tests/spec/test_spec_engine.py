@@ -215,3 +215,20 @@ def test_speculation_is_switched_off_under_load(target):
     core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False)
     _run(core, prompts[:1], GREEDY)
     assert core.stats().extra["spec_num_draft_accepted"] >= NUM_NEW // 4
+
+
+def test_a_request_can_opt_out_of_speculation(target, reference):
+    """speculate=False: that request never drafts (its tokens are the plain engine's), while a
+    request beside it in the same batch still does."""
+    core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False)
+    opted_out = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0,
+                               speculate=False)
+    core.add_request(AddRequest("off", _prompts()[0], opted_out))
+    core.add_request(AddRequest("on", _prompts()[0], GREEDY))
+    proposed, tokens = collections.Counter(), collections.defaultdict(list)
+    while core.has_unfinished_requests():
+        for d in core.step():
+            proposed[d.req_id] += d.num_draft_proposed
+            tokens[d.req_id] += d.new_token_ids
+    assert proposed["off"] == 0 and proposed["on"] > 0
+    assert tokens["off"] == tokens["on"] == reference[0]["r0"]

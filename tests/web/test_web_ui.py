@@ -165,6 +165,9 @@ def test_keyboard_and_settings_shape_the_request(ui):
     dialog.locator("textarea[name=system]").fill("Answer briefly.")
     dialog.locator("input[name=maxTokens]").fill("5")
     dialog.locator("input[name=temperature]").fill("0.3")
+    expect(dialog.locator("#speculation")).to_be_enabled()  # the server takes a per-request switch
+    expect(dialog.locator("#speculation-note")).to_contain_text("ngram")
+    dialog.locator("#speculation").uncheck()
     ui.page.keyboard.press("Escape")
     expect(dialog).to_be_hidden()
 
@@ -181,10 +184,9 @@ def test_keyboard_and_settings_shape_the_request(ui):
     assert chat["messages"] == [{"role": "system", "content": "Answer briefly."},
                                 {"role": "user", "content": "first line\nsecond line"}]
     assert (chat["max_tokens"], chat["temperature"], chat["top_p"]) == (5, 0.3, 0.9)
+    assert chat["speculate"] is False
     assert ui.stat("finish") == "length" and ui.stat("tokens") == "5"
     assert ui.page.locator("article.msg.user .bubble").inner_text() == "first line\nsecond line"
-    expect(dialog.locator("#speculation")).to_be_disabled()  # no per-request switch today
-    expect(dialog.locator("#speculation-note")).to_contain_text("ngram")
 
     ui.page.click("#new-chat")
     expect(ui.page.locator("article.msg")).to_have_count(0)
