@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 600.0  # every rank loads the model before the first collective
 STEP_TIMEOUT_S = 300.0  # longest wait in a collective once serving
-_PER_HOST_FIELDS = ("num_threads", "ep_local_ranks", "ep_master")  # may differ between ranks
+# may differ between ranks (the model by path: its weight digest is compared instead)
+_PER_HOST_FIELDS = ("model", "num_threads", "ep_local_ranks", "ep_master")
 
 
 class StepOrder(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -68,15 +69,16 @@ _DECODER = msgspec.msgpack.Decoder(StepOrder)
 
 # ---------------------------------------------------------------------------- the group
 class RankGroup:
-    """This process's membership: the default group (experts' all_to_all) plus a gloo group
-    for the orders (bytes on the CPU, whatever the experts' backend)."""
+    """This process's membership: the default group (the experts' all_to_all) plus a gloo
+    group of its own for the orders and digests."""
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         host, port = master_address(config)
         if host in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
+        # the engine keeps its tensors on the CPU (no device placement yet), so gloo; NCCL
+        # belongs here once the model and KV pool can live on a GPU
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=config.expert_parallel,
                                 timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
         self.rank, self.size = rank, config.expert_parallel
@@ -125,8 +127,8 @@ def master_address(config: EngineConfig) -> tuple[str, int]:
 
 # ---------------------------------------------------------------------------- every rank
 def build_rank_core(config: EngineConfig, group: RankGroup):
-    """(EngineCore, ExpertParallel) of one rank, its experts sharded; checks that every rank runs the
-    same model and configuration."""
+    """(EngineCore, ExpertParallel) of one rank, its experts sharded; checks that every rank
+    runs the same model (by weight digest) and configuration."""
     from engine.core import EngineCore
     from engine.expert_parallel import enable_expert_parallel
 
