@@ -107,8 +107,7 @@ class EngineConfig:
         _require(0 <= self.ep_local_ranks <= self.expert_parallel, "ep_local_ranks",
                  "must be in [0, expert_parallel]", self.ep_local_ranks)
         if self.expert_parallel > 1:  # the ranks replay one schedule: nothing may depend on time
-            for field, off in (("kv_dir", None), ("kv_host_bytes", 0), ("step_budget_ms", 0.0),
-                               ("speculation", "off")):
+            for field, off in (("kv_dir", None), ("step_budget_ms", 0.0), ("speculation", "off")):
                 _require(getattr(self, field) == off, field, "is not supported with "
                          "expert_parallel > 1 (ranks step in lockstep; it makes scheduling "
                          f"depend on timing): leave it at {off!r}", getattr(self, field))

@@ -19,8 +19,9 @@ calls, so the leader replays that sequence to the followers instead of shipping 
 StepOrder travels as msgspec bytes over a gloo group (never pickle). What could make ranks
 differ is kept out: deadlines are enforced by the worker loop (it aborts, and the abort is
 replayed) rather than by each core's clock, and options whose scheduling depends on timing
-(KV loads from RAM / disk, a time budget, a measured speculation cost) are refused by
-EngineConfig. A rank that dies breaks the next collective: the leader's step raises, the
+(KV reads from the SSD tier, which land in their own time; a time budget; a measured
+speculation cost) are refused by EngineConfig. The RAM tier is synchronous, so every rank's
+copy holds the same blocks and it is allowed. A rank that dies breaks the next collective: the leader's step raises, the
 worker reports WorkerError and the supervisor restarts it, with fresh followers (local
 followers die with the leader through PR_SET_PDEATHSIG).
 """

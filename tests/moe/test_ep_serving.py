@@ -145,6 +145,22 @@ async def test_abort_and_deadline_replay_on_every_rank(model_path, reference):
         assert group.client.workers()  # the worker never failed
 
 
+async def test_host_ram_tier_hits_on_every_rank(model_path):
+    """A small pool and a RAM tier: a prompt pushed out of the pool by others comes back from
+    host RAM on every rank (the ranks' tiers see the same evictions), with its first tokens."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (100,), generator=gen).tolist() for _ in range(8)]
+    config = _config(model_path, num_kv_blocks=48, kv_host_bytes=64 << 20,
+                     ep_redundant_experts=0)
+    async with Group(config) as group:
+        first, _ = await group.generate("a", prompts[0])
+        for i, prompt in enumerate(prompts[1:]):  # 7 x 7 blocks: more than the pool holds
+            await group.generate(f"other{i}", prompt)
+        again, final = await group.generate("a-again", prompts[0])
+        assert again == first
+        assert final.cached_tokens_by_tier.get("host", 0) >= 80, final.cached_tokens_by_tier
+
+
 async def test_a_killed_rank_is_recovered(model_path, reference):
     async with Group(_config(model_path, ep_redundant_experts=0)) as group:
         (ready,) = group.client.workers().values()
@@ -219,8 +235,8 @@ async def test_a_rank_with_another_configuration_is_refused(model_path):
 
 
 def test_options_that_depend_on_timing_are_refused():
-    for field, value in (("kv_host_bytes", 1 << 20), ("kv_dir", "/tmp/x"),
-                         ("step_budget_ms", 50.0), ("speculation", "ngram")):
+    for field, value in (("kv_dir", "/tmp/x"), ("step_budget_ms", 50.0),
+                         ("speculation", "ngram")):
         with pytest.raises(ValueError, match=f"{field} is not supported with expert_parallel"):
             EngineConfig(expert_parallel=2, **{field: value})
     with pytest.raises(ValueError, match="ep_local_ranks"):
