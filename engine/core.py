@@ -32,7 +32,7 @@ from engine.kv_tiers import BlockCodec, KVTiers, TierLink
 from engine.messages import AddRequest, RequestDelta, WorkerStats
 from engine.model_runner import ModelRunner
 from engine.models import build_model, load
-from engine.request import Request, Status
+from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import SpecOptions, Speculator
