@@ -103,7 +103,7 @@ export class AnswerView {
   onDone(frame) {
     this.setState("done");
     this.stats.showDone(this, frame);
-    this.scheduleRender();
+    this.render();  // at once: the final text is there when the state says "done"
   }
 
   /** An error frame: "cancelled" after our stop, anything else is a failure to show. */
@@ -117,7 +117,7 @@ export class AnswerView {
       this.problem.hidden = false;
     }
     this.stats.showEnded(this, stopped ? "stopped" : "error");
-    this.scheduleRender();
+    this.render();
   }
 
   setState(state) {
