@@ -11,11 +11,12 @@ Side by side on the same machine in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
+
+from bench.report import write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,8 +200,7 @@ def run(args: argparse.Namespace) -> int:
         result["batch1_speedup"] = result["engine_batch1_tok_s"] / result["hf_batch1_tok_s"]
     print(markdown(result))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(Path(args.out), result)
     return 0
 
 

@@ -21,10 +21,11 @@ measured verify cost of one token relative to a step's fixed cost (the stopping 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
+
+from bench.report import write_json
 
 CONFIGS = {
     "off": dict(speculation="off"),
@@ -185,8 +186,7 @@ def run(args: argparse.Namespace) -> int:
                              for name, llm in engines.items() if llm.engine.spec is not None}
     print(markdown(result))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(Path(args.out), result)
     return 0
 
 

@@ -275,8 +275,7 @@ class EngineCore:
         namespace, no tenant, which guards the disk tier's files."""
         ns = self._namespaces.get(cache_salt)
         if ns is None:
-            salt = b"" if cache_salt is None else \
-                bytes.fromhex(cache_salt) if _is_hex(cache_salt) else cache_salt.encode()
+            salt = b"" if cache_salt is None else kvkeys.salt_from_wire(cache_salt)
             ns = kvkeys.namespace(self.model_identity, self.config.weights_dtype,
                                   self.block_size, self.kv_layout, salt)
             self._namespaces[cache_salt] = ns
@@ -340,14 +339,6 @@ def _is_hybrid(config: EngineConfig, args) -> bool:
     off; not with speculation, whose rollback of rejected drafts needs released SWA blocks."""
     return config.hybrid_kv and config.speculation == "off" and \
         any(w is not None for w in args.layer_windows)
-
-
-def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-        return True
-    except ValueError:
-        return False
 
 
 def _eos_token_ids(args, model_path: str) -> tuple[int, ...]:

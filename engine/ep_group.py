@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.expert_parallel import free_port
 from engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ class LeaderCore:
 def leader_core(config: EngineConfig) -> LeaderCore:
     """Core factory of rank 0: start the local followers, form the group, build the core."""
     if config.ep_master is None and "MASTER_ADDR" not in os.environ:
-        config = dataclasses.replace(config, ep_master=f"127.0.0.1:{_free_port()}")
+        config = dataclasses.replace(config, ep_master=f"127.0.0.1:{free_port()}")
     config = _rank_config(config)
     local = config.ep_local_ranks or config.expert_parallel
     followers = [_start_follower(config, rank) for rank in range(1, local)]
@@ -263,14 +264,6 @@ def _start_follower(config: EngineConfig, rank: int) -> subprocess.Popen:
         [sys.executable, "-m", "engine.worker_cli", "--ep-rank", str(rank),
          "--config-json", msgspec.json.encode(config).decode(), "--parent-pid", str(os.getpid())],
         env=os.environ.copy())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- ranks 1..N-1

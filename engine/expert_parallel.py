@@ -259,7 +259,7 @@ def launch(fn: Callable, num_ranks: int, *args, backend: str = "gloo") -> None:
     values and return results through files."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(fn, num_ranks, _free_port(), backend, args), nprocs=num_ranks,
+    mp.spawn(_rank_main, args=(fn, num_ranks, free_port(), backend, args), nprocs=num_ranks,
              join=True)
 
 
@@ -273,7 +273,8 @@ def _rank_main(rank: int, fn: Callable, num_ranks: int, port: int, backend: str,
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a local rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

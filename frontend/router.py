@@ -60,14 +60,14 @@ class _Worker:
         self._namespaces: dict[str, bytes] = {}
 
     def namespace(self, cache_salt: str) -> bytes:
-        """The worker's key namespace for a tenant; the same rule as EngineCore._namespace
-        (cache_salt is the hex of the tenant salt; anything else is taken as text)."""
+        """The worker's key namespace for a tenant (kvstore.keys.salt_from_wire, as in
+        EngineCore._namespace)."""
         ns = self._namespaces.get(cache_salt)
         if ns is None:
             r = self.ready
-            salt = bytes.fromhex(cache_salt) if _is_hex(cache_salt) else cache_salt.encode()
             ns = self._namespaces[cache_salt] = kvkeys.namespace(
-                r.model_identity, r.kv_dtype, r.block_size, r.kv_layout, salt)
+                r.model_identity, r.kv_dtype, r.block_size, r.kv_layout,
+                kvkeys.salt_from_wire(cache_salt))
         return ns
 
     def num_hit_blocks(self, keys: list[bytes]) -> int:
@@ -248,11 +248,3 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     if list(bounds) != sorted(set(bounds)) or bounds[0] <= 0:
         raise ValueError(f"--length-buckets must be increasing positive numbers, got {text!r}")
     return bounds
-
-
-def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-        return True
-    except ValueError:
-        return False

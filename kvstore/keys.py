@@ -109,6 +109,15 @@ def tenant_salt(api_key: str | None, cache_salt: str | None = None) -> bytes:
     return salt
 
 
+def salt_from_wire(cache_salt: str) -> bytes:
+    """The salt an AddRequest's `cache_salt` stands for: its hex (what the frontend sends,
+    from `tenant_salt`), else its text. Workers and the router derive namespaces with it."""
+    try:
+        return bytes.fromhex(cache_salt)
+    except ValueError:
+        return cache_salt.encode()
+
+
 def key_hex(key: bytes) -> str:
     """Lower-case hex of a key (file names, logs, wire)."""
     return bytes(key).hex()
