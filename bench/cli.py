@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "swa": ("bench.swa", "sliding-window models: bonded window replay vs full KV caching"),
     "invariance": ("bench.invariance", "batch dependence of outputs, with and without "
                    "--batch-invariant"),
+    "anchor": ("bench.anchor", "Duplex beside llama.cpp's llama-server and llama-bench "
+               "on the same GGUF"),
 }
 
 

@@ -4,8 +4,9 @@ Side by side on the same machine in one run:
   1. 32 requests (prompt 20–400 tokens, output 16–256 tokens, ignore_eos): Duplex's
      continuous batching vs transformers `generate` on padded static batches.
   2. batch-1 decode tokens/s for both.
-  3. the machine's fp32 GEMM rate at the model's own GEMM shapes (M = 1, 32, 64) and the
-     engine's whole decode step at batch 1, 32, 64 as a fraction of it: the share of the
+  3. the machine's fp32 GEMM rate at the model's own GEMM shapes (M = 1, 32, 64), each
+     layer with its own weights (so the weights stream from memory, as in the engine), and
+     the engine's whole decode step at batch 1, 32, 64 as a fraction of it: the share of the
      step that is useful matmul, the rest being attention, sampling and overhead.
 """
 from __future__ import annotations
@@ -114,22 +115,35 @@ def gemm_shapes(args) -> list[tuple[int, int]]:
             (args.hidden_size, args.intermediate_size)]
 
 
-def isolated_gemm_seconds(args, m: int, repeats: int = 20) -> tuple[float, float]:
-    """Time of one decode step's weight GEMMs (all layers + LM head for m rows), run alone
-    on the model's own shapes; returns (seconds, GFLOP)."""
+def step_gemms(args) -> list[tuple[int, int]]:
+    """(N, K) of every weight GEMM of one decode step, in order: each layer's, then the LM head."""
+    return gemm_shapes(args) * args.num_layers + [(args.vocab_size, args.hidden_size)]
+
+
+def step_weights(args) -> list:
+    """One distinct random fp32 weight per GEMM of the step (`step_gemms` order), so that a
+    timed step streams every layer's weights from memory as the engine's step does, instead
+    of finding a few shared tensors in cache."""
     import torch
 
-    shapes = gemm_shapes(args) * args.num_layers + [(args.vocab_size, args.hidden_size)]
-    weights = {(n, k): torch.randn(n, k) for n, k in set(shapes)}
-    x = {k: torch.randn(m, k) for _, k in set(shapes)}
-    flop = sum(2.0 * m * n * k for n, k in shapes)
-    for n, k in shapes:
-        torch.nn.functional.linear(x[k], weights[(n, k)])
+    return [torch.randn(n, k) for n, k in step_gemms(args)]
+
+
+def isolated_gemm_seconds(args, m: int, repeats: int = 20) -> tuple[float, float]:
+    """Time of one decode step's weight GEMMs (all layers + LM head for m rows), run alone
+    on the model's own shapes with distinct weights per layer; returns (seconds, GFLOP)."""
+    import torch
+
+    weights = step_weights(args)
+    x = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
+    flop = sum(2.0 * m * w.shape[0] * w.shape[1] for w in weights)
+    for w in weights:                      # warm-up: first touch of every page
+        torch.nn.functional.linear(x[w.shape[1]], w)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for n, k in shapes:
-            torch.nn.functional.linear(x[k], weights[(n, k)])
+        for w in weights:
+            torch.nn.functional.linear(x[w.shape[1]], w)
         times.append(time.perf_counter() - start)
     return statistics.median(times), flop / 1e9
 

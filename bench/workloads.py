@@ -105,13 +105,28 @@ def build_workload(name: str, text: TextSource, options: WorkloadOptions) -> Wor
     return builders[name](text, options)
 
 
-def random_workload(text: TextSource, options: WorkloadOptions) -> Workload:
+def random_workload(text: TextSource, options: WorkloadOptions,
+                    max_input_len: int | None = None) -> Workload:
+    """`num_requests` unrelated prompts of `input_len` tokens each or, with `max_input_len`,
+    of lengths drawn uniformly from [input_len, max_input_len] (own seeded stream, so the
+    fixed-length workload under a seed stays what it was)."""
     rng = random.Random(f"random:{options.seed}")
-    conversations = [
-        _single(i, [_user(text.text(options.input_len, rng).text)], options.output_len)
-        for i in range(options.num_requests)]
-    return Workload("random", conversations, _params(options, "num_requests", "input_len",
-                                                      "output_len"))
+    lengths = random_lengths(options, max_input_len)
+    conversations = [_single(i, [_user(text.text(n, rng).text)], options.output_len)
+                     for i, n in enumerate(lengths)]
+    params = _params(options, "num_requests", "input_len", "output_len")
+    if max_input_len is not None:
+        params["max_input_len"] = max_input_len
+    return Workload("random", conversations, params)
+
+
+def random_lengths(options: WorkloadOptions, max_input_len: int | None) -> list[int]:
+    if max_input_len is None:
+        return [options.input_len] * options.num_requests
+    if max_input_len < options.input_len:
+        raise ValueError(f"max_input_len {max_input_len} is below input_len {options.input_len}")
+    rng = random.Random(f"random-lengths:{options.seed}")
+    return [rng.randint(options.input_len, max_input_len) for _ in range(options.num_requests)]
 
 
 def shared_prefix_workload(text: TextSource, options: WorkloadOptions) -> Workload:

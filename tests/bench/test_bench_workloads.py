@@ -9,7 +9,7 @@ import pytest
 
 from bench.text import TextSource
 from bench.workloads import (AGENT_HEADER, WorkloadOptions, build_workload, default_trace_path,
-                             read_trace)
+                             random_lengths, random_workload, read_trace)
 
 
 def build(name, text_source, **options):
@@ -180,3 +180,22 @@ def test_mooncake_sessions_keep_whole_sessions_in_trace_order(text_source, tmp_p
     assert capped.num_requests == 4
     with pytest.raises(ValueError, match="sessions"):
         WorkloadOptions(sessions=-1)
+
+
+def test_random_prompts_with_a_length_range(text_source):
+    options = WorkloadOptions(num_requests=40, input_len=10, output_len=5, seed=3)
+    spread = random_workload(text_source, options, max_input_len=30)
+    lengths = [text_source.count(c.turns[0].messages[0]["content"]) for c in spread.conversations]
+    assert lengths == random_lengths(options, 30)
+    assert min(lengths) >= 10 and max(lengths) <= 30 and len(set(lengths)) > 10
+    assert spread.params == {"seed": 3, "num_requests": 40, "input_len": 10, "output_len": 5,
+                             "max_input_len": 30}
+    with pytest.raises(ValueError, match="below input_len"):
+        random_workload(text_source, options, max_input_len=9)
+
+
+def test_random_workload_without_a_range_is_unchanged(tokenizer):
+    options = WorkloadOptions(num_requests=4, input_len=12, seed=5)
+    assert random_workload(TextSource(tokenizer, seed=5), options) == \
+        build_workload("random", TextSource(tokenizer, seed=5), options)
+    assert random_lengths(options, None) == [12] * 4
