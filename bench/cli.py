@@ -22,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "disagg": ("bench.disagg", "unified vs prefill/decode workers on mixed traffic"),
     "kv": ("bench.kv", "KV cache tiers: hit rates, cached TTFT, disk read rate"),
     "swa": ("bench.swa", "sliding-window models: bonded window replay vs full KV caching"),
+    "quality": ("bench.quality", "model quality of each weight precision: perplexity and "
+                "top-1 agreement with float32"),
     "invariance": ("bench.invariance", "batch dependence of outputs, with and without "
                    "--batch-invariant"),
     "anchor": ("bench.anchor", "Duplex beside llama.cpp's llama-server and llama-bench "

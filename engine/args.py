@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import EngineConfig
+from engine.config import WEIGHT_DTYPES, EngineConfig
 
 _HELP = {
     "model": "local GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)",
@@ -16,7 +16,8 @@ _HELP = {
     "max_num_seqs": "most requests running in one step",
     "max_num_batched_tokens": "token budget of one step",
     "enable_prefix_caching": "reuse KV blocks of identical prefixes",
-    "weights_dtype": "weight precision: float32 (exact) or bfloat16",
+    "weights_dtype": "weight precision: auto (a GGUF file's 4/8-bit weights stay quantized), "
+                     "float32 (exact), bfloat16, int8 or int4 (every linear weight)",
     "num_threads": "torch CPU threads per worker (0: torch default)",
     "seed": "engine seed for requests without their own seed",
     "speculation": "speculative decoding: off, ngram, draft or self",
@@ -43,6 +44,10 @@ _HELP = {
 }
 
 
+_ALIASES = {"weights_dtype": ("--dtype",)}  # vLLM's spelling
+_CHOICES = {"weights_dtype": WEIGHT_DTYPES}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineConfig):
@@ -53,8 +58,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                                help=_HELP[field.name])
             continue
         kind = _scalar_type(field.type)
-        group.add_argument(flag, type=kind, default=default, help=_HELP[field.name],
-                           metavar=field.name.upper())
+        flags = [flag, *_ALIASES.get(field.name, ())]
+        group.add_argument(*flags, dest=field.name, type=kind, default=default,
+                           help=_HELP[field.name], metavar=field.name.upper(),
+                           choices=_CHOICES.get(field.name))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

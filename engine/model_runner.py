@@ -14,8 +14,10 @@ ids; the step then carries a second block table and slot mapping for the SWA lay
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from engine.hybrid_kv import HybridLayout, swa_step_inputs
@@ -52,35 +54,39 @@ class ModelRunner:
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        """Host lists first (one pass over the requests), then one tensor per input."""
         bs = self.block_size
-        ids, positions, slots, q_starts, seq_lens = [], [], [], [0], []
-        sample_rows, sample_positions = [], []
-        max_blocks = 1
+        ids, positions, slots = [], [], []
+        query_lens, seq_lens, sample_rows, sample_positions = [], [], [], []
+        num_rows, slots_valid = 0, True
         for row, (req, num_new) in enumerate(scheduled):
             start = req.num_computed_tokens
             end = start + num_new
-            tokens = req.all_token_ids + req.spec_token_ids
-            ids.extend(tokens[start:end])
-            pos = torch.arange(start, end)
-            table = torch.tensor(req.block_ids, dtype=torch.long)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            ids.extend(req.token_slice(start, end))
+            positions.extend(range(start, end))
+            slots.extend(_slots(req.block_ids, start, end, bs))
             if req.replay_end > start:  # replayed for SWA only: full layers keep their KV
-                slots[-1][pos < req.replay_end] = -1
-            q_starts.append(q_starts[-1] + num_new)
+                slots[num_rows:num_rows + min(num_new, req.replay_end - start)] = \
+                    [-1] * min(num_new, req.replay_end - start)
+                slots_valid = False
+            num_rows += num_new
+            query_lens.append(num_new)
             seq_lens.append(end)
-            max_blocks = max(max_blocks, len(req.block_ids))
             if end >= req.num_tokens:  # the prompt is fully computed: this step samples
                 sample_rows.append(row)
-                sample_positions.append(q_starts[-1] - 1)
-        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+                sample_positions.append(num_rows - 1)
+        max_blocks = max(1, max(len(req.block_ids) for req, _ in scheduled))
+        table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for row, (req, _) in enumerate(scheduled):
-            block_tables[row, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+            table[row, :len(req.block_ids)] = req.block_ids
         ctx = ForwardContext(
-            positions=torch.cat(positions), slot_mapping=torch.cat(slots),
-            block_tables=block_tables,
-            query_start_loc=torch.tensor(q_starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), kv_caches=self.kv_caches)
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=torch.from_numpy(table),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), kv_caches=self.kv_caches,
+            query_lens=query_lens, host_seq_lens=seq_lens, block_size=bs,
+            slots_valid=slots_valid)
         if self.layout is not None:
             num_cols = max(max_blocks, *(len(s.req.swa_block_ids) for s in scheduled))
             ctx.swa_block_tables, ctx.swa_slot_mapping = swa_step_inputs(
@@ -95,4 +101,15 @@ class ModelRunner:
         rows = inputs.sample_positions if logit_positions is None else logit_positions
         if not rows:
             return torch.empty(0, self.model.args.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(rows)])
+        if rows != list(range(hidden.shape[0])):
+            hidden = hidden[torch.tensor(rows)]
+        return self.model.compute_logits(hidden)
+
+
+def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """KV cache slots of positions [start, end) of a request with this block table."""
+    if end - start == 1:
+        return [block_ids[start // block_size] * block_size + start % block_size]
+    pos = np.arange(start, end)
+    return (np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size
+            + pos % block_size).tolist()

@@ -95,6 +95,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output + drafts, without building the whole list."""
+        num_prompt, num_tokens = len(self.prompt_token_ids), self.num_tokens
+        if start >= num_prompt and end <= num_tokens:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return (self.all_token_ids + self.spec_token_ids)[start:end]
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 

@@ -21,6 +21,9 @@ sees itself and the `sliding_window - 1` positions before it. Head h reads kv he
 `h // (num_heads // num_kv_heads)` (GQA). `soft_cap` applies `cap * tanh(logits / cap)` to the
 scaled logits before masking (Gemma 2). Math is fp32; the output has q's dtype.
 """
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from kernels._triton import require_triton, tl, triton
@@ -105,16 +108,21 @@ def _attend_paged(q, q_pos, k_cache, v_cache, block_tables, seq_lens, scale, sli
 
 
 def _attend(q, k, v, mask, scale, soft_cap):
-    """q `[B, Q, H, D]`, k/v `[B, L, KVH, D]` fp32, mask `[B, Q, L]` -> `[B, Q, H, D]` in q.dtype.
+    """q `[B, Q, H, D]`, k/v `[B, L, KVH, D]`, mask `[B, Q, L]` (None: every key seen) ->
+    `[B, Q, H, D]` in q.dtype; the math in fp32.
 
     Without a soft cap: torch's fused CPU attention (scaled_dot_product_attention, grouped
     query heads), on strided views — 1.5-1.8x faster than matmul + softmax on small decode
     batches. With one: one batched matmul per kv head."""
+    k, v = k.float(), v.float()
     if soft_cap is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask[:, None], scale=scale, enable_gqa=True)  # [B, H, Q, D]
+            attn_mask=None if mask is None else mask[:, None], scale=scale,
+            enable_gqa=True)  # [B, H, Q, D]
         return out.transpose(1, 2).to(q.dtype)
+    if mask is None:
+        mask = torch.ones(q.shape[0], q.shape[1], k.shape[1], dtype=torch.bool)
     B, Q, H, D = q.shape
     kv_heads = k.shape[2]
     group = H // kv_heads
@@ -132,6 +140,100 @@ def _attend(q, k, v, mask, scale, soft_cap):
         torch.bmm(probs, v[:, :, h], out=out[:, h])  # [B, G*Q, D]
     out = out.view(B, kv_heads, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
     return out.to(q.dtype)
+
+
+class PrefillPlan(NamedTuple):
+    """One sequence with several queries: its rows, the cache slots of the keys it may see
+    and, when some query must not see some key, the mask."""
+    start: int  # first row in q
+    num_queries: int
+    keys: torch.Tensor  # int64 [L]: cache slot of key j (positions first .. seq_len - 1)
+    mask: torch.Tensor | None  # bool [1, Q, L]; None: every query sees every key
+
+
+class AttentionPlan(NamedTuple):
+    """A step's attention index work, built once on the host from numbers the scheduler
+    already has and shared by every layer of one KV group (see `plan_attention`).
+
+    Keys are gathered by slot, and only those inside the window, so a single decode
+    sequence needs no mask at all; padded key columns repeat the last valid slot (finite
+    data) and are masked."""
+    decode_rows: torch.Tensor | None  # int64 [B]: q rows of the one-query sequences; None:
+    #                                   every row, in order
+    decode_keys: torch.Tensor | None  # int64 [B, L]: cache slots; None: no such sequence
+    decode_mask: torch.Tensor | None  # bool [B, 1, L]; None: no padding
+    prefills: tuple[PrefillPlan, ...]
+
+
+def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                   block_size: int, sliding_window: int | None = None) -> AttentionPlan:
+    """The plan for `block_tables [S, M]` (host tensor) and host lists of query and context
+    lengths (context includes the new tokens), under the module's masking rules."""
+    table = block_tables.numpy()
+    window = sliding_window or 0
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    starts = np.cumsum([0] + query_lens[:-1]).tolist()
+    prefills = tuple(_plan_prefill(table[i], starts[i], query_lens[i], seq_lens[i], block_size,
+                                   window) for i, n in enumerate(query_lens) if n > 1)
+    if not decode:
+        return AttentionPlan(None, None, None, prefills)
+    lens = np.asarray([seq_lens[i] for i in decode])
+    seen = np.minimum(lens, window) if window else lens  # keys each query may see
+    cols = np.arange(int(seen.max()))
+    pos = (lens - seen)[:, None] + np.minimum(cols[None, :], seen[:, None] - 1)  # [B, L]
+    slots = _slots(table[decode], pos, block_size)
+    mask = None if bool((seen == seen[0]).all()) else \
+        torch.from_numpy(cols[None, :] < seen[:, None])[:, None]  # [B, 1, L]
+    rows = None if len(decode) == len(query_lens) else torch.tensor(starts, dtype=torch.long)[decode]
+    return AttentionPlan(rows, torch.from_numpy(slots), mask, prefills)
+
+
+def _plan_prefill(table_row, start: int, q_len: int, seq_len: int, block_size: int,
+                  window: int) -> PrefillPlan:
+    first_query = seq_len - q_len
+    first_key = max(0, first_query - window + 1) if window else 0
+    key_pos = np.arange(first_key, seq_len)  # [L]
+    q_pos = np.arange(first_query, seq_len)[:, None]  # [Q, 1]
+    allowed = key_pos[None, :] <= q_pos
+    if window:
+        allowed &= key_pos[None, :] > q_pos - window
+    slots = _slots(table_row[None], key_pos[None], block_size)[0]
+    return PrefillPlan(start, q_len, torch.from_numpy(slots), torch.from_numpy(allowed)[None])
+
+
+def _slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of positions `pos [B, L]` of the sequences whose block tables are `table`."""
+    blocks = np.take_along_axis(table, pos // block_size, axis=1).astype(np.int64)
+    return blocks * block_size + pos % block_size
+
+
+def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            plan: AttentionPlan, scale: float,
+                            soft_cap: float | None = None) -> torch.Tensor:
+    """The reference's result (same conventions) from a prebuilt plan: per layer, only the
+    key gathers and the attention itself run."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
+    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    decode_out = None
+    if plan.decode_keys is not None:
+        num_seqs, num_keys = plan.decode_keys.shape
+        keys = plan.decode_keys.view(-1)
+        k = k_slots.index_select(0, keys).view(num_seqs, num_keys, num_kv_heads, head_dim)
+        v = v_slots.index_select(0, keys).view(num_seqs, num_keys, num_kv_heads, head_dim)
+        qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
+        decode_out = _attend(qd[:, None], k, v, plan.decode_mask, scale, soft_cap)[:, 0]
+        if plan.decode_rows is None:
+            return decode_out
+    out = torch.empty_like(q)
+    if decode_out is not None:
+        out[plan.decode_rows] = decode_out
+    for p in plan.prefills:
+        k = k_slots.index_select(0, p.keys)[None]  # [1, L, KVH, D]
+        v = v_slots.index_select(0, p.keys)[None]
+        rows = slice(p.start, p.start + p.num_queries)
+        out[rows] = _attend(q[None, rows], k, v, p.mask, scale, soft_cap)[0]
+    return out
 
 
 def check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:

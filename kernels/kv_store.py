@@ -10,12 +10,14 @@ from kernels._triton import require_triton, tl, triton
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Torch reference; writes k_cache / v_cache in place."""
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 all_valid: bool | None = None) -> None:
+    """Torch reference; writes k_cache / v_cache in place. `all_valid=True`: the caller
+    vouches that no slot is negative, so the check (a host sync) is skipped."""
     _check(k, v, k_cache, v_cache, slot_mapping)
     num_kv_heads, head_dim = k_cache.shape[2:]
     slots = slot_mapping
-    if bool((slots < 0).any()):
+    if not all_valid and bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     # caches viewed as [num_slots, num_kv_heads, head_dim]

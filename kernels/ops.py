@@ -11,29 +11,38 @@ import torch
 
 from kernels import attention, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
 from kernels import batch_invariant as bi
+from kernels import cpu_fused
+from kernels.attention import AttentionPlan
 from kernels.batch_invariant import is_batch_invariant
+from kernels.quant import QuantEmbedding, QuantWeight
+from kernels.rotary import RopeTables
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, all_valid: bool | None = None) -> None:
     """Write k, v `[num_tokens, num_kv_heads, head_dim]` into cache slots (in place).
-    slot = block_id * block_size + offset; slot < 0 skips the token."""
+    slot = block_id * block_size + offset; slot < 0 skips the token. `all_valid`: the
+    caller knows there is no negative slot (None: look)."""
     if k.is_cuda:
         return kv_store.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    return kv_store.store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return kv_store.store_kv_ref(k, v, k_cache, v_cache, slot_mapping, all_valid)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> torch.Tensor:
-    """Causal varlen paged attention; see kernels.attention for the exact conventions."""
+                    soft_cap: float | None = None,
+                    plan: AttentionPlan | None = None) -> torch.Tensor:
+    """Causal varlen paged attention; see kernels.attention for the exact conventions.
+    `plan` (CPU): the step's prebuilt gather indices and masks for these inputs."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
             sliding_window, soft_cap)
     if q.is_cuda:
         return attention.paged_attention_triton(*args)
     if is_batch_invariant():
         return bi.bi_paged_attention(*args)
+    if plan is not None:
+        return attention.paged_attention_planned(q, k_cache, v_cache, plan, scale, soft_cap)
     return attention.paged_attention_ref(*args)
 
 
@@ -44,7 +53,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return _rms_norm.rms_norm_triton(x, weight, eps, residual, offset)
     if is_batch_invariant():
         return bi.bi_rms_norm(x, weight, eps, residual, offset)
+    if cpu_fused.is_enabled() and not offset and _fused_norm_fits(x, weight, residual):
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_fused.rms_norm(rows, weight, eps,
+                                 None if residual is None else residual.reshape(rows.shape))
+        if residual is None:
+            return out.view(x.shape)
+        return out[0].view(x.shape), out[1].view(x.shape)
     return _rms_norm.rms_norm_ref(x, weight, eps, residual, offset)
+
+
+def _fused_norm_fits(x, weight, residual) -> bool:
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    return cpu_fused.fits(*tensors) and all(t.is_contiguous() for t in tensors)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -53,6 +74,23 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if q.is_cuda:
         return rotary.rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
     return rotary.rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+
+
+def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """RoPE (neox, full head) of `x [num_tokens, heads, head_dim]` from a step's tables."""
+    return rotary.apply_rope(x, tables)
+
+
+def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    """Rotate `x [num_tokens, heads, head_dim]` (neox, full head) in place with the fused CPU
+    kernel, bitwise equal to the reference; False (x untouched) where it does not apply."""
+    ok = (cpu_fused.available() and cpu_fused.fits(x, cos_sin_cache) and x.stride(2) == 1
+          and x.stride(1) == x.shape[2] and positions.dtype == torch.int64
+          and positions.is_contiguous() and cos_sin_cache.is_contiguous()
+          and cos_sin_cache.shape[-1] == x.shape[-1] and not is_batch_invariant())
+    if ok:
+        cpu_fused.rope_neox_(x, positions, cos_sin_cache)
+    return ok
 
 
 def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
@@ -64,8 +102,11 @@ def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     return _matmul.matmul_ref(x, w_t)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """`x [..., K] @ weight [N, K].T + bias`."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight,
+           bias: torch.Tensor | None = None):
+    """`x [..., K] @ weight [N, K].T + bias`; a QuantWeight runs its weight-only kernel."""
+    if isinstance(weight, QuantWeight):
+        return weight.linear(x, bias)
     if is_batch_invariant():
         if x.is_cuda:
             return _matmul.linear_triton(x, weight, bias)
@@ -80,9 +121,33 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=dim)
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`[..., 2n]` -> `silu(gate_up[..., :n]) * gate_up[..., n:]`."""
+    if cpu_fused.is_enabled() and cpu_fused.fits(gate_up) and gate_up.is_contiguous() \
+            and not is_batch_invariant():
+        return cpu_fused.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(
+            *gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu(gate) * up
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU; batch invariant on CPU when that mode is on (torch's silu is not, see
     kernels.batch_invariant)."""
     if is_batch_invariant() and not x.is_cuda:
         return bi.bi_silu(x)
     return torch.nn.functional.silu(x)
+
+
+def concat_weights(weights: list) -> torch.Tensor | QuantWeight:
+    """Stack `[N_i, K]` weights along N (fused projections), quantized or not."""
+    if isinstance(weights[0], QuantWeight):
+        return QuantWeight.cat(weights)
+    return torch.cat(weights)
+
+
+def embedding(input_ids: torch.Tensor, table: torch.Tensor | QuantEmbedding) -> torch.Tensor:
+    """Rows of an embedding table `[vocab, hidden]`, dequantized if it is quantized."""
+    if isinstance(table, QuantEmbedding):
+        return table.lookup(input_ids)
+    return torch.nn.functional.embedding(input_ids, table)

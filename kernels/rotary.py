@@ -7,6 +7,8 @@ pass through. `is_neox=True` pairs dim i with i + rotary_dim/2 (Hugging Face `ro
 done in that dtype, as transformers' `apply_rotary_pos_emb` does, so the neox path equals it
 bit for bit. Returns new tensors `(q_rot, k_rot)`; the inputs are not modified.
 """
+from typing import NamedTuple
+
 import torch
 
 from kernels._triton import require_triton, tl, triton
@@ -32,6 +34,27 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     # cos, sin: [num_tokens, 1, rotary_dim / 2], broadcast over heads
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+
+class RopeTables(NamedTuple):
+    """A step's rotary factors, gathered once and shared by every layer (neox, full-dim
+    rotation): `x_rot = x * cos + roll(x, D/2) * sin_signed`, where roll gives
+    `cat(x2, x1)` and sin_signed is `cat(-sin, sin)` — rotate_half(x) * sin exactly."""
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin_signed: torch.Tensor  # [num_tokens, 1, head_dim]
+
+
+def rope_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                dtype: torch.dtype) -> RopeTables:
+    cos, sin = cos_sin_cache.index_select(0, positions).to(dtype).chunk(2, dim=-1)
+    return RopeTables(torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None])
+
+
+def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """x `[num_tokens, heads, head_dim]` rotated with prebuilt tables; a new tensor, equal bit
+    for bit to `rotary_embedding_ref` (neox) on the same positions."""
+    # two products and a sum, each rounded, as transformers does (no fused multiply-add)
+    return x * tables.cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * tables.sin_signed
 
 
 def _rotate(x, cos, sin, is_neox):

@@ -27,6 +27,8 @@ GEMMA_NORM_OFFSET = 1.0  # out = norm(x) * (1 + weight)
 
 
 class Gemma3Attention(Attention):
+    joint_rope = False  # q and k are normalised per head before rotary
+
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
                  layer: int) -> None:
         super().__init__(args, state, prefix, layer)
@@ -42,8 +44,9 @@ class Gemma3Attention(Attention):
 
 
 class Gemma3MLP(MLP):
-    def activation(self, gate: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate, approximate="tanh")
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class Gemma3DecoderLayer:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from engine.models.loader import ModelArgs
 from kernels import ops
-from kernels.rotary import rope_cos_sin_cache
+from kernels.quant import QuantWeight
+from kernels.attention import AttentionPlan, plan_attention
+from kernels.rotary import RopeTables, rope_cos_sin_cache, rope_tables
 
 
 @dataclasses.dataclass
@@ -33,6 +34,13 @@ class ForwardContext:
     # hybrid KV (engine/hybrid_kv.py): sliding-window layers' own block ids; None: shared
     swa_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
     swa_slot_mapping: torch.Tensor | None = None  # int64 [num_tokens]
+    # the same numbers on the host (ModelRunner knows them): with them the step's attention
+    # indices and masks are built once for all layers (kernels.attention.plan_attention)
+    query_lens: list[int] | None = None
+    host_seq_lens: list[int] | None = None
+    block_size: int = 0
+    slots_valid: bool | None = None  # no negative slot in slot_mapping (None: unknown)
+    _memo: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def group_inputs(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables, slot_mapping) of a layer's KV group."""
@@ -40,8 +48,31 @@ class ForwardContext:
             return self.swa_block_tables, self.swa_slot_mapping
         return self.block_tables, self.slot_mapping
 
+    def attention_plan(self, sliding_window: int | None) -> AttentionPlan | None:
+        """The step's attention plan for a layer with this window (one per KV group and
+        window, built on first use); None on a device or without host numbers."""
+        if self.query_lens is None or self.positions.is_cuda:
+            return None
+        key = ("plan", sliding_window)
+        if key not in self._memo:
+            block_tables, _ = self.group_inputs(sliding_window)
+            self._memo[key] = plan_attention(block_tables, self.query_lens, self.host_seq_lens,
+                                             self.block_size, sliding_window)
+        return self._memo[key]
+
+    def rope(self, cos_sin: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The step's rotary tables from a cos/sin cache (built once, shared by layers)."""
+        key = ("rope", id(cos_sin), dtype)
+        if key not in self._memo:
+            self._memo[key] = rope_tables(self.positions, cos_sin, dtype)
+        return self._memo[key]
+
 
 class Attention:
+    # q and k rotate as one [T, heads + kv_heads, D] tensor: true unless a subclass changes
+    # them between projection and rotary (per-head norms)
+    joint_rope = True
+
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
                  layer: int) -> None:
         self.num_heads, self.num_kv_heads = args.num_heads, args.num_kv_heads
@@ -51,7 +82,7 @@ class Attention:
         self.scale = args.head_dim ** -0.5
         self.sliding_window = args.layer_windows[layer]  # None: full attention
         names = [f"{prefix}.{p}_proj" for p in "qkv"]
-        self.qkv_weight = torch.cat([state.pop(f"{n}.weight") for n in names])
+        self.qkv_weight = ops.concat_weights([state.pop(f"{n}.weight") for n in names])
         self.qkv_bias = (torch.cat([state.pop(f"{n}.bias") for n in names])
                          if args.attention_bias else None)
         self.o_weight = state.pop(f"{prefix}.o_proj.weight")
@@ -64,15 +95,40 @@ class Attention:
                 k.reshape(-1, self.num_kv_heads, self.head_dim),
                 v.reshape(-1, self.num_kv_heads, self.head_dim))
 
+    def rotated_qkv(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: torch.Tensor):
+        """q, k after rotary, and v. On the CPU with a full-dim neox cache q and k rotate
+        together, in place, with one fused kernel (or from the step's shared tables);
+        otherwise through ops.rotary_embedding."""
+        fast = ctx.query_lens is not None and not x.is_cuda and \
+            cos_sin.shape[-1] == self.head_dim
+        if not (fast and self.joint_rope):
+            q, k, v = self.project_qkv(x)
+            if not fast:
+                return (*ops.rotary_embedding(ctx.positions, q, k, cos_sin), v)
+            return (*(self._rotate(t, ctx, cos_sin) for t in (q, k)), v)
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q_size + 2 * kv_size]
+        num_tokens = qkv.shape[0]
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = self._rotate(qk, ctx, cos_sin)  # [T, heads + kv_heads, D]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, -1, self.head_dim)
+        return qk[:, :self.num_heads], qk[:, self.num_heads:], v
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, ctx: ForwardContext, cos_sin: torch.Tensor) -> torch.Tensor:
+        if ops.rope_inplace(x, ctx.positions, cos_sin):
+            return x
+        return ops.apply_rope(x, ctx.rope(cos_sin, x.dtype))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int,
                 cos_sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        q, k = ops.rotary_embedding(ctx.positions, q, k, cos_sin)
+        q, k, v = self.rotated_qkv(x, ctx, cos_sin)
         k_cache, v_cache = ctx.kv_caches[layer]
         block_tables, slot_mapping = ctx.group_inputs(self.sliding_window)
-        ops.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        ops.store_kv(k, v, k_cache, v_cache, slot_mapping,
+                     ctx.slots_valid if slot_mapping is ctx.slot_mapping else None)
         out = ops.paged_attention(q, k_cache, v_cache, block_tables, ctx.query_start_loc,
-                                  ctx.seq_lens, self.scale, self.sliding_window)
+                                  ctx.seq_lens, self.scale, self.sliding_window,
+                                  plan=ctx.attention_plan(self.sliding_window))
         return ops.linear(out.reshape(-1, self.q_size), self.o_weight)  # [T, hidden]
 
 
@@ -80,15 +136,15 @@ class MLP:
     def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
         gate, up = state.pop(f"{prefix}.gate_proj.weight"), state.pop(f"{prefix}.up_proj.weight")
         self.intermediate = gate.shape[0]
-        self.gate_up_weight = torch.cat([gate, up])
+        self.gate_up_weight = ops.concat_weights([gate, up])
         self.down_weight = state.pop(f"{prefix}.down_proj.weight")
 
-    def activation(self, gate: torch.Tensor) -> torch.Tensor:
-        return ops.silu(gate)
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`[T, 2 * intermediate]` -> `act(gate) * up`."""
+        return ops.silu_and_mul(gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = ops.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return ops.linear(self.activation(gate) * up, self.down_weight)
+        return ops.linear(self.act_and_mul(ops.linear(x, self.gate_up_weight)), self.down_weight)
 
 
 class DecoderLayer:
@@ -124,7 +180,8 @@ class LlamaForCausalLM:
         self.layer_windows: list[int | None] = args.layer_windows  # None: full attention
         self.norm = state.pop("model.norm.weight")
         lm_head = state.pop("lm_head.weight", None)
-        self.lm_head = self.embed if args.tie_word_embeddings or lm_head is None else lm_head
+        tied = (args.tie_word_embeddings or lm_head is None) and not isinstance(lm_head, QuantWeight)
+        self.lm_head = self.embed if tied else lm_head  # a quantized head is its own copy
         self.cos_sin = self.rope_cache(args)
         unused = [k for k in state if "rotary_emb" not in k]
         if unused:
@@ -136,7 +193,7 @@ class LlamaForCausalLM:
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
-        h = F.embedding(input_ids, self.embed)
+        h = ops.embedding(input_ids, self.embed)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer.forward(h, residual, ctx, i, self.cos_sin)

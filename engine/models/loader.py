@@ -17,6 +17,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from engine.models.gguf_quant import INT4_TYPES, unpack_int4, unpack_q8_0
+from kernels.quant import INT4_GROUP, QuantEmbedding, QuantWeight
+
 if TYPE_CHECKING:
     from engine.models.moe import MLAArgs, MoEArgs
 
@@ -86,14 +89,34 @@ class LoadedModel(NamedTuple):
     name: str
 
 
-def load(path: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+def load(path: str, dtype: torch.dtype = torch.float32, progress: bool = True,
+         quant: str = "none") -> LoadedModel:
+    """quant: "none" (every weight in `dtype`), "auto" (a GGUF file's 4/8-bit linear weights
+    stay quantized, see `_gguf_linear`), "int4" or "int8" (every linear weight quantized).
+    Quantized weights are `kernels.quant` objects in the state dict; the rest is `dtype`."""
     if not os.path.exists(path):
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.endswith(".gguf") and os.path.isfile(path):
-        return _load_gguf(path, dtype, progress)
+        return _load_gguf(path, dtype, progress, quant)
     if os.path.isdir(path):
-        return _load_hf_dir(path, dtype, progress)
+        return _load_hf_dir(path, dtype, progress, quant)
     raise ModelLoadError(f"not a .gguf file or a Hugging Face model directory: {path}")
+
+
+QUANT_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # dense models whose linears may quantize
+QUANT_MODES = ("none", "auto", "int4", "int8")
+
+
+def is_quantizable(name: str) -> bool:
+    """A dense linear weight (attention / MLP projections, the output head)."""
+    return name == "lm_head.weight" or (name.endswith("_proj.weight") and ".mlp.experts" not in name)
+
+
+def quantize_float(w: torch.Tensor, quant: str, with_dense: bool = False) -> QuantWeight:
+    """A float `[N, K]` weight in the requested scheme (int4 needs K divisible by 32)."""
+    if quant == "int4" and w.shape[1] % INT4_GROUP == 0:
+        return QuantWeight.int4_from_float(w, with_dense=with_dense)
+    return QuantWeight.int8_from_float(w, with_dense=with_dense)
 
 
 def weights_digest(files: list[Path]) -> str:
@@ -124,8 +147,8 @@ _GGUF_NAMES = {
 }
 
 
-def _load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
-    from gguf import GGUFReader, dequantize
+def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> LoadedModel:
+    from gguf import GGUFReader
 
     reader = GGUFReader(path)
     meta = {k: _field_value(f) for k, f in reader.fields.items()
@@ -135,17 +158,58 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; "
                              f"supported: {', '.join(_GGUF_ARCHS)}")
     args = _gguf_args(arch, meta, reader)
+    quant = _check_quant(quant, arch)
     state = {}
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
+    for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=not progress):
         name = _gguf_to_hf_name(t.name)
-        # GGUF shapes are reversed (fastest axis first); numpy data comes out row-major.
-        array = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = args.num_heads if "q_proj" in name else args.num_kv_heads
-            array = _unpermute_rotary(array, heads)
-        state[name] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(dtype)
+        state[name] = _gguf_tensor(t, name, args, dtype, quant)
+    if quant != "none" and "lm_head.weight" not in state:  # tied: the head gets its own copy
+        state["lm_head.weight"] = _tied_head(state["model.embed_tokens.weight"], quant)
     name = meta.get("general.name") or Path(path).stem
     return LoadedModel(args, state, weights_digest([Path(path)]), str(name))
+
+
+def _check_quant(quant: str, arch: str) -> str:
+    if quant not in QUANT_MODES:
+        raise ModelLoadError(f"unknown quantization {quant!r}; one of {', '.join(QUANT_MODES)}")
+    if quant in ("int4", "int8") and arch not in QUANT_ARCHS:
+        raise ModelLoadError(f"--dtype {quant} is supported for {', '.join(QUANT_ARCHS)}, "
+                             f"not {arch}")
+    return quant if arch in QUANT_ARCHS else "none"
+
+
+def _gguf_tensor(t, name: str, args: ModelArgs, dtype: torch.dtype, quant: str):
+    """One GGUF tensor as the model will hold it: quantized or dequantized to `dtype`."""
+    from gguf import dequantize
+
+    type_name = t.tensor_type.name
+    # GGUF shapes are reversed (fastest axis first); numpy data comes out row-major.
+    shape = tuple(reversed(t.shape.tolist()))
+    permute = _rotary_rows(name, args)
+    dense = quant == "auto"  # auto: a bf16 copy too, for batches (kernels.quant)
+    if quant != "none" and is_quantizable(name) and type_name in INT4_TYPES and quant != "int8":
+        return unpack_int4(type_name, t.data, shape[-1]).map_rows(permute).to_weight(dense)
+    if quant != "none" and name == "model.embed_tokens.weight" and type_name == "Q8_0":
+        return QuantEmbedding(*unpack_q8_0(t.data, shape[-1]), dtype=dtype)
+    array = permute(dequantize(t.data, t.tensor_type).reshape(shape))
+    tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+    if quant != "none" and is_quantizable(name) and (quant != "auto" or type_name == "Q8_0"):
+        return quantize_float(tensor, "int8" if quant == "auto" else quant, dense)
+    return tensor.to(dtype)
+
+
+def _tied_head(embed, quant: str) -> QuantWeight:
+    """The output head of a tied-embedding model, quantized like the file's embedding."""
+    table = embed.dequantize() if isinstance(embed, QuantEmbedding) else embed.float()
+    return quantize_float(table, "int8" if quant == "auto" else quant, quant == "auto")
+
+
+def _rotary_rows(name: str, args: ModelArgs):
+    """The row permutation a GGUF llama q/k projection needs (identity otherwise)."""
+    if args.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = args.num_heads if "q_proj" in name else args.num_kv_heads
+        return lambda rows: _unpermute_rotary(rows, heads)
+    return lambda rows: rows
 
 
 def _gguf_args(arch: str, meta: dict[str, Any], reader) -> ModelArgs:
@@ -203,7 +267,7 @@ def _field_value(field) -> Any:
 
 
 # ---------------------------------------------------------------------------- HF directory
-def _load_hf_dir(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+def _load_hf_dir(path: str, dtype: torch.dtype, progress: bool, quant: str) -> LoadedModel:
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
@@ -214,10 +278,15 @@ def _load_hf_dir(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {path}")
+    quant = _check_quant(quant, args.arch)
+    quant = "none" if quant == "auto" else quant  # auto keeps the file's (float) precision
     state = {}
     for f in tqdm(files, desc="loading", unit="file", disable=not progress):
         for name, tensor in load_file(str(f)).items():
-            state[name] = tensor.to(dtype)
+            quantized = quant != "none" and is_quantizable(name)
+            state[name] = quantize_float(tensor, quant) if quantized else tensor.to(dtype)
+    if quant != "none" and "lm_head.weight" not in state:
+        state["lm_head.weight"] = _tied_head(state["model.embed_tokens.weight"], quant)
     return LoadedModel(args, state, weights_digest(files), Path(path).name)
 
 

@@ -14,6 +14,8 @@ from kernels import ops
 
 
 class Qwen3Attention(Attention):
+    joint_rope = False  # q and k are normalised per head before rotary
+
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
                  layer: int) -> None:
         super().__init__(args, state, prefix, layer)

@@ -15,8 +15,8 @@ from engine.models import loader
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_load(path, dtype, progress=True):
-    return loader.load(path, dtype, progress=False)
+def _cached_load(path, dtype, progress=True, quant="none"):
+    return loader.load(path, dtype, progress=False, quant=quant)
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +84,9 @@ def run_engine(core: EngineCore, prompts: list[list[int]], params, arrivals=None
 
 
 def make_core(model: str, **kwargs) -> EngineCore:
+    """An engine on `model`, float32 unless told otherwise (the exact mode: references are
+    transformers' fp32 outputs)."""
+    kwargs.setdefault("weights_dtype", "float32")
     return EngineCore(EngineConfig(model=model, **kwargs), progress=False)
 
 

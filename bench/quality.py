@@ -1,0 +1,139 @@
+"""`duplex bench quality`: what a weight precision costs in model quality, measured.
+
+Each precision (`--dtype` value) reads the same fixed text in one teacher-forced pass; the
+figures are its perplexity on that text and its greedy top-1 agreement with float32 (the
+exact mode: every weight dequantized): the share of positions where both pick the same next
+token given the same context. Free-running greedy outputs are not compared: one near-tie
+flips the rest of a sequence, which says little about the weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import NamedTuple
+
+import torch
+
+from engine.config import WEIGHT_DTYPES, EngineConfig
+
+FIXED_TEXT = (
+    "The river rises in the hills above the town and runs for forty miles before it reaches "
+    "the sea. In spring the snow melts and the water climbs the stone walls of the old mill; "
+    "in late summer it is shallow enough that children cross it on foot. The town grew up "
+    "around the bridge, which was first built of wood, burned twice, and was rebuilt in stone "
+    "in the year the railway came. Today most people who live there work in the valley's two "
+    "factories, one of which makes paper and the other glass. The paper mill uses the river "
+    "for power and for water, and its owners have spent a great deal of money keeping the "
+    "water clean, because the fishermen downstream watch it closely.\n\n"
+    "To compute the average of a list of numbers, add them together and divide the sum by "
+    "how many there are. For example, the average of 2, 4 and 9 is 15 divided by 3, which is "
+    "5. A median is different: sort the numbers and take the middle one, or the mean of the "
+    "two middle ones when the list has an even length. The median is less sensitive to a "
+    "single very large value, which is why reports of income usually give it instead of the "
+    "mean.\n\n"
+    "def count_words(text):\n"
+    "    counts = {}\n"
+    "    for word in text.lower().split():\n"
+    "        counts[word] = counts.get(word, 0) + 1\n"
+    "    return sorted(counts.items(), key=lambda item: -item[1])\n\n"
+    "Dear Anna, thank you for your letter. We arrived on Tuesday after a long journey; the "
+    "train was late, and we missed the last bus, so we walked the final three miles under a "
+    "clear sky full of stars. The house is smaller than I remembered, but the garden is "
+    "wonderful, and the neighbours have already invited us to dinner on Saturday.")
+
+
+class Quality(NamedTuple):
+    dtype: str
+    perplexity: float
+    top1_agreement: float  # with float32, over the text's positions
+    weight_bytes: int
+
+
+def teacher_forced_logits(core, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits `[L, vocab]` of every position of one sequence, in one forward pass."""
+    from engine.models import ForwardContext
+
+    n, bs = len(token_ids), core.block_size
+    assert n <= core.num_kv_blocks * bs, "the text does not fit in the KV pool"
+    positions = torch.arange(n)
+    ctx = ForwardContext(
+        positions=positions, slot_mapping=positions.clone(),
+        block_tables=torch.arange(-(-n // bs), dtype=torch.int32)[None],
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32), kv_caches=core.runner.kv_caches,
+        query_lens=[n], host_seq_lens=[n], block_size=bs, slots_valid=True)
+    with torch.inference_mode():
+        hidden = core.model.forward(torch.tensor(token_ids), ctx)
+        return core.model.compute_logits(hidden)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight the model holds (quantized ones as stored)."""
+    seen, total = set(), 0
+    for obj in _weights(model):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            total += obj.nbytes if not isinstance(obj, torch.Tensor) else \
+                obj.numel() * obj.element_size()
+    return total
+
+
+def _weights(obj, depth: int = 0):
+    from kernels.quant import QuantEmbedding, QuantWeight
+
+    for value in vars(obj).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if isinstance(item, (torch.Tensor, QuantWeight, QuantEmbedding)):
+                yield item
+            elif hasattr(item, "__dict__") and depth < 3 and not isinstance(item, type):
+                yield from _weights(item, depth + 1)
+
+
+def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
+            num_threads: int = 0) -> list[Quality]:
+    """Perplexity and top-1 agreement with float32 of each precision on `text`."""
+    from engine.core import EngineCore
+    from frontend.tokenizer import load_tokenizer
+
+    reference, out = None, []
+    for dtype in ["float32", *[d for d in dtypes if d != "float32"]]:
+        core = EngineCore(EngineConfig(model=model, weights_dtype=dtype, num_threads=num_threads,
+                                       enable_prefix_caching=False), progress=False)
+        if reference is None:
+            ids = load_tokenizer(core.model_path).encode(text)
+        logits = teacher_forced_logits(core, ids)
+        top1 = logits[:-1].argmax(-1)
+        reference = top1 if reference is None else reference
+        nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+        out.append(Quality(dtype, math.exp(float(nll)),
+                           float((top1 == reference).float().mean()), weight_bytes(core.model)))
+    return [q for q in out if q.dtype in dtypes]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
+    parser.add_argument("--dtypes", default="float32,auto,int8,int4,bfloat16",
+                        help=f"comma-separated, from {', '.join(WEIGHT_DTYPES)}")
+    parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    unknown = sorted(set(dtypes) - set(WEIGHT_DTYPES))
+    if unknown:
+        print(f"duplex bench quality: unknown dtypes {unknown}", file=sys.stderr)
+        return 2
+    results = measure(args.model, dtypes, num_threads=args.num_threads)
+    if args.json:
+        print(json.dumps([q._asdict() for q in results], indent=2))
+        return 0
+    print("| --dtype | perplexity | top-1 agreement with float32 | weights (MB) |")
+    print("| --- | --- | --- | --- |")
+    for q in results:
+        print(f"| {q.dtype} | {q.perplexity:.3f} | {100 * q.top1_agreement:.1f} % | "
+              f"{q.weight_bytes / 1e6:.0f} |")
+    return 0

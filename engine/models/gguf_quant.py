@@ -1,0 +1,90 @@
+"""GGUF quantized blocks -> `kernels.quant.QuantWeight`, keeping the file's own integers.
+
+Layouts (ggml's, as the `gguf` package reads them; one row of the tensor is a run of blocks):
+
+    Q4_0  32 weights in 18 bytes:  d f16 | 16 bytes of nibbles        w = d * (q - 8)
+    Q4_1  32 weights in 20 bytes:  d f16 | m f16 | 16 bytes           w = d * q + m
+    Q4_K 256 weights in 144 bytes: d f16 | dmin f16 | 12 bytes of 6-bit (scale, min) pairs
+          for 8 sub-blocks of 32 | 128 bytes of nibbles               w = d*sc * q - dmin*m
+    Q8_0  32 weights in 34 bytes:  d f16 | 32 int8                   w = d * q
+
+Nibbles: in a run of n bytes the low nibbles are the first n weights and the high nibbles
+the next n (n = 16 for Q4_0 / Q4_1; 32 for each 64 weights of Q4_K).
+All three 4-bit formats become int4 with group 32: scale = d (or d*sc) and
+zero = the weight at q = 8. Q8_0 becomes (int8 values, per-32 scales): the embedding reads
+it as is, and a linear layer re-quantizes it per channel (`QuantWeight.int8_from_float`).
+The tests hold every unpacking to `gguf.dequantize` on the same bytes.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kernels.quant import QuantWeight
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def unpack_int4(type_name: str, raw: np.ndarray, num_cols: int) -> Int4Rows:
+    """raw: uint8 `[N, bytes_per_row]` of a Q4_0 / Q4_1 / Q4_K tensor with K = num_cols."""
+    rows = raw.shape[0]
+    if type_name == "Q4_K":
+        q, scale, zero = _q4_k(raw.reshape(rows, -1, 144))
+    else:
+        q, scale, zero = _q4_0_1(raw.reshape(rows, -1, 18 if type_name == "Q4_0" else 20),
+                                 has_min=type_name == "Q4_1")
+    return Int4Rows(q.reshape(rows, num_cols), scale.reshape(rows, -1), zero.reshape(rows, -1))
+
+
+class Int4Rows(NamedTuple):
+    """Row-major int4 parameters; any row permutation applies to all three alike."""
+    q: np.ndarray  # uint8 [N, K], values in [0, 16)
+    scale: np.ndarray  # fp32 [N, K / 32]
+    zero: np.ndarray  # fp32 [N, K / 32]
+
+    def map_rows(self, fn) -> Int4Rows:
+        return Int4Rows(fn(self.q), fn(self.scale), fn(self.zero))
+
+    def to_weight(self, with_dense: bool = False) -> QuantWeight:
+        return QuantWeight(4, *(torch.from_numpy(np.ascontiguousarray(a)) for a in self),
+                           with_dense=with_dense)
+
+
+def unpack_q8_0(raw: np.ndarray, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """raw: uint8 `[N, bytes_per_row]` -> (int8 `[N, K]`, fp32 scales `[N, K / 32]`)."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8)
+    return torch.from_numpy(q.reshape(raw.shape[0], num_cols)), torch.from_numpy(d)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """uint8 `[..., n]` -> `[..., 2n]`: low nibbles, then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return blocks[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_0_1(blocks: np.ndarray, has_min: bool):
+    """blocks `[N, B, 18 | 20]` -> q `[N, B, 32]`, scale and zero `[N, B]`."""
+    d = _f16(blocks, 0)
+    m = _f16(blocks, 2) if has_min else -8 * d
+    q = _nibbles(blocks[..., 4 if has_min else 2:])
+    return q, d, m + 8 * d
+
+
+def _q4_k(blocks: np.ndarray):
+    """blocks `[N, B, 144]` -> q `[N, B, 256]`, scale and zero `[N, B * 8]`."""
+    from gguf.quants import Q4_K
+
+    n, b = blocks.shape[:2]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(n * b, 12))
+    scale = d.reshape(-1, 1) * sc.astype(np.float32)  # [N * B, 8]
+    minimum = dmin.reshape(-1, 1) * mn.astype(np.float32)
+    q = _nibbles(blocks[..., 16:].reshape(n, b, 4, 32)).reshape(n, b, 256)
+    return q, scale.reshape(n, b * 8), (8 * scale - minimum).reshape(n, b * 8)

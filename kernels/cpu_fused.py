@@ -1,0 +1,128 @@
+"""Fused fp32 CPU ops (kernels/cpu_fused.c), compiled once per machine and called by ctypes.
+
+    rms_norm(x, weight, eps, residual)   one pass instead of ~12 torch ops
+    rope_neox_(x, positions, cache)      in place, instead of gather + roll + 3 arithmetic ops
+    silu_mul(gate_up)                    silu(gate) * up, one pass instead of 3 ops
+
+A batch-1 decode step is set by per-op overhead (DESIGN.md §5), so these three chains,
+repeated in every layer, are worth a kernel. The C source is built with the machine's own
+compiler (`cc -O3 -march=native -ffp-contract=off`) into a cache directory keyed by the
+source's digest; where no compiler is found, `available()` is False and callers keep the
+torch references. Rotary is bitwise equal to `rotary_embedding_ref` (no contraction into
+fused multiply-adds); RMSNorm and SiLU round differently from torch (reduction order, exp),
+within a few fp32 ulps, so `ops` uses them only while `use_fused(True)` is set (the engine
+sets it for quantized weights, never in the exact float32 mode).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("duplex.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_fused.c")
+_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+_enabled = False
+_F, _I = ctypes.c_float, ctypes.c_int64
+_P = ctypes.c_void_p
+
+
+def available() -> bool:
+    return _load() is not False
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+@contextlib.contextmanager
+def use_fused(enabled: bool = True):
+    """Turn the fused RMSNorm / SiLU on for the `with` block (rotary is exact: always on)."""
+    global _enabled
+    previous, _enabled = _enabled, enabled and available()
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """`rms_norm_ref` semantics (offset 0) for contiguous fp32 `[rows, n]`."""
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else None
+    _load().rms_norm_f32(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                         weight.data_ptr(), out.data_ptr(),
+                         0 if new_residual is None else new_residual.data_ptr(),
+                         x.shape[0], x.shape[1], eps)
+    return out if residual is None else (out, new_residual)
+
+
+def rope_neox_(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [T, heads, D]` (last two dims contiguous, any row stride) in place."""
+    _load().rope_neox_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
+                          cache.data_ptr(), positions.data_ptr())
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`[rows, 2n]` contiguous fp32 -> `silu(gate) * up`, `[rows, n]`."""
+    n = gate_up.shape[1] // 2
+    out = gate_up.new_empty(gate_up.shape[0], n)
+    _load().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
+    return out
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops take these: fp32 on the CPU."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+# ------------------------------------------------------------------------ build and load
+def _load():
+    global _lib
+    if _lib is None:
+        try:
+            _lib = _declare(ctypes.CDLL(str(_build())))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            log.warning("fused CPU kernels unavailable, using torch references: %s", e)
+            _lib = False
+    return _lib
+
+
+def _build() -> Path:
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + os.uname().machine.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "duplex"
+    target = cache / f"cpu_fused-{digest}.so"
+    if target.is_file():
+        return target
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-fPIC",
+                        "-shared", "-o", str(built), str(_SOURCE), "-lm"],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(built, target)  # atomic: concurrent builders end with one good file
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.rms_norm_f32.argtypes = [_P, _P, _P, _P, _P, _I, _I, _F]
+    lib.rope_neox_f32.argtypes = [_P, _I, _I, _I, _I, _P, _P]
+    lib.silu_mul_f32.argtypes = [_P, _P, _I, _I]
+    for fn in (lib.rms_norm_f32, lib.rope_neox_f32, lib.silu_mul_f32):
+        fn.restype = None
+    return lib

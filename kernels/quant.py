@@ -1,0 +1,168 @@
+"""Weight-only quantized linear layers: int4 with group-wise scales and zeros, int8 per channel.
+
+A `QuantWeight` stands where a `[N, K]` weight tensor would (it has `.shape`), holds its
+integers and scales, and knows how to multiply: `ops.linear(x, w)` dispatches to it.
+
+    int4  w[n, k] = (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]     q in [0, 16)
+    int8  w[n, k] = q[n, k] * scale[n]                                       q in [-128, 128)
+
+GGUF's Q4_0 (`d * (q - 8)`), Q4_1 (`d * q + m`) and Q4_K (`d * sc * q - dmin * m` per
+32-element sub-block) are exactly int4 with G = 32 (zero = m + 8 d, or 8 d sc - dmin m), so
+those files run with their own bits. Activations stay in their dtype (fp32 by default); the
+CPU kernels are torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`, which
+dequantize a tile at a time inside the GEMM. The references (`dequantize()` then a plain
+matmul) are what the tests hold the kernels to.
+
+Torch's weight-only kernels dequantize per output row, so their cost grows with the number
+of rows M: at M = 1 (batch-1 decode, where the bytes read per step set the speed) they beat
+every dense GEMM, from M ~ 8 on a bf16 GEMM (AMX / avx512_bf16) is several times faster
+(figures in docs/BENCHMARKS.md). A weight made `with_dense=True` therefore also keeps a bf16
+copy and runs batches of more than `MAX_PACKED_ROWS` rows through it.
+
+The integers are kept unpacked until `pack()`, so models can fuse projections (`cat`) first;
+packing is per output row block, so it cannot be concatenated afterwards.
+"""
+from __future__ import annotations
+
+import torch
+
+INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32..256)
+_INNER_K_TILES = 2
+MAX_PACKED_ROWS = 4  # above this many rows, a weight with a dense copy uses it (measured)
+
+
+class QuantWeight:
+    """A quantized `[N, K]` linear weight. `bits` is 4 (group-wise) or 8 (per channel)."""
+
+    def __init__(self, bits: int, q: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None = None, group_size: int = INT4_GROUP,
+                 with_dense: bool = False) -> None:
+        assert bits in (4, 8), f"bits must be 4 or 8, got {bits}"
+        assert q.dim() == 2, f"q must be [N, K], got {tuple(q.shape)}"
+        if bits == 4:
+            assert q.shape[1] % group_size == 0 and zero is not None, (
+                f"int4 needs K ({q.shape[1]}) divisible by the group ({group_size}) and zeros")
+            assert scale.shape == zero.shape == (q.shape[0], q.shape[1] // group_size), (
+                f"scale/zero must be [N, K / G], got {tuple(scale.shape)}")
+        else:
+            assert scale.shape == (q.shape[0],), f"int8 scale must be [N], got {tuple(scale.shape)}"
+        self.bits, self.group_size, self.with_dense = bits, group_size, with_dense
+        self.q, self.scale, self.zero = q, scale, zero
+        self.dense: torch.Tensor | None = None  # bf16 [N, K] once packed, if with_dense
+        self.shape = torch.Size(q.shape)
+        self._packed: torch.Tensor | None = None
+        self._qparams: torch.Tensor | None = None  # int4: [K / G, N, 2] (scale, zero)
+        self._dtype: torch.dtype | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def int4_from_float(cls, w: torch.Tensor, group_size: int = INT4_GROUP,
+                        with_dense: bool = False) -> QuantWeight:
+        """Asymmetric min-max quantization of a float `[N, K]` weight, per group of K."""
+        groups = w.float().reshape(w.shape[0], -1, group_size)  # [N, K / G, G]
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+        return cls(4, q.reshape(w.shape).to(torch.uint8), scale, lo + 8 * scale, group_size,
+                   with_dense)
+
+    @classmethod
+    def int8_from_float(cls, w: torch.Tensor, with_dense: bool = False) -> QuantWeight:
+        """Symmetric per-output-channel quantization of a float `[N, K]` weight."""
+        w = w.float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+        return cls(8, q, scale, with_dense=with_dense)
+
+    @staticmethod
+    def cat(weights: list[QuantWeight]) -> QuantWeight:
+        """Stack along N (fused q/k/v or gate/up projections), before packing."""
+        first = weights[0]
+        assert all(w.bits == first.bits and w.group_size == first.group_size
+                   and w.shape[1] == first.shape[1] for w in weights), "mixed quantization"
+        zero = None if first.zero is None else torch.cat([w.zero for w in weights])
+        return QuantWeight(first.bits, torch.cat([w.q for w in weights]),
+                           torch.cat([w.scale for w in weights]), zero, first.group_size,
+                           first.with_dense)
+
+    # ------------------------------------------------------------------ use
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float `[N, K]` weight these integers stand for (the reference)."""
+        if self.bits == 8:
+            return (self.q.float() * self.scale.float()[:, None]).to(dtype)
+        groups = self.q.float().reshape(self.shape[0], -1, self.group_size) - 8
+        w = groups * self.scale.float()[..., None] + self.zero.float()[..., None]
+        return w.reshape(self.shape).to(dtype)
+
+    def pack(self, dtype: torch.dtype = torch.bfloat16) -> QuantWeight:
+        """Lay the integers out for the kernel, whose inputs are cast to `dtype` (bf16: the
+        CPU kernels have vectorized bf16 paths; fp32 inputs take a scalar fallback that is
+        ~30x slower); frees the unpacked integers."""
+        self._dtype = dtype
+        if self.with_dense:
+            self.dense = self.dequantize(torch.bfloat16)
+        if self.bits == 4:
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                self.q.to(torch.int32), _INNER_K_TILES)
+            self._qparams = torch.stack([self.scale.t(), self.zero.t()], -1).to(dtype).contiguous()
+        else:
+            self._packed, self.scale = self.q.contiguous(), self.scale.to(dtype)
+        self.q = self.zero = None  # the packed form is all that the kernel reads
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self._packed, self._qparams, self.scale, self.dense) \
+            if self._packed is not None else (self.q, self.scale, self.zero)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x [..., K] @ w.T + bias -> [..., N]` with the quantized kernel."""
+        if self._packed is None:
+            self.pack()
+        assert x.shape[-1] == self.shape[1], f"x [..., {self.shape[1]}] expected, got {tuple(x.shape)}"
+        x2 = x.reshape(-1, self.shape[1]).to(self._dtype)
+        if self.dense is not None and x2.shape[0] > MAX_PACKED_ROWS:
+            out = torch.nn.functional.linear(x2.to(torch.bfloat16), self.dense)
+        elif self.bits == 4:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._packed, self.group_size,
+                                                             self._qparams)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x2, self._packed, self.scale)
+        out = out.to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], self.shape[0])
+
+
+def quant_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                     dequantized: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: dequantize, then a plain fp32 matmul."""
+    weight = w.dequantize(torch.float32) if dequantized is None else dequantized
+    return torch.nn.functional.linear(x.float(), weight, None if bias is None else bias.float())
+
+
+class QuantEmbedding:
+    """An int8 embedding table with a scale per group of G columns (GGUF Q8_0): rows are
+    dequantized as they are looked up, `table[ids] = q[ids] * scale[ids]` in fp32."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        assert q.dim() == 2 and q.dtype == torch.int8, f"q must be int8 [V, K], got {q.dtype}"
+        assert q.shape[1] % scale.shape[1] == 0 and scale.shape[0] == q.shape[0], (
+            f"scale must be [V, K / G], got {tuple(scale.shape)} for q {tuple(q.shape)}")
+        self.q, self.scale, self.dtype = q, scale.float(), dtype
+        self.shape = torch.Size(q.shape)
+        self.group_size = q.shape[1] // scale.shape[1]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids `[T]` -> `[T, K]` in self.dtype."""
+        rows = self.q.index_select(0, ids).float().view(ids.shape[0], -1, self.group_size)
+        return (rows * self.scale.index_select(0, ids)[..., None]).view(ids.shape[0], -1).to(
+            self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.lookup(torch.arange(self.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
