@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-batches", default="1,32,64")
     parser.add_argument("--step-context", type=int, default=128,
                         help="context length of each sequence in the decode-step measurement")
-    parser.add_argument("--weights-dtype", default="float32")
+    parser.add_argument("--weights-dtype", "--dtype", default="auto")
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
     parser.add_argument("--seed", type=int, default=0)
@@ -129,22 +129,39 @@ def step_weights(args) -> list:
     return [torch.randn(n, k) for n, k in step_gemms(args)]
 
 
-def isolated_gemm_seconds(args, m: int, repeats: int = 20) -> tuple[float, float]:
+def model_step_weights(model) -> list | None:
+    """The model's own weights in `step_gemms` order (quantized ones as they run), or None
+    for a model without the dense Llama layout."""
+    try:
+        return [w for layer in model.layers for w in (
+            layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+            layer.mlp.down_weight)] + [model.lm_head]
+    except AttributeError:
+        return None
+
+
+def isolated_gemm_seconds(args, m: int, repeats: int = 20,
+                          weights: list | None = None) -> tuple[float, float]:
     """Time of one decode step's weight GEMMs (all layers + LM head for m rows), run alone
-    on the model's own shapes with distinct weights per layer; returns (seconds, GFLOP)."""
+    on the model's own shapes with distinct weights per layer — the engine's own weights in
+    their own precision when given (`model_step_weights`), else random fp32 ones; returns
+    (seconds, GFLOP)."""
     import torch
 
-    weights = step_weights(args)
+    from kernels import ops
+
+    weights = step_weights(args) if weights is None else weights
     x = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
     flop = sum(2.0 * m * w.shape[0] * w.shape[1] for w in weights)
-    for w in weights:                      # warm-up: first touch of every page
-        torch.nn.functional.linear(x[w.shape[1]], w)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for w in weights:
-            torch.nn.functional.linear(x[w.shape[1]], w)
-        times.append(time.perf_counter() - start)
+    with torch.inference_mode():
+        for w in weights:                      # warm-up: first touch of every page
+            ops.linear(x[w.shape[1]], w)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in weights:
+                ops.linear(x[w.shape[1]], w)
+            times.append(time.perf_counter() - start)
     return statistics.median(times), flop / 1e9
 
 
@@ -202,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     result["steps"] = []
     for b in [int(x) for x in args.step_batches.split(",")]:
         step_s = decode_step_seconds(llm, b, args.step_context)
-        gemm_s, gflop = isolated_gemm_seconds(llm.engine.args, b)
+        gemm_s, gflop = isolated_gemm_seconds(llm.engine.args, b,
+                                              weights=model_step_weights(llm.engine.model))
         result["steps"].append({"batch": b, "step_ms": step_s * 1e3, "gemm_ms": gemm_s * 1e3,
                                 "gemm_gflops": gflop / gemm_s, "step_gflops": gflop / step_s,
                                 "fraction_of_gemm_rate": gemm_s / step_s})

@@ -18,7 +18,8 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of identical prefixes",
     "weights_dtype": "weight precision: auto (a GGUF file's 4/8-bit weights stay quantized), "
                      "float32 (exact), bfloat16, int8 or int4 (every linear weight)",
-    "num_threads": "torch CPU threads per worker (0: torch default)",
+    "num_threads": "torch CPU threads per worker (0: the cores the worker may use, split "
+                   "between the workers of one host)",
     "seed": "engine seed for requests without their own seed",
     "speculation": "speculative decoding: off, ngram, draft or self",
     "num_draft_tokens": "draft tokens proposed per step",

@@ -28,6 +28,14 @@ def default_model_path() -> str:
     return str(path)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def resolve_model_path(model: str | None) -> str:
     """None means the default model; anything else must be a local GGUF file or HF directory."""
     if model is None:

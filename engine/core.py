@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, resolve_model_path
+from engine.config import EngineConfig, available_cores, resolve_model_path
 from engine.cost_model import CostModel, step_features
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
 from engine.kv_manager import KVCacheManager
@@ -45,6 +45,7 @@ log = logging.getLogger("duplex.engine")
 
 KV_LAYOUT = "kv[layer,2,block,slot,kv_head,head_dim]"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
@@ -65,9 +66,13 @@ class EngineCore:
         if config.expert_parallel > 1 and not torch.distributed.is_initialized():
             raise ValueError("--expert-parallel N runs under `duplex serve` or `duplex worker`, "
                              "which form the group of N processes (engine/ep_group.py)")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # one torch thread per core this process may run on (the supervisor splits the
+        # cores between workers on one host), set once here
+        self.num_threads = config.num_threads or available_cores()
+        torch.set_num_threads(self.num_threads)
         self.dtype, self.quant = resolve_precision(config)
+        self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
+            f"{self.quant} (quantized linears, fp32 activations)"
         self.model_path = resolve_model_path(config.model)
         loaded = load(self.model_path, self.dtype, progress=progress, quant=self.quant)
         self.args = loaded.args

@@ -109,6 +109,8 @@ class Ready(msgspec.Struct, tag="ready", **_WIRE):
     model_identity: str = ""
     kv_dtype: str = ""
     kv_layout: str = ""
+    num_threads: int = 0  # torch threads of the worker's steps
+    weights: str = ""  # weight precision in use: float32, bfloat16, or the quantization
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):

@@ -400,7 +400,9 @@ class Worker:
                      kv_address=self._intake.address if self._intake else "",
                      model_identity=getattr(core, "model_identity", ""),
                      kv_dtype=self.config.weights_dtype if hasattr(core, "runner") else "",
-                     kv_layout=getattr(core, "kv_layout", ""))
+                     kv_layout=getattr(core, "kv_layout", ""),
+                     num_threads=getattr(core, "num_threads", 0),
+                     weights=getattr(core, "weights_label", ""))
 
     async def _in_core_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -225,6 +225,8 @@ class AppState:
             "layout": self.layout(),
             "workers": self.workers(),
             "batch_invariant": bool(info and info.batch_invariant),
+            "num_threads": info.num_threads if info else 0,
+            "weights": info.weights if info else "",
             "speculation": {"mode": info.speculation if info else "off", "per_request": True,
                             "draft_proposed": proposed, "draft_accepted": accepted,
                             "acceptance_rate": accepted / proposed if proposed else 0.0},

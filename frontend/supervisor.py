@@ -29,7 +29,7 @@ import dataclasses
 
 import msgspec
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, available_cores
 
 if TYPE_CHECKING:
     from frontend.engine_client import EngineClient
@@ -226,7 +226,7 @@ def worker_config(config: EngineConfig, num_workers: int) -> EngineConfig:
     workers (at least one thread each), so N workers do not oversubscribe the machine."""
     if config.num_threads or num_workers <= 1:
         return config
-    return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // num_workers))
+    return dataclasses.replace(config, num_threads=max(1, available_cores() // num_workers))
 
 
 def _free_port() -> int:
