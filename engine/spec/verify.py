@@ -89,6 +89,5 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     (temperature, then top-k / top-p / min-p), as the Sampler does for one token."""
     logits = logits / params.temperature
     if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
-        logits = torch.stack([apply_top_k_top_p_min_p(row, params.top_k, params.top_p,
-                                                      params.min_p) for row in logits])
+        logits = apply_top_k_top_p_min_p(logits, params.top_k, params.top_p, params.min_p)
     return torch.softmax(logits, dim=-1)
