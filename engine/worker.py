@@ -49,6 +49,7 @@ DEADLINE_ERROR = "deadline exceeded"
 SHUTDOWN_ERROR = "worker shutting down"
 DEFAULT_KV_BIND = "tcp://127.0.0.1:*"
 _HANDOFF_TICK_S = 0.25  # how often leases are checked while hand-offs are in flight
+_STATS_REFRESH_S = 0.1  # most age of the stats snapshot heartbeats carry while stepping
 
 
 def role_config(config: EngineConfig, role: str) -> EngineConfig:
@@ -94,6 +95,8 @@ class Worker:
         self._core_factory = core_factory
         self._address = address
         self._heartbeat_s = heartbeat_s
+        self._stats_refresh_s = min(heartbeat_s / 2, _STATS_REFRESH_S)
+        self._stats_time = 0.0
         self._step_in_thread = step_in_thread  # False only to measure what the thread costs
         self._kv_bind = kv_bind
         self._lease_s = lease_s
@@ -252,7 +255,8 @@ class Worker:
                 await asyncio.sleep(0)  # let receive and heartbeat run between steps
         finally:
             self._is_stepping = False
-        self._stats = self._core.stats()  # fresh for heartbeats sent during the next step
+        if time.monotonic() - self._stats_time >= self._stats_refresh_s:
+            self._refresh_stats()  # fresh enough for heartbeats sent during the next steps
         # A request the worker already ended (abort, deadline) gets no second final delta,
         # whether or not the core reports its own end too.
         deltas = [delta for delta in deltas if delta.req_id in self._live_req_ids]
@@ -377,10 +381,17 @@ class Worker:
             await self._send(Heartbeat(self.worker_id, self._current_stats(), time.time()))
             await asyncio.sleep(self._heartbeat_s)
 
+    def _refresh_stats(self) -> None:
+        """Snapshot the core's stats (between steps only: the core is not thread-safe).
+        Not after every step: a snapshot costs milliseconds (KV and cost-model metrics),
+        which a batch-1 step of ~15 ms would pay every time."""
+        self._stats = self._core.stats()
+        self._stats_time = time.monotonic()
+
     def _current_stats(self) -> WorkerStats:
         """The core's stats, read only between steps (the last snapshot while one runs)."""
         if not self._is_stepping:
-            self._stats = self._core.stats()
+            self._refresh_stats()
         extra = dict(self._stats.extra, num_rejected_frames=self._channel.receiver.num_rejected)
         if self._sender is not None:
             extra.update({f"handoff_{k}": float(v) for k, v in self._sender.counters.items()})

@@ -149,6 +149,7 @@ class PrefillPlan(NamedTuple):
     num_queries: int
     keys: torch.Tensor  # int64 [L]: cache slot of key j (positions first .. seq_len - 1)
     mask: torch.Tensor | None  # bool [1, Q, L]; None: every query sees every key
+    span: slice | None = None  # the same slots when they are consecutive: a view, no copy
 
 
 class AttentionPlan(NamedTuple):
@@ -163,6 +164,7 @@ class AttentionPlan(NamedTuple):
     decode_keys: torch.Tensor | None  # int64 [B, L]: cache slots; None: no such sequence
     decode_mask: torch.Tensor | None  # bool [B, 1, L]; None: no padding
     prefills: tuple[PrefillPlan, ...]
+    decode_span: slice | None = None  # one sequence whose slots are consecutive: a view
 
 
 def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
@@ -185,7 +187,16 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
     mask = None if bool((seen == seen[0]).all()) else \
         torch.from_numpy(cols[None, :] < seen[:, None])[:, None]  # [B, 1, L]
     rows = None if len(decode) == len(query_lens) else torch.tensor(starts, dtype=torch.long)[decode]
-    return AttentionPlan(rows, torch.from_numpy(slots), mask, prefills)
+    span = _span(slots[0]) if len(decode) == 1 else None
+    return AttentionPlan(rows, torch.from_numpy(slots), mask, prefills, span)
+
+
+def _span(slots: np.ndarray) -> slice | None:
+    """slots [L] as a slice when they are consecutive (a request's blocks usually are)."""
+    first = int(slots[0])
+    if int(slots[-1]) - first == len(slots) - 1 and bool((np.diff(slots) == 1).all()):
+        return slice(first, first + len(slots))
+    return None
 
 
 def _plan_prefill(table_row, start: int, q_len: int, seq_len: int, block_size: int,
@@ -198,7 +209,8 @@ def _plan_prefill(table_row, start: int, q_len: int, seq_len: int, block_size: i
     if window:
         allowed &= key_pos[None, :] > q_pos - window
     slots = _slots(table_row[None], key_pos[None], block_size)[0]
-    return PrefillPlan(start, q_len, torch.from_numpy(slots), torch.from_numpy(allowed)[None])
+    return PrefillPlan(start, q_len, torch.from_numpy(slots), torch.from_numpy(allowed)[None],
+                       _span(slots))
 
 
 def _slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
@@ -218,9 +230,10 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     decode_out = None
     if plan.decode_keys is not None:
         num_seqs, num_keys = plan.decode_keys.shape
-        keys = plan.decode_keys.view(-1)
-        k = k_slots.index_select(0, keys).view(num_seqs, num_keys, num_kv_heads, head_dim)
-        v = v_slots.index_select(0, keys).view(num_seqs, num_keys, num_kv_heads, head_dim)
+        k = _gather(k_slots, plan.decode_keys.view(-1), plan.decode_span).view(
+            num_seqs, num_keys, num_kv_heads, head_dim)
+        v = _gather(v_slots, plan.decode_keys.view(-1), plan.decode_span).view(
+            num_seqs, num_keys, num_kv_heads, head_dim)
         qd = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
         decode_out = _attend(qd[:, None], k, v, plan.decode_mask, scale, soft_cap)[:, 0]
         if plan.decode_rows is None:
@@ -229,11 +242,16 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if decode_out is not None:
         out[plan.decode_rows] = decode_out
     for p in plan.prefills:
-        k = k_slots.index_select(0, p.keys)[None]  # [1, L, KVH, D]
-        v = v_slots.index_select(0, p.keys)[None]
+        k = _gather(k_slots, p.keys, p.span)[None]  # [1, L, KVH, D]
+        v = _gather(v_slots, p.keys, p.span)[None]
         rows = slice(p.start, p.start + p.num_queries)
         out[rows] = _attend(q[None, rows], k, v, p.mask, scale, soft_cap)[0]
     return out
+
+
+def _gather(slots: torch.Tensor, keys: torch.Tensor, span: slice | None) -> torch.Tensor:
+    """Rows `keys` of `slots [num_slots, KVH, D]`: a view when they are one span."""
+    return slots[span] if span is not None else slots.index_select(0, keys)
 
 
 def check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:

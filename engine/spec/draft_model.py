@@ -62,6 +62,9 @@ class RequestView:
         self.swa_block_ids = swa_block_ids or []  # a hybrid (sliding-window) KV layout's
         self.replay_end = 0
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return (self.all_token_ids + self.spec_token_ids)[start:end]
+
 
 class _Round:
     """One request's drafts in one round."""
