@@ -38,7 +38,7 @@ def test_bad_layouts_exit_2(capsys):
 
 
 def test_threads_are_split_between_workers(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("frontend.supervisor.available_cores", lambda: 8)
     config = engine_config(num_threads=0)
     assert worker_config(config, 3).num_threads == 2
     assert worker_config(config, 16).num_threads == 1
