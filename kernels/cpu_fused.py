@@ -101,7 +101,8 @@ def _load():
 
 def _build() -> Path:
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + os.uname().machine.encode()).hexdigest()[:16]
+    # -march=native: a library built on one CPU may not run on another, so the CPU is keyed
+    digest = hashlib.sha256(source + os.uname().machine.encode() + _cpu_flags()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "duplex"
     target = cache / f"cpu_fused-{digest}.so"
     if target.is_file():
@@ -117,6 +118,14 @@ def _build() -> Path:
                        check=True, capture_output=True, timeout=120)
         os.replace(built, target)  # atomic: concurrent builders end with one good file
     return target
+
+
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
