@@ -10,6 +10,7 @@ import statistics
 import time
 from typing import NamedTuple
 
+import pytest
 import torch
 
 from engine.messages import Outputs, Ready
@@ -67,6 +68,7 @@ async def measure(raw_frontend, step_in_thread: bool) -> Run:
     return Run(num_tokens / elapsed, harness.core.busy_s / elapsed)
 
 
+@pytest.mark.perf  # timed: flaky on a shared 2-core box, so out of `make test`
 async def test_executor_thread_stepping_keeps_inline_throughput(raw_frontend):
     """Compared on the fraction of wall time spent computing, which a noisy shared machine
     slows down in both the numerator and the denominator; tokens/s is in the message."""
