@@ -94,7 +94,8 @@ class FakeEngineClient:
         self.ready = True
         self.ready_info: Ready | None = Ready(
             worker_id="w0", role="unified", model_name="fake-model", max_model_len=max_model_len,
-            block_size=16, num_kv_blocks=64, batch_invariant=batch_invariant)
+            block_size=16, num_kv_blocks=64, batch_invariant=batch_invariant, num_threads=2,
+            weights="float32")
         self.added: list[AddRequest] = []
         self.finished: list[str] = []
         self.aborted: list[str] = []

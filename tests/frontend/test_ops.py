@@ -67,6 +67,7 @@ async def test_status(make_harness):
     assert status["throughput_tokens_per_s"] > 0
     assert status["layout"] == {"unified": 1}
     assert status["batch_invariant"] is False
+    assert (status["num_threads"], status["weights"]) == (2, "float32")  # from the worker's Ready
     assert status["speculation"] == {"mode": "off", "per_request": True, "draft_proposed": 12,
                                      "draft_accepted": 9, "acceptance_rate": 0.75}
     assert status["kv_tiers"]["disk"] == {"bytes": 0.0, "hit_tokens": 0.0}

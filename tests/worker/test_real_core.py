@@ -37,6 +37,7 @@ async def test_default_model_generates_through_a_worker_process():
     try:
         ready = await client.wait_ready(240)
         assert (ready.role, ready.block_size, ready.num_kv_blocks) == ("unified", 16, 64)
+        assert ready.weights == "float32" and ready.num_threads >= 1  # cores it may use
         deltas = await collect(client, AddRequest(
             "greedy", PROMPT, SamplingParams(temperature=0, max_tokens=8)))
         assert tokens(deltas) == EXPECTED
