@@ -39,6 +39,7 @@ from engine.spec import SpecOptions, Speculator
 from engine.step_policy import time_budget
 from kernels.batch_invariant import set_batch_invariant_mode
 from kernels.cpu_fused import use_fused
+from kernels.quant import QuantEmbedding, QuantWeight
 from kvstore import keys as kvkeys
 
 log = logging.getLogger("duplex.engine")
@@ -71,10 +72,13 @@ class EngineCore:
         self.num_threads = config.num_threads or available_cores()
         torch.set_num_threads(self.num_threads)
         self.dtype, self.quant = resolve_precision(config)
-        self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
-            f"{self.quant} (quantized linears, fp32 activations)"
         self.model_path = resolve_model_path(config.model)
         loaded = load(self.model_path, self.dtype, progress=progress, quant=self.quant)
+        if not any(isinstance(w, (QuantWeight, QuantEmbedding))
+                   for w in loaded.state_dict.values()):
+            self.quant = "none"  # auto on float weights (an HF directory): the exact path
+        self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
+            f"{self.quant} (quantized linears, fp32 activations)"
         self.args = loaded.args
         self.model_name = loaded.name
         self.model_identity = loaded.identity
