@@ -100,11 +100,18 @@ def _load():
 
 
 def _build() -> Path:
-    source = _SOURCE.read_bytes()
+    return build_library(_SOURCE, ["-ffp-contract=off"])
+
+
+def build_library(source_path: Path, flags: list[str]) -> Path:
+    """Compile one C file into a shared library in the cache directory (once per source,
+    flags and CPU) and return its path; raises RuntimeError / SubprocessError on failure."""
+    source = source_path.read_bytes()
     # -march=native: a library built on one CPU may not run on another, so the CPU is keyed
-    digest = hashlib.sha256(source + os.uname().machine.encode() + _cpu_flags()).hexdigest()[:16]
+    key = source + " ".join(flags).encode() + os.uname().machine.encode() + _cpu_flags()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "duplex"
-    target = cache / f"cpu_fused-{digest}.so"
+    target = cache / f"{source_path.stem}-{digest}.so"
     if target.is_file():
         return target
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -113,8 +120,8 @@ def _build() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-fPIC",
-                        "-shared", "-o", str(built), str(_SOURCE), "-lm"],
+        subprocess.run([compiler, "-O3", "-march=native", *flags, "-fPIC", "-shared",
+                        "-o", str(built), str(source_path), "-lm"],
                        check=True, capture_output=True, timeout=120)
         os.replace(built, target)  # atomic: concurrent builders end with one good file
     return target

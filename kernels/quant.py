@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_qgemv
+
 INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32..256)
 _INNER_K_TILES = 2
-MAX_PACKED_ROWS = 4  # above this many rows, a weight with a dense copy uses it (measured)
+MAX_PACKED_ROWS = 4  # torch's kernels: above this many rows, a dense copy is faster (measured)
+MAX_VNNI_ROWS = 12  # kernels.cpu_qgemv: the bf16 GEMM wins from ~16 rows (measured)
 
 
 class QuantWeight:
@@ -51,6 +54,7 @@ class QuantWeight:
         self.dense: torch.Tensor | None = None  # bf16 [N, K] once packed, if with_dense
         self.shape = torch.Size(q.shape)
         self._packed: torch.Tensor | None = None
+        self._vnni: cpu_qgemv.Packed | None = None  # the VNNI kernel's layout, where it runs
         self._qparams: torch.Tensor | None = None  # int4: [K / G, N, 2] (scale, zero)
         self._dtype: torch.dtype | None = None
 
@@ -101,7 +105,11 @@ class QuantWeight:
         self._dtype = dtype
         if self.with_dense:
             self.dense = self.dequantize(torch.bfloat16)
-        if self.bits == 4:
+        if cpu_qgemv.available() and cpu_qgemv.fits(*self.shape):
+            self._vnni = cpu_qgemv.pack_int4(self.q, self.scale, self.zero) if self.bits == 4 \
+                else cpu_qgemv.pack_int8(self.q, self.scale)
+            self._packed = self._vnni.weight
+        elif self.bits == 4:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 self.q.to(torch.int32), _INNER_K_TILES)
             self._qparams = torch.stack([self.scale.t(), self.zero.t()], -1).to(dtype).contiguous()
@@ -112,6 +120,8 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
+        if self._vnni is not None:
+            return self._vnni.nbytes + (0 if self.dense is None else self.dense.nbytes)
         tensors = (self._packed, self._qparams, self.scale, self.dense) \
             if self._packed is not None else (self.q, self.scale, self.zero)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -121,18 +131,27 @@ class QuantWeight:
         if self._packed is None:
             self.pack()
         assert x.shape[-1] == self.shape[1], f"x [..., {self.shape[1]}] expected, got {tuple(x.shape)}"
-        x2 = x.reshape(-1, self.shape[1]).to(self._dtype)
-        if self.dense is not None and x2.shape[0] > MAX_PACKED_ROWS:
-            out = torch.nn.functional.linear(x2.to(torch.bfloat16), self.dense)
+        rows = x.reshape(-1, self.shape[1])
+        limit = MAX_PACKED_ROWS if self._vnni is None else MAX_VNNI_ROWS
+        if self.dense is not None and rows.shape[0] > limit:
+            out = torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
+        elif self._vnni is not None:
+            out = cpu_qgemv.linear(self._vnni, _fp32_rows(rows))
         elif self.bits == 4:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._packed, self.group_size,
-                                                             self._qparams)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(self._dtype), self._packed,
+                                                             self.group_size, self._qparams)
         else:
-            out = torch.ops.aten._weight_int8pack_mm(x2, self._packed, self.scale)
+            out = torch.ops.aten._weight_int8pack_mm(rows.to(self._dtype), self._packed,
+                                                     self.scale)
         out = out.to(x.dtype)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], self.shape[0])
+
+
+def _fp32_rows(rows: torch.Tensor) -> torch.Tensor:
+    rows = rows.float()
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def quant_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,

@@ -1,0 +1,157 @@
+/* Quantized-weight GEMV/GEMM for a few rows on x86 with AVX512-VNNI (kernels/cpu_qgemv.py
+ * lays the weights out, builds and calls this).
+ *
+ * A batch-1 decode step reads every weight once, so its matmuls are bound by bytes and by
+ * how many instructions each weight costs. Dequantizing to float costs ~0.3 instructions a
+ * weight; here activations are quantized instead (int8, one scale per group of 32, as
+ * llama.cpp's Q8_0), and `vpdpbusd` multiplies 64 weight bytes by 4 broadcast activation
+ * bytes and adds into 16 int32 lanes, one lane per output row: ~0.06 instructions a weight.
+ *
+ * Layout (per block of 16 output rows, per group g of 32 inputs): the operand for step c
+ * (inputs 32g + 4c .. +3) is 64 bytes, byte 4r + j = weight of row r at input 32g + 4c + j.
+ *   int4: 4 x 64 bytes per group, low nibbles = steps 0..3, high nibbles = steps 4..7;
+ *         q in [0, 16), w = (q - 8) * scale[row, g] + zero[row, g]
+ *   int8: 8 x 64 bytes per group, stored as q + 128 in [0, 256); w = q * scale[row]
+ * With xq = round(x / dx) per group: sum_k w x = scale * dx * (sum q xq - off * sum xq)
+ * (+ zero * sum x for int4), where off = 8 or 128 makes the weights unsigned for vpdpbusd.
+ *
+ * Rows of x are done together (up to QG_MAX_ROWS), so each weight is loaded and unpacked
+ * once per call. Output row blocks are split across threads with OpenMP; the library links
+ * the libgomp that torch loaded, so both share one thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QG_GROUP 32
+#define QG_MAX_ROWS 8
+
+int qg_available(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x [m, k] fp32 -> xq int8 [m, k], dx [m, k/32], xqsum [m, k/32] (int32), xsum [m, k/32]. */
+static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *xq,
+                          float *dx, int32_t *xqsum, float *xsum) {
+    int64_t groups = k / QG_GROUP;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + r * ldx + g * QG_GROUP;
+            float amax = 0.0f, sum = 0.0f;
+            for (int j = 0; j < QG_GROUP; j++) {
+                float a = fabsf(v[j]);
+                amax = a > amax ? a : amax;
+                sum += v[j];
+            }
+            float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int32_t qs = 0;
+            int8_t *out = xq + r * k + g * QG_GROUP;
+            for (int j = 0; j < QG_GROUP; j++) {
+                int32_t q = (int32_t)lrintf(v[j] * inv);
+                out[j] = (int8_t)q;
+                qs += q;
+            }
+            dx[r * groups + g] = d;
+            xqsum[r * groups + g] = qs;
+            xsum[r * groups + g] = sum;
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+/* One block of 16 output rows, all m rows of x. bits = 4 or 8. */
+static inline void block_rows(int bits, const uint8_t *wb, const float *sb, const float *zb,
+                              const int8_t *xq, const float *dx, const int32_t *xqsum,
+                              const float *xsum, int64_t m, int64_t groups, int64_t k,
+                              float *out, int64_t ldo) {
+    __m512 acc[QG_MAX_ROWS];
+    for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const int off = bits == 4 ? 8 : 128;
+    const int64_t gbytes = bits == 4 ? 256 : 512;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *w = wb + g * gbytes;
+        __m512i op[8];
+        if (bits == 4) {
+            for (int h = 0; h < 4; h++) {
+                __m512i v = _mm512_loadu_si512((const void *)(w + 64 * h));
+                op[h] = _mm512_and_si512(v, nib);
+                op[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            }
+        } else {
+            for (int c = 0; c < 8; c++) op[c] = _mm512_loadu_si512((const void *)(w + 64 * c));
+        }
+        __m512 scale = bits == 4 ? _mm512_loadu_ps(sb + 16 * g) : _mm512_setzero_ps();
+        __m512 zero = bits == 4 ? _mm512_loadu_ps(zb + 16 * g) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < m; r++) {
+            const int8_t *xr = xq + r * k + g * QG_GROUP;
+            __m512i ai = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                int32_t four;
+                memcpy(&four, xr + 4 * c, 4);
+                ai = _mm512_dpbusd_epi32(ai, op[c], _mm512_set1_epi32(four));
+            }
+            int64_t rg = r * groups + g;
+            ai = _mm512_sub_epi32(ai, _mm512_set1_epi32(off * xqsum[rg]));
+            __m512 f = _mm512_cvtepi32_ps(ai);
+            if (bits == 4) {
+                acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dx[rg])), acc[r]);
+                acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[rg]), acc[r]);
+            } else {
+                acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx[rg]), acc[r]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < m; r++) {
+        __m512 v = bits == 4 ? acc[r] : _mm512_mul_ps(acc[r], _mm512_loadu_ps(sb));
+        _mm512_storeu_ps(out + r * ldo, v);
+    }
+}
+#endif
+
+/* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ w.T for a packed weight.
+ * int4: scale/zero are [n/16, k/32, 16] fp32; int8: scale is [n] fp32, zero unused.
+ * Returns 0, or -1 when the shapes are not supported (the caller keeps its fallback). */
+int qg_linear(int bits, const uint8_t *w, const float *scale, const float *zero,
+              const float *x, int64_t ldx, float *out, int64_t ldo, int64_t m, int64_t n,
+              int64_t k, int threads) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if ((bits != 4 && bits != 8) || n % 16 || k % QG_GROUP || m < 1) return -1;
+    int64_t groups = k / QG_GROUP;
+    int8_t *xq = malloc((size_t)(QG_MAX_ROWS * k));
+    float *dx = malloc(sizeof(float) * QG_MAX_ROWS * groups);
+    int32_t *xqsum = malloc(sizeof(int32_t) * QG_MAX_ROWS * groups);
+    float *xsum = malloc(sizeof(float) * QG_MAX_ROWS * groups);
+    if (!xq || !dx || !xqsum || !xsum) {
+        free(xq); free(dx); free(xqsum); free(xsum);
+        return -1;
+    }
+    int64_t blocks = n / 16;
+    int64_t wblock = bits == 4 ? groups * 256 : groups * 512;
+    for (int64_t r0 = 0; r0 < m; r0 += QG_MAX_ROWS) {
+        int64_t mr = m - r0 < QG_MAX_ROWS ? m - r0 : QG_MAX_ROWS;
+        quantize_rows(x + r0 * ldx, ldx, mr, k, xq, dx, xqsum, xsum);
+        float *o = out + r0 * ldo;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *sb = bits == 4 ? scale + b * groups * 16 : scale + b * 16;
+            const float *zb = bits == 4 ? zero + b * groups * 16 : NULL;
+            block_rows(bits, w + b * wblock, sb, zb, xq, dx, xqsum, xsum, mr, groups, k,
+                       o + b * 16, ldo);
+        }
+    }
+    free(xq); free(dx); free(xqsum); free(xsum);
+    return 0;
+#else
+    (void)bits; (void)w; (void)scale; (void)zero; (void)x; (void)ldx; (void)out; (void)ldo;
+    (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}

@@ -1,0 +1,120 @@
+"""Quantized linear layers for a few rows on AVX512-VNNI CPUs (kernels/cpu_qgemv.c).
+
+    layout = pack_int4(q, scale, zero)     q [N, K] uint8 in [0, 16), scale/zero [N, K/32]
+    layout = pack_int8(q, scale)           q [N, K] int8, scale [N]
+    y = linear(layout, x)                  x [M, K] fp32 -> [M, N] fp32
+
+Activations are quantized to int8 with one scale per 32 inputs (what llama.cpp does for its
+Q4/Q8 dot products), so the results differ from `dequantize() @ x` by that rounding: the
+tests bound the error against the fp32 reference, and `duplex bench quality` measures what
+it does to the model. Torch's weight-only kernels dequantize every weight to float per row
+and read ~10 GB/s on this box; this one multiplies bytes with `vpdpbusd` and shares each
+unpacked weight across the rows (figures in docs/BENCHMARKS.md).
+
+`available()` is False without a C compiler, without AVX512-VNNI or with DUPLEX_QGEMV=0;
+callers then keep torch's kernels. The library is built with -fopenmp against the libgomp that torch has
+already loaded (one thread pool for both).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_fused import build_library
+
+log = logging.getLogger("duplex.kernels")
+
+GROUP = 32
+BLOCK_ROWS = 16
+_SOURCE = Path(__file__).with_name("cpu_qgemv.c")
+_lib: ctypes.CDLL | None | bool = None
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight in the kernel's layout; `bits` 4 or 8, logical shape `[n, k]`."""
+    bits: int
+    n: int
+    k: int
+    weight: torch.Tensor  # uint8, blocks of 16 rows (see cpu_qgemv.c)
+    scale: torch.Tensor  # fp32: int4 [n/16, k/32, 16]; int8 [n]
+    zero: torch.Tensor | None  # fp32 int4 [n/16, k/32, 16]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.zero)
+                   if t is not None)
+
+
+def available() -> bool:
+    """Whether the kernel runs here (DUPLEX_QGEMV=0 turns it off, for comparisons)."""
+    return os.environ.get("DUPLEX_QGEMV", "1") != "0" and _load() is not False
+
+
+def fits(n: int, k: int) -> bool:
+    return n % BLOCK_ROWS == 0 and k % GROUP == 0
+
+
+def _steps(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] bytes -> [N/16, K/32, 8, 64]: per block and group, 8 operands of 16 rows x 4."""
+    n, k = q.shape
+    return q.reshape(n // BLOCK_ROWS, BLOCK_ROWS, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4) \
+        .reshape(n // BLOCK_ROWS, k // GROUP, 8, 64)
+
+
+def _per_block(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [N/16, G, 16] fp32 contiguous."""
+    n, g = t.shape
+    return t.float().reshape(n // BLOCK_ROWS, BLOCK_ROWS, g).permute(0, 2, 1).contiguous()
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Packed:
+    assert q.dtype == torch.uint8 and fits(*q.shape), f"int4 q [16a, 32b] uint8, got {q.shape}"
+    s = _steps(q)
+    nibbles = (s[:, :, :4] | (s[:, :, 4:] << 4)).contiguous()  # low: steps 0-3, high: 4-7
+    return Packed(4, q.shape[0], q.shape[1], nibbles, _per_block(scale), _per_block(zero))
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Packed:
+    assert q.dtype == torch.int8 and fits(*q.shape), f"int8 q [16a, 32b] int8, got {q.shape}"
+    unsigned = (q.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd takes unsigned weights
+    return Packed(8, q.shape[0], q.shape[1], _steps(unsigned).contiguous(),
+                  scale.float().contiguous(), None)
+
+
+def linear(p: Packed, x: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` fp32 (rows may be strided, last dim contiguous) -> `[M, N]` fp32."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == p.k and x.stride(1) == 1
+    out = torch.empty(x.shape[0], p.n, dtype=torch.float32)
+    zero = 0 if p.zero is None else p.zero.data_ptr()
+    rc = _load().qg_linear(p.bits, p.weight.data_ptr(), p.scale.data_ptr(), zero,
+                           x.data_ptr(), x.stride(0), out.data_ptr(), p.n, x.shape[0], p.n,
+                           p.k, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"qg_linear refused int{p.bits} [{p.n}, {p.k}] x {tuple(x.shape)}")
+    return out
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        try:
+            lib = ctypes.CDLL(str(build_library(_SOURCE, ["-fopenmp"])))
+            lib.qg_available.restype = ctypes.c_int
+            lib.qg_linear.restype = ctypes.c_int
+            lib.qg_linear.argtypes = [ctypes.c_int, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I,
+                                      ctypes.c_int]
+            _lib = lib if lib.qg_available() else False
+            if _lib is False:
+                log.info("CPU without AVX512-VNNI: quantized matmuls use torch's kernels")
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            log.warning("quantized CPU kernel unavailable, using torch's: %s", e)
+            _lib = False
+    return _lib
