@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kernels import cpu_attention, cpu_fused
 from kernels._triton import require_triton, tl, triton
 
 
@@ -165,6 +166,7 @@ class AttentionPlan(NamedTuple):
     decode_mask: torch.Tensor | None  # bool [B, 1, L]; None: no padding
     prefills: tuple[PrefillPlan, ...]
     decode_span: slice | None = None  # one sequence whose slots are consecutive: a view
+    decode_counts: torch.Tensor | None = None  # int64 [B]: keys each decode query sees
 
 
 def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
@@ -188,7 +190,8 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
         torch.from_numpy(cols[None, :] < seen[:, None])[:, None]  # [B, 1, L]
     rows = None if len(decode) == len(query_lens) else torch.tensor(starts, dtype=torch.long)[decode]
     span = _span(slots[0]) if len(decode) == 1 else None
-    return AttentionPlan(rows, torch.from_numpy(slots), mask, prefills, span)
+    return AttentionPlan(rows, torch.from_numpy(slots), mask, prefills, span,
+                         torch.from_numpy(seen.astype(np.int64)))
 
 
 def _span(slots: np.ndarray) -> slice | None:
@@ -228,7 +231,14 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
     v_slots = v_cache.view(-1, num_kv_heads, head_dim)
     decode_out = None
-    if plan.decode_keys is not None:
+    if plan.decode_keys is not None and plan.decode_counts is not None \
+            and cpu_fused.is_enabled() and cpu_attention.available() \
+            and cpu_attention.fits(q, k_cache, soft_cap):
+        decode_out = cpu_attention.decode(q, k_cache, v_cache, plan.decode_rows,
+                                          plan.decode_keys, plan.decode_counts, scale).to(q.dtype)
+        if plan.decode_rows is None:
+            return decode_out
+    elif plan.decode_keys is not None:
         num_seqs, num_keys = plan.decode_keys.shape
         k = _gather(k_slots, plan.decode_keys.view(-1), plan.decode_span).view(
             num_seqs, num_keys, num_kv_heads, head_dim)

@@ -103,12 +103,12 @@ def _build() -> Path:
     return build_library(_SOURCE, ["-ffp-contract=off"])
 
 
-def build_library(source_path: Path, flags: list[str]) -> Path:
+def build_library(source_path: Path, flags: list[str], libs: tuple[str, ...] = ()) -> Path:
     """Compile one C file into a shared library in the cache directory (once per source,
     flags and CPU) and return its path; raises RuntimeError / SubprocessError on failure."""
     source = source_path.read_bytes()
     # -march=native: a library built on one CPU may not run on another, so the CPU is keyed
-    key = source + " ".join(flags).encode() + os.uname().machine.encode() + _cpu_flags()
+    key = source + " ".join([*flags, *libs]).encode() + os.uname().machine.encode() + _cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "duplex"
     target = cache / f"{source_path.stem}-{digest}.so"
@@ -121,7 +121,7 @@ def build_library(source_path: Path, flags: list[str]) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         subprocess.run([compiler, "-O3", "-march=native", *flags, "-fPIC", "-shared",
-                        "-o", str(built), str(source_path), "-lm"],
+                        "-o", str(built), str(source_path), *libs, "-lm"],
                        check=True, capture_output=True, timeout=120)
         os.replace(built, target)  # atomic: concurrent builders end with one good file
     return target

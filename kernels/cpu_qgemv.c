@@ -19,7 +19,6 @@
  * once per call. Output row blocks are split across threads with OpenMP; the library links
  * the libgomp that torch loaded, so both share one thread pool.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,36 +34,47 @@ int qg_available(void) {
 #endif
 }
 
-/* x [m, k] fp32 -> xq int8 [m, k], dx [m, k/32], xqsum [m, k/32] (int32), xsum [m, k/32]. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+/* x [m, k] fp32 -> xq int8 [m, k], dx [m, k/32], xqsum [m, k/32] (int32), xsum [m, k/32].
+ * Rounds to nearest even, as lrintf (and torch.round) do. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *xq,
                           float *dx, int32_t *xqsum, float *xsum) {
     int64_t groups = k / QG_GROUP;
     for (int64_t r = 0; r < m; r++) {
         for (int64_t g = 0; g < groups; g++) {
             const float *v = x + r * ldx + g * QG_GROUP;
-            float amax = 0.0f, sum = 0.0f;
-            for (int j = 0; j < QG_GROUP; j++) {
-                float a = fabsf(v[j]);
-                amax = a > amax ? a : amax;
-                sum += v[j];
-            }
+            __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
             float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int32_t qs = 0;
+            __m512 s = _mm512_set1_ps(inv);
+            __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, s),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, s),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             int8_t *out = xq + r * k + g * QG_GROUP;
-            for (int j = 0; j < QG_GROUP; j++) {
-                int32_t q = (int32_t)lrintf(v[j] * inv);
-                out[j] = (int8_t)q;
-                qs += q;
-            }
+            _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qb));
             dx[r * groups + g] = d;
-            xqsum[r * groups + g] = qs;
-            xsum[r * groups + g] = sum;
+            xqsum[r * groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            xsum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
         }
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
+/* Per-thread scratch for the quantized activations, grown as needed (never shrunk). */
+static __thread void *scratch;
+static __thread size_t scratch_size;
+
+static void *scratch_for(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch);
+        scratch = malloc(bytes);
+        scratch_size = scratch ? bytes : 0;
+    }
+    return scratch;
+}
 
 /* One block of 16 output rows, all m rows of x. bits = 4 or 8. */
 static inline void block_rows(int bits, const uint8_t *wb, const float *sb, const float *zb,
@@ -125,14 +135,13 @@ int qg_linear(int bits, const uint8_t *w, const float *scale, const float *zero,
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if ((bits != 4 && bits != 8) || n % 16 || k % QG_GROUP || m < 1) return -1;
     int64_t groups = k / QG_GROUP;
-    int8_t *xq = malloc((size_t)(QG_MAX_ROWS * k));
-    float *dx = malloc(sizeof(float) * QG_MAX_ROWS * groups);
-    int32_t *xqsum = malloc(sizeof(int32_t) * QG_MAX_ROWS * groups);
-    float *xsum = malloc(sizeof(float) * QG_MAX_ROWS * groups);
-    if (!xq || !dx || !xqsum || !xsum) {
-        free(xq); free(dx); free(xqsum); free(xsum);
-        return -1;
-    }
+    size_t rows_groups = (size_t)(QG_MAX_ROWS * groups);
+    char *buf = scratch_for((size_t)(QG_MAX_ROWS * k) + rows_groups * 12);
+    if (!buf) return -1;
+    float *dx = (float *)buf;
+    int32_t *xqsum = (int32_t *)(dx + rows_groups);
+    float *xsum = (float *)(xqsum + rows_groups);
+    int8_t *xq = (int8_t *)(xsum + rows_groups);
     int64_t blocks = n / 16;
     int64_t wblock = bits == 4 ? groups * 256 : groups * 512;
     for (int64_t r0 = 0; r0 < m; r0 += QG_MAX_ROWS) {
@@ -147,7 +156,6 @@ int qg_linear(int bits, const uint8_t *w, const float *scale, const float *zero,
                        o + b * 16, ldo);
         }
     }
-    free(xq); free(dx); free(xqsum); free(xsum);
     return 0;
 #else
     (void)bits; (void)w; (void)scale; (void)zero; (void)x; (void)ldx; (void)out; (void)ldo;

@@ -1,0 +1,76 @@
+"""Decode attention read in place from the paged KV cache (kernels/cpu_attention.c).
+
+    out = decode(q, k_cache, v_cache, plan, scale)   the plan's one-query sequences
+
+The torch path (`attention.paged_attention_planned`) gathers each decode sequence's keys
+and values into a padded copy, masks the padding and runs SDPA; at batch 64 that copying is
+most of a decode step's attention time. This kernel walks the plan's slots instead, once
+per (sequence, kv head) for all query heads of the group. It sums in another order than
+SDPA and uses glibc's vector expf, so results differ from the reference by a few fp32 ulps:
+`ops` calls it only while `cpu_fused.use_fused` is on (quantized weights), never in the
+exact float32 mode or under batch invariance. fp32 caches, no soft cap, head_dim % 16 == 0.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_fused import build_library
+
+log = logging.getLogger("duplex.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_lib: ctypes.CDLL | None | bool = None
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def available() -> bool:
+    """Whether the kernel runs here (DUPLEX_CPU_ATTENTION=0 turns it off, for comparisons)."""
+    return os.environ.get("DUPLEX_CPU_ATTENTION", "1") != "0" and _load() is not False
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor, soft_cap: float | None) -> bool:
+    heads, head_dim = q.shape[1:]
+    return (soft_cap is None and q.dtype == k_cache.dtype == torch.float32
+            and q.device.type == "cpu" and head_dim % 16 == 0 and q.stride(2) == 1
+            and q.stride(1) == head_dim and k_cache.is_contiguous()
+            and heads // k_cache.shape[2] <= 16)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           rows: torch.Tensor | None, keys: torch.Tensor, counts: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """q `[T, H, D]`; rows `[B]` (None: rows 0..B-1); keys `[B, L]` int64 cache slots of
+    which the first `counts[b]` are seen -> `[B, H, D]` fp32."""
+    num_seqs, num_keys = keys.shape
+    heads, head_dim = q.shape[1:]
+    out = torch.empty(num_seqs, heads, head_dim, dtype=torch.float32)
+    rc = _load().decode_attention_f32(
+        q.data_ptr(), 0 if rows is None else rows.data_ptr(), q.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), keys.data_ptr(), counts.data_ptr(),
+        num_seqs, num_keys, heads, k_cache.shape[2], head_dim, scale, out.data_ptr(),
+        torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"decode_attention_f32 refused q {tuple(q.shape)}")
+    return out
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        try:
+            lib = ctypes.CDLL(str(build_library(_SOURCE, ["-fopenmp"], ("-lmvec",))))
+            lib.attn_available.restype = ctypes.c_int
+            lib.decode_attention_f32.restype = ctypes.c_int
+            lib.decode_attention_f32.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I,
+                                                 _I, ctypes.c_float, _P, ctypes.c_int]
+            _lib = lib if lib.attn_available() else False
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            log.warning("CPU decode attention kernel unavailable, using torch's: %s", e)
+            _lib = False
+    return _lib
