@@ -23,6 +23,7 @@ import torch
 from engine.hybrid_kv import HybridLayout, swa_step_inputs
 from engine.models import ForwardContext
 from engine.scheduler import ScheduledRequest
+from kernels.quant import prompt_step
 
 
 class StepInputs(NamedTuple):
@@ -30,6 +31,7 @@ class StepInputs(NamedTuple):
     ctx: ForwardContext
     sample_rows: list[int]  # index into scheduled: requests whose last token gets logits
     sample_positions: list[int]  # row in the flattened batch of that last token
+    computes_prompt: bool = False  # some row is a prompt token (see quant.prompt_step)
 
 
 class ModelRunner:
@@ -58,10 +60,11 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slots = [], [], []
         query_lens, seq_lens, sample_rows, sample_positions = [], [], [], []
-        num_rows, slots_valid = 0, True
+        num_rows, slots_valid, computes_prompt = 0, True, False
         for row, (req, num_new) in enumerate(scheduled):
             start = req.num_computed_tokens
             end = start + num_new
+            computes_prompt |= start < req.num_prompt_tokens
             ids.extend(req.token_slice(start, end))
             positions.extend(range(start, end))
             slots.extend(_slots(req.block_ids, start, end, bs))
@@ -91,19 +94,21 @@ class ModelRunner:
             num_cols = max(max_blocks, *(len(s.req.swa_block_ids) for s in scheduled))
             ctx.swa_block_tables, ctx.swa_slot_mapping = swa_step_inputs(
                 scheduled, bs, self.layout.null_block, num_cols)
-        return StepInputs(torch.tensor(ids, dtype=torch.long), ctx, sample_rows, sample_positions)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), ctx, sample_rows, sample_positions,
+                          computes_prompt)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, logit_positions: list[int] | None = None) -> torch.Tensor:
         """Run the forward; fp32 logits [len(positions), vocab] for the sampled positions
         (or the given ones)."""
-        hidden = self.model.forward(inputs.input_ids, inputs.ctx)
-        rows = inputs.sample_positions if logit_positions is None else logit_positions
-        if not rows:
-            return torch.empty(0, self.model.args.vocab_size)
-        if rows != list(range(hidden.shape[0])):
-            hidden = hidden[torch.tensor(rows)]
-        return self.model.compute_logits(hidden)
+        with prompt_step(inputs.computes_prompt):
+            hidden = self.model.forward(inputs.input_ids, inputs.ctx)
+            rows = inputs.sample_positions if logit_positions is None else logit_positions
+            if not rows:
+                return torch.empty(0, self.model.args.vocab_size)
+            if rows != list(range(hidden.shape[0])):
+                hidden = hidden[torch.tensor(rows)]
+            return self.model.compute_logits(hidden)
 
 
 def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -24,6 +24,8 @@ packing is per output row block, so it cannot be concatenated afterwards.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kernels import cpu_qgemv
@@ -32,6 +34,20 @@ INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32
 _INNER_K_TILES = 2
 MAX_PACKED_ROWS = 4  # torch's kernels: above this many rows, a dense copy is faster (measured)
 MAX_VNNI_ROWS = 12  # kernels.cpu_qgemv: the bf16 GEMM wins from ~16 rows (measured)
+_prompt_step = False
+
+
+@contextlib.contextmanager
+def prompt_step(enabled: bool = True):
+    """Inside, weights with a dense copy use it whatever the number of rows: a step that
+    computes prompt tokens runs them the way a long prefill does, so a prompt's numbers (and
+    a greedy answer) do not depend on how much of it came from the prefix cache."""
+    global _prompt_step
+    previous, _prompt_step = _prompt_step, enabled
+    try:
+        yield
+    finally:
+        _prompt_step = previous
 
 
 class QuantWeight:
@@ -133,7 +149,7 @@ class QuantWeight:
         assert x.shape[-1] == self.shape[1], f"x [..., {self.shape[1]}] expected, got {tuple(x.shape)}"
         rows = x.reshape(-1, self.shape[1])
         limit = MAX_PACKED_ROWS if self._vnni is None else MAX_VNNI_ROWS
-        if self.dense is not None and rows.shape[0] > limit:
+        if self.dense is not None and (_prompt_step or rows.shape[0] > limit):
             out = torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
         elif self._vnni is not None:
             out = cpu_qgemv.linear(self._vnni, _fp32_rows(rows))
