@@ -43,6 +43,7 @@ class ServerOptions:
     max_n: int = 8
     request_timeout_s: float = 600.0  # 0: no deadline
     api_keys: tuple[str, ...] = ()
+    metrics_public: bool = False  # True: /metrics open even with api_keys
     client_max_size: int = 16 * 1024 * 1024
     web_dir: Path | None = WEB_DIR
 
@@ -113,7 +114,7 @@ class AppState:
         self.pipeline = Pipeline(engine, recipe, self.metrics,
                                  request_timeout_s=options.request_timeout_s)
         self.admission = Admission(options.max_queued_requests, self.metrics)
-        self.keys = ApiKeys(list(options.api_keys))
+        self.keys = ApiKeys(list(options.api_keys), options.metrics_public)
         self.started = int(time.time())
 
     # ------------------------------------------------------------ readiness and admission

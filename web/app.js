@@ -4,13 +4,15 @@
 // sent with each request holds the finished turns (a stopped answer keeps what it said; a
 // failed one is left out, so the next question does not carry it).
 
+import { KeyDialog, checkAccess, socketProtocols, storeKey } from "./auth.js";
 import { ChatView } from "./chat.js";
 import { Connection } from "./connection.js";
 import { Settings } from "./settings.js";
 import { StatusPanel } from "./status.js";
 import { formatCount } from "./dom.js";
 
-const CONNECTION_TEXT = { open: "Connected", connecting: "Connecting…", waiting: "Offline" };
+const CONNECTION_TEXT = { open: "Connected", connecting: "Connecting…", waiting: "Offline",
+                          locked: "API key needed" };
 const $ = (id) => document.getElementById(id);
 const ui = {
   prompt: $("prompt"), send: $("send"), stop: $("stop"), composer: $("composer"),
@@ -20,7 +22,7 @@ const ui = {
   panel: $("server-panel"), panelToggle: $("toggle-panel"),
 };
 
-const connection = new Connection(socketUrl());
+const connection = new Connection(socketUrl(), socketProtocols);
 const chat = new ChatView($("conversation"), $("empty-state"));
 const settings = new Settings($("settings"));
 const panel = new StatusPanel(ui.panel);
@@ -209,7 +211,38 @@ function socketUrl() {
   return `${scheme}://${location.host}/v1/ws`;
 }
 
-connection.connect();
+// ================================================================ API key
+const keyDialog = new KeyDialog($("key-dialog"), (key) => {
+  storeKey(key);
+  start();
+});
+
+/** Connects once the server lets this page in; asks for a key when it says one is needed. */
+async function start() {
+  const access = await checkAccess();
+  if (access === "needed" || access === "wrong") {
+    connection.lock();
+    keyDialog.ask(access);
+    return;
+  }
+  connection.connect();
+  panel.refresh();
+}
+
+// A socket refused at the handshake: a key that stopped working, or a server that is down.
+connection.addEventListener("refused", async () => {
+  const access = await checkAccess();
+  if (access === "needed" || access === "wrong") {
+    connection.lock();
+    keyDialog.ask(access);
+  }
+});
+$("change-key").addEventListener("click", () => {
+  settings.dialog.close();
+  keyDialog.ask("change");
+});
+
+start();
 panel.start();
 updateComposer();
 ui.prompt.focus();

@@ -111,8 +111,9 @@ class ScriptedEngine(FakeEngineClient):
 
 
 class ThreadedServer:
-    def __init__(self, engine: FakeEngineClient) -> None:
+    def __init__(self, engine: FakeEngineClient, options: ServerOptions = ServerOptions()) -> None:
         self.engine = engine
+        self.options = options
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.loop = asyncio.new_event_loop()
@@ -135,7 +136,7 @@ class ThreadedServer:
         self.loop.close()
 
     async def _start(self) -> None:
-        state = AppState(self.engine, FakeRecipe(), ServerOptions())
+        state = AppState(self.engine, FakeRecipe(), self.options)
         self.runner = web.AppRunner(build_app(state), handler_cancellation=True,
                                     shutdown_timeout=2.0, access_log=None)
         await self.runner.setup()
