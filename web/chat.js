@@ -2,10 +2,11 @@
 //
 // An AnswerView owns one answer: the text so far, the source ranges of tokens that came from
 // accepted speculative drafts, and the counters shown under it. It re-renders at most once
-// per animation frame however fast deltas arrive.
+// per animation frame however fast deltas arrive, and then only the block being written
+// (markdown.js StreamRenderer); the whole answer is rendered once more when it ends.
 
 import { el, setText, formatCount, formatPercent, formatRate, formatSeconds } from "./dom.js";
-import { renderMarkdown } from "./markdown.js";
+import { StreamRenderer } from "./markdown.js";
 
 const DRAFT_TITLE = "From an accepted speculative draft";
 const STICKY_PX = 80;  // this close to the bottom, the view follows new text
@@ -76,6 +77,7 @@ export class AnswerView {
     this.numAccepted = 0;
     this.renderPending = false;
     this.body = el("div", { class: "answer-body" }, thinkingDots());
+    this.renderer = new StreamRenderer(this.body);
     this.problem = el("div", { class: "problem", role: "alert", hidden: true });
     this.stats = new AnswerStats();
     const avatar = el("div", { class: "avatar", "aria-hidden": "true" }, "D");
@@ -159,8 +161,8 @@ export class AnswerView {
 
   render() {
     if (!this.text && this.isStreaming) return;  // the thinking dots stay
-    const fragment = renderMarkdown(this.text, this.marks);
-    this.body.replaceChildren(fragment);
+    if (this.isStreaming) this.renderer.update(this.text, this.marks);
+    else this.renderer.finish(this.text, this.marks);
     if (!this.text && this.state !== "error") {
       this.body.append(el("p", { class: "empty-answer" }, "(no text)"));
     }

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 README_SCREENSHOT = REPO / "docs" / "screenshots" / "web-demo.png"
 # Rewrite the README's screenshot (a tracked file) only when asked, so test runs leave git clean.
+PAGE_SCRIPTS = ["/vendor/markdown-it/markdown-it.min.js", "/vendor/markdown-it-texmath/texmath.js",
+                "/vendor/katex/katex.min.js", "/vendor/highlight.js/highlight.min.js",
+                "/vendor/dompurify/purify.min.js", "/app.js"]
 UPDATE_SCREENSHOT = os.environ.get("DUPLEX_UPDATE_SCREENSHOTS") == "1"
 
 
@@ -109,7 +112,8 @@ def test_html_in_answers_and_questions_is_shown_as_text(ui):
     assert ui.answer().locator(".answer-body").inner_text() == HTML_REPLY
     assert ui.page.locator("article.msg.user .bubble").inner_text() == question
     assert conversation.locator("script, b, img, i").count() == 0
-    assert ui.page.evaluate("document.scripts.length") == 1  # only the page's own module
+    scripts = ui.page.evaluate("[...document.scripts].map(s => new URL(s.src).pathname)")
+    assert scripts == PAGE_SCRIPTS  # only the page's own module and the vendored libraries
     assert ui.page.evaluate("typeof window.alert") == "function"  # and nothing called it
 
 
@@ -246,13 +250,63 @@ def test_markdown_renderer_builds_only_safe_nodes(ui):
         }
         return out;
     }""", MARKDOWN_CASES)
+    # marks: source [0, 4) is "1. o" -> only the "o" of "one" is text; "## T" -> the "T"
     assert html["nested"] == (
-        '<ol><li><span class="drafted" title="t">o</span>ne</li><li>two<ul><li>inner '
-        '<em>em</em></li></ul></li><li>three</li></ol>')
-    assert "<pre><code>let a = '&lt;b&gt;';\n</code></pre>" in html["fence"]
+        '<ol>\n<li><span class="drafted" title="t">o</span>ne</li>\n<li>two\n<ul>\n'
+        '<li>inner <em>em</em></li>\n</ul>\n</li>\n<li>three</li>\n</ol>\n')
+    assert '<pre><code class="hljs language-js"><span class="hljs-keyword">let</span> a = ' \
+        '<span class="hljs-string">\'&lt;b&gt;\'</span>;</code></pre>' in html["fence"]
     assert html["links"].count("<a ") == 1
     assert 'href="https://example.com/x"' in html["links"] and "&lt;a href=x&gt;y&lt;/a&gt;" \
-        in html["links"]
-    assert html["blocks"].startswith('<h4><span class="drafted" title="t">T</span>itle</h4>')
-    assert "<blockquote><p>quoted <strong>bold</strong></p></blockquote><hr><p>end</p>" \
-        in html["blocks"]
+        in html["links"] and "javascript" in html["links"]  # as text, not as an href
+    assert 'href="javascript' not in html["links"]
+    assert html["blocks"].startswith('<h2><span class="drafted" title="t">T</span>itle</h2>')
+    assert "<blockquote>\n<p>quoted <strong>bold</strong></p>\n</blockquote>\n<hr>\n" \
+        "<p>end</p>" in html["blocks"]
+
+
+def test_table_code_math_rendered_and_script_neutralised(ui):
+    ui.send("something rich please")
+    ui.wait_answer_state("done")
+    body = ui.answer().locator(".answer-body")
+    assert body.locator("table thead th").all_inner_texts() == ["engine", "step"]
+    assert body.locator("table tbody tr").count() == 2
+    assert body.locator("table tbody tr").nth(0).locator("td").all_inner_texts() == \
+        ["duplex", "10 ms"]
+    code = body.locator("figure.code pre code.language-python")
+    assert code.inner_text() == 'def hello():\n    return "<b>hi</b>"'
+    assert code.locator(".hljs-keyword").all_inner_texts()[:2] == ["def", "return"]
+    assert code.locator(".hljs-string").inner_text() == '"<b>hi</b>"'
+    assert body.locator("figure.code figcaption .lang").inner_text() == "python"
+    assert body.locator(".katex").count() == 2  # inline + block
+    assert body.locator(".katex-display").count() == 1
+    inline = body.locator(".katex").nth(0)
+    assert inline.locator(".katex-html").count() == 1 and "π" in inline.text_content()
+    assert "∫" in body.locator(".katex-display").text_content()
+    # model-written HTML and javascript: links stay text; only the https link is a link
+    assert body.locator("script, img, b").count() == 0
+    assert body.locator("a").evaluate_all("as => as.map(a => a.href)") == ["https://example.com/"]
+    assert body.locator("a").get_attribute("rel") == "noopener noreferrer nofollow"
+    assert "<script>alert(3)</script>" in body.inner_text()
+    assert ui.page.evaluate("typeof window.alert") == "function"
+    # the copy button copies the code as text
+    ui.page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    body.locator("figure.code [data-action=copy]").click()
+    expect(body.locator("figure.code [data-action=copy]")).to_have_text("Copied")
+    assert ui.page.evaluate("navigator.clipboard.readText()") == 'def hello():\n    return "<b>hi</b>"'
+    ui.screenshot("rich.png")
+
+
+def test_streaming_renders_finished_blocks_once(ui):
+    """Finished blocks are not rebuilt per frame: a node of the first paragraph survives
+    the rest of a long stream (the whole answer is rendered once more at the end)."""
+    ui.send("a long one")
+    ui.page.wait_for_function("() => document.querySelector("
+                              "'article.msg.assistant:last-of-type .md-done p')")
+    ui.page.evaluate("window.__first = document.querySelector("
+                     "'article.msg.assistant:last-of-type .md-done p')")
+    ui.page.wait_for_function("() => document.querySelector('article.msg.assistant:last-of-type"
+                              " .answer-body').textContent.length > 400")
+    assert ui.page.evaluate("window.__first.isConnected") is True
+    ui.page.click("#stop")
+    ui.wait_answer_state("stopped")
