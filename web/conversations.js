@@ -53,7 +53,7 @@ export class ConversationStore extends EventTarget {
     const conv = this.all.find((c) => c.id === id);
     if (!conv || !title.trim()) return;
     conv.title = title.trim();
-    this.touch(conv);
+    this.save();  // a rename does not move it up the list
   }
 
   remove(id) {

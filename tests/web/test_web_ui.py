@@ -3,6 +3,7 @@ engine (tests/web/web_fakes.py): streaming and stats, stop, inert HTML, error fr
 reconnect banner, the /metrics fallback, keyboard and settings, a narrow screen."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -310,3 +311,99 @@ def test_streaming_renders_finished_blocks_once(ui):
     assert ui.page.evaluate("window.__first.isConnected") is True
     ui.page.click("#stop")
     ui.wait_answer_state("stopped")
+
+
+def test_conversation_survives_reload_regenerate_edit_and_the_list(make_ui, server):
+    ui = make_ui(server.url).open()
+    ui.send("What is Duplex?")
+    ui.wait_answer_state("done")
+    ui.send("And a second question")
+    ui.wait_answer_state("done")
+    first_answer = ui.answer(0).locator(".answer-body").inner_text()
+
+    ui.page.reload()
+    ui.page.wait_for_selector("#conn[data-state=open]")
+    expect(ui.page.locator("article.msg")).to_have_count(4)
+    assert ui.page.locator("article.msg.user .bubble").all_inner_texts() == \
+        ["What is Duplex?", "And a second question"]
+    assert ui.answer(0).locator(".answer-body").inner_text() == first_answer
+    assert ui.answer(0).locator(".answer-body strong").all_inner_texts() == ["prefill", "decode"]
+    assert ui.stat("finish", 0) == "stop"  # the server's figures came back with it
+    ui.screenshot("reloaded.png")
+
+    ui.answer(-1).locator("[data-msg-action=regenerate]").click()
+    ui.wait_answer_state("done")
+    expect(ui.page.locator("article.msg")).to_have_count(4)
+    roles = [(m["role"], m["content"][:12]) for m in ui.sent[-1]["messages"]]
+    assert roles == [("user", "What is Dupl"), ("assistant", first_answer[:12]),
+                     ("user", "And a second")]
+
+    ui.page.locator("article.msg.user").nth(0).locator("[data-msg-action=edit]").click()
+    ui.page.fill("article.msg.user .edit-box", "Edited question")
+    ui.page.click("article.msg.user .edit button[type=submit]")
+    ui.wait_answer_state("done")
+    expect(ui.page.locator("article.msg")).to_have_count(2)
+    assert ui.sent[-1]["messages"] == [{"role": "user", "content": "Edited question"}]
+
+    ui.page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    ui.answer().locator("[data-msg-action=copy-message]").click()
+    assert ui.page.evaluate("navigator.clipboard.readText()") == MARKDOWN_REPLY  # the source
+
+    ui.page.click("#new-chat")
+    ui.send("html in a second chat")
+    ui.wait_answer_state("done")
+    ui.page.click("#open-history")
+    rows = ui.page.locator("#history li[data-id]")
+    expect(rows).to_have_count(2)
+    assert rows.locator(".title").all_inner_texts() == ["html in a second chat", "What is Duplex?"]
+    rows.nth(1).locator("[data-action=rename]").click()
+    ui.page.fill("#history input.rename", "Renamed chat")
+    ui.page.press("#history input.rename", "Enter")
+    expect(rows.nth(1).locator(".title")).to_have_text("Renamed chat")
+    with ui.page.expect_download() as download:
+        ui.page.click("#history [data-action=export-all]")
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert [c["title"] for c in exported["conversations"]] == ["html in a second chat",
+                                                               "Renamed chat"]
+    assert exported["conversations"][1]["messages"][0] == {"role": "user",
+                                                           "content": "Edited question"}
+    ui.screenshot("history.png")
+    rows.nth(1).locator(".title").click()  # open the renamed one
+    expect(ui.page.locator("article.msg.user .bubble")).to_have_text(["Edited question"])
+    ui.page.click("#open-history")
+    rows.nth(0).locator("[data-action=delete]").click()
+    expect(rows).to_have_count(1)
+    assert ui.page.evaluate("JSON.parse(localStorage.getItem('duplex.conversations.v1'))"
+                            ".map(c => c.title)") == ["Renamed chat"]
+    assert ui.page_errors == []
+
+
+def test_every_sampling_field_is_settable_and_shown(ui, server):
+    max_model_len = server.engine.ready_info.max_model_len
+    expect(ui.page.locator("#model-context")).to_have_text(f"{max_model_len:,} ctx")
+    ui.page.click("#open-settings")
+    dialog = ui.page.locator("#settings")
+    dialog.locator("summary").click()
+    form = dialog.locator("[data-field=advanced]")
+    form.locator("input[name=topK]").fill("40")
+    form.locator("input[name=seed]").fill("7")
+    form.locator("textarea[name=stop]").fill("END\nSTOP")
+    form.locator("input[name=ignoreEos]").check()
+    form.locator("select[name=retention]").select_option("agent")
+    expect(form.locator("output[data-shows=topK]")).to_have_text("40")
+    expect(form.locator("output[data-shows=stop]")).to_have_text('"END", "STOP"')
+    expect(form.locator("output[data-shows=ignoreEos]")).to_have_text("on")
+    expect(form.locator("output[data-shows=minP]")).to_have_text("server default")
+    names = form.locator("label > span").evaluate_all("ss => ss.map(s => s.firstChild.data)")
+    assert set(names) == {"top_k", "min_p", "presence_penalty", "frequency_penalty",
+                          "repetition_penalty", "seed", "min_tokens", "stop", "cache_salt",
+                          "retention", "ignore_eos", "include_stop_str_in_output",
+                          "skip_special_tokens"}
+    ui.page.keyboard.press("Escape")
+    ui.send("What is Duplex?")
+    ui.wait_answer_state("done")
+    (chat,) = [f for f in ui.sent if f["type"] == "chat"]
+    assert {k: chat[k] for k in ("top_k", "seed", "stop", "ignore_eos", "retention")} == \
+        {"top_k": 40, "seed": 7, "stop": ["END", "STOP"], "ignore_eos": True,
+         "retention": "agent"}
+    assert not {"min_p", "presence_penalty", "skip_special_tokens", "cache_salt"} & set(chat)
