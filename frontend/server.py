@@ -25,7 +25,9 @@ from aiohttp import web
 from frontend import anthropic_api, openai_api, openapi, ws
 from frontend.auth import ApiKeys
 from frontend.errors import ApiError, invalid
+from frontend.cors import setup_cors
 from frontend.generation import Pipeline
+from frontend.logs import REQUEST_ID
 from frontend.metrics import Metrics, kv_usage
 from frontend.protocol import REQ_ID, json_response
 from frontend.tool_parser import forced_call_prefix, tools_supported
@@ -46,6 +48,7 @@ class ServerOptions:
     metrics_public: bool = False  # True: /metrics open even with api_keys
     client_max_size: int = 16 * 1024 * 1024
     web_dir: Path | None = WEB_DIR
+    allowed_origins: tuple[str, ...] = ()  # CORS; "*": any origin
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -276,6 +279,7 @@ def _vocab_size(recipe) -> int | None:
 def build_app(state: AppState) -> web.Application:
     app = web.Application(client_max_size=state.options.client_max_size,
                           middlewares=[_middleware(state)])
+    setup_cors(app, state.options.allowed_origins)
     app.router.add_routes(openai_api.OpenAIApi(state).routes())
     app.router.add_routes(anthropic_api.AnthropicApi(state).routes())
     ws_api = ws.WebSocketApi(state)
@@ -340,6 +344,7 @@ def _middleware(state: AppState):
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         request[REQ_ID] = uuid.uuid4().hex[:24]
+        REQUEST_ID.set(request[REQ_ID])  # on every log line of this request (frontend/logs)
         start = time.perf_counter()
         status = "disconnected"
         try:
