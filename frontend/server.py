@@ -313,7 +313,7 @@ class OpsApi:
 
     async def metrics(self, _: web.Request) -> web.Response:
         self.state.refresh_metrics()
-        return web.Response(body=self.state.metrics.render(), headers={
+        return web.Response(body=self.state.metrics.render(self.state.model_name), headers={
             "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def openapi(self, _: web.Request) -> web.Response:
