@@ -222,7 +222,7 @@ def test_screenshot_for_the_readme(make_ui, server):
     ui = make_ui(server.url, width=1280, height=800).open()
     ui.send("What is Duplex?")
     ui.wait_answer_state("done")
-    ui.send("Show me some html: <b>bold?</b>")
+    ui.send("Something rich: a table, code and math")
     ui.wait_answer_state("done")
     ui.page.wait_for_timeout(1500)  # a few status polls for the chart
     path = ui.screenshot("web-demo.png")
