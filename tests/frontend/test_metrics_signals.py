@@ -78,3 +78,21 @@ async def test_labels_vllm_names_and_histograms_move(make_harness):
     assert value(after, "vllm:spec_decode_num_draft_tokens", "_total") == n * 5 * 4
     assert value(after, "vllm:spec_decode_num_accepted_tokens", "_total") == n * 5 * 3
     assert value(after, "vllm:num_requests_running") == 0
+
+
+def test_grafana_dashboard_queries_only_metrics_duplex_exports():
+    import json
+    import re
+    from pathlib import Path
+
+    from frontend.metrics import Metrics
+
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana"
+                            / "duplex-dashboard.json").read_text())
+    exported = {f.name for f in text_string_to_metric_families(
+        Metrics().render("m").decode())}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
+    used = {re.sub(r"_(bucket|total)$", "", name) for e in exprs
+            for name in re.findall(r"\b((?:vllm:|duplex_)[a-z0-9_:]+)", e)}
+    assert len(used) >= 15 and used <= exported, sorted(used - exported)
