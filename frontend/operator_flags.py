@@ -12,7 +12,7 @@ import copy
 import ssl
 from pathlib import Path
 
-from frontend.logs import LOG_FORMATS
+from engine.logs import LOG_FORMATS
 
 MAX_TEMPLATE_CHARS = 256_000  # as the recipe's RenderLimits.template_chars
 

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from aiohttp import web
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
 from engine.kv_transfer import LEASE_S
-from frontend.logs import setup_logging
+from engine.logs import LOG_FORMAT_ENV, setup_logging
 from frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
                                      take_positional_model, tls_context, with_chat_template)
 from frontend.router import DEFAULT_BUCKETS, parse_buckets
@@ -118,7 +119,9 @@ def normalize_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level, getattr(args, "log_format", "text"))
+    log_format = getattr(args, "log_format", "text")
+    setup_logging(args.log_level, log_format)
+    os.environ[LOG_FORMAT_ENV] = log_format  # the workers it starts log the same way
     try:
         normalize_args(args)
         config = engine_config_from_args(args)

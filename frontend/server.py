@@ -27,7 +27,7 @@ from frontend.auth import ApiKeys
 from frontend.errors import ApiError, invalid
 from frontend.cors import setup_cors
 from frontend.generation import Pipeline
-from frontend.logs import REQUEST_ID
+from engine.logs import REQUEST_ID
 from frontend.metrics import Metrics, kv_usage
 from frontend.protocol import REQ_ID, json_response
 from frontend.tool_parser import forced_call_prefix, tools_supported
@@ -344,7 +344,7 @@ def _middleware(state: AppState):
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         request[REQ_ID] = uuid.uuid4().hex[:24]
-        REQUEST_ID.set(request[REQ_ID])  # on every log line of this request (frontend/logs)
+        REQUEST_ID.set(request[REQ_ID])  # on every log line of this request (engine/logs)
         start = time.perf_counter()
         status = "disconnected"
         try:

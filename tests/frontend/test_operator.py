@@ -16,7 +16,7 @@ from aiohttp import web
 from frontend_fakes import FakeEngineClient, FakeRecipe
 
 from frontend import cli, cli_config
-from frontend.logs import setup_logging
+from engine.logs import setup_logging
 from frontend.operator_flags import tls_context
 from frontend.serve import run
 from frontend.server import AppState, ServerOptions, build_app

@@ -1,5 +1,7 @@
-"""Log setup of `duplex serve`: text or JSON lines, and the request id on every line logged
-while a request is handled.
+"""Log setup of `duplex serve` and its workers: text or JSON lines, and the request id on
+every line logged while a request is handled. The server puts its --log-format in the
+environment (DUPLEX_LOG_FORMAT, the flag's own variable), so the workers it starts log the
+same way (`setup_logging_from_env`).
 
 The server's middleware sets REQUEST_ID (a context variable) when a request arrives; tasks
 started for the request inherit it, and a filter copies it onto each record as `req_id`.
@@ -14,10 +16,12 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import sys
 import time
 
 LOG_FORMATS = ("text", "json")
+LOG_FORMAT_ENV = "DUPLEX_LOG_FORMAT"
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("duplex_request_id",
                                                                         default=None)
 
@@ -57,6 +61,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+def setup_logging_from_env(level: str = "info") -> logging.Handler:
+    """A worker's logging: the format its server chose (text when run on its own)."""
+    fmt = os.environ.get(LOG_FORMAT_ENV, "text")
+    return setup_logging(level, fmt if fmt in LOG_FORMATS else "text")
+
+
 def setup_logging(level: str, log_format: str = "text", stream=None) -> logging.Handler:
     """One handler on the root logger (replacing earlier ones), for this process."""
     if log_format not in LOG_FORMATS:
@@ -69,4 +79,5 @@ def setup_logging(level: str, log_format: str = "text", stream=None) -> logging.
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # warnings.warn lines become records in the same format
     return handler
