@@ -100,8 +100,8 @@ def override(args: argparse.Namespace, dest: str, value, source: str, origin: st
                      for s in getattr(args, "settings", [])]
 
 
-def env_name(action: argparse.Action) -> str:
-    return ENV_PREFIX + _long_name(action).upper().replace("-", "_")
+def env_names(action: argparse.Action) -> list[str]:
+    return [ENV_PREFIX + name.upper().replace("-", "_") for name in _long_names(action)]
 
 
 # ------------------------------------------------------------------ internals
@@ -127,9 +127,10 @@ def _resolve(parser, action, cli_value, environ, from_file, config_path) -> Sett
     flag = "--" + _long_name(action)
     if _was_given(action, cli_value):
         return Setting(action.dest, cli_value, "cli", flag)
-    name = env_name(action)
-    if name in environ:
-        return Setting(action.dest, _convert(parser, action, environ[name], name), "env", name)
+    for name in env_names(action):  # every long spelling: DUPLEX_WEIGHTS_DTYPE, DUPLEX_DTYPE
+        if name in environ:
+            return Setting(action.dest, _convert(parser, action, environ[name], name), "env",
+                           name)
     if action.dest in from_file:
         key, raw = from_file[action.dest]
         return Setting(action.dest, _convert(parser, action, raw, f"{config_path}: {key}"),
@@ -190,7 +191,7 @@ def _read_file(parser, actions, path: str) -> dict[str, tuple[str, Any]]:
         parser.error(f"--config {path}: cannot parse it: {e}")
     if not isinstance(data, dict):
         parser.error(f"--config {path}: expected a table of settings")
-    by_name = {_long_name(a).replace("-", "_"): a for a in actions}
+    by_name = {name.replace("-", "_"): a for a in actions for name in _long_names(a)}
     by_name.update({a.dest: a for a in actions})
     found, unknown = {}, []
     for key, value in data.items():
@@ -216,10 +217,14 @@ def _load_yaml(text: str):
         raise ValueError(str(e)) from None
 
 
-def _long_name(action: argparse.Action) -> str:
-    """The flag's first long spelling without dashes (`--max-n` -> `max-n`)."""
+def _long_names(action: argparse.Action) -> list[str]:
+    """The flag's long spellings without dashes (`--max-n` -> `max-n`), the first first."""
     long = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
-    return (long[0] if long else action.option_strings[0]).lstrip("-")
+    return [o.lstrip("-") for o in long or action.option_strings[:1]]
+
+
+def _long_name(action: argparse.Action) -> str:
+    return _long_names(action)[0]
 
 
 def _toml(value) -> str:

@@ -268,7 +268,8 @@ async function start() {
     keyDialog.ask(access);
     return;
   }
-  connection.connect();
+  if (connection.isOpen) connection.socket.close();  // a new key: reconnect with it
+  else connection.connect();
   panel.refresh();
 }
 

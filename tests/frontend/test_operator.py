@@ -50,8 +50,10 @@ def test_cli_beats_env_beats_file_beats_default(tmp_path):
     assert (got["max_n"], got["port"], got["fair_prefill"]) == ("cli", "env", "env")
     assert (got["api_key"], got["log_level"], got["host"]) == ("file", "file", "default")
     # a repeated flag from the environment: comma-separated; the flag's type applies
-    args = parse(["--config", str(config)], {"DUPLEX_API_KEY": "e1,e2", "DUPLEX_PORT": "9002"})
+    args = parse(["--config", str(config)], {"DUPLEX_API_KEY": "e1,e2", "DUPLEX_PORT": "9002",
+                                             "DUPLEX_DTYPE": "bfloat16"})  # vLLM's spelling
     assert args.api_key == ["e1", "e2"] and args.port == 9002 and args.config == str(config)
+    assert args.weights_dtype == "bfloat16"
     # flags named the vLLM way and BooleanOptional switches on the command line
     args = parse(["--dtype", "float32", "--no-fair-prefill", "m.gguf"], environ)
     assert args.weights_dtype == "float32" and args.fair_prefill is False
