@@ -194,10 +194,10 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)
         drained = await _drain(state, shutdown_timeout_s, force)
-        if not drained and state.admission.num_active:
-            why = ("a second signal cut the drain short" if force.is_set()
-                   else f"the drain timeout of {shutdown_timeout_s:.1f} s passed")
-            log.warning("%s; ending in-flight=%d with an error", why, state.admission.num_active)
+        ending = drain_outcome(drained, force.is_set(), state.admission.num_active,
+                               shutdown_timeout_s)
+        if ending:
+            log.warning(ending)
     except OSError as e:
         print(f"duplex serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         return 1
@@ -208,6 +208,16 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await supervisor.close()
     log.info("stopped")
     return 0
+
+
+def drain_outcome(drained: bool, forced: bool, num_active: int, timeout_s: float) -> str | None:
+    """The line to log when a drain did not let every request finish (None when it did, or
+    when nothing was left running by the time a second signal came)."""
+    if drained or not num_active:
+        return None
+    why = ("a second signal cut the drain short" if forced
+           else f"the drain timeout of {timeout_s:.1f} s passed")
+    return f"{why}; ending in-flight={num_active} with an error"
 
 
 def _signal_events() -> tuple[asyncio.Event, asyncio.Event]:

@@ -224,3 +224,13 @@ async def test_json_logs_carry_the_request_id_on_every_line(make_harness):
         assert f"req_id={http_line['req_id']}" in http_line["msg"]
     assert engine_lines[0]["req_id"] != engine_lines[1]["req_id"]
     assert "req_id" not in ours[-1] and ours[-1]["msg"] == "outside any request"
+
+
+def test_drain_outcome_says_why_it_ended():
+    from frontend.serve import drain_outcome
+    assert drain_outcome(True, False, 0, 30) is None
+    assert drain_outcome(False, True, 0, 30) is None  # a second signal after all finished
+    assert drain_outcome(False, True, 2, 30) == \
+        "a second signal cut the drain short; ending in-flight=2 with an error"
+    assert drain_outcome(False, False, 1, 30) == \
+        "the drain timeout of 30.0 s passed; ending in-flight=1 with an error"
