@@ -22,12 +22,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.logs import REQUEST_ID
 from frontend import anthropic_api, openai_api, openapi, ws
 from frontend.auth import ApiKeys
-from frontend.errors import ApiError, invalid
 from frontend.cors import setup_cors
+from frontend.errors import ApiError, invalid
 from frontend.generation import Pipeline
-from engine.logs import REQUEST_ID
 from frontend.metrics import Metrics, kv_usage
 from frontend.protocol import REQ_ID, json_response
 from frontend.tool_parser import forced_call_prefix, tools_supported
