@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 import ssl
 import subprocess
 import tomllib
@@ -160,6 +161,8 @@ async def test_no_cors_headers_by_default(harness):
 # ---------------------------------------------------------------- TLS
 @pytest.fixture(scope="module")
 def self_signed(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is missing (apt-get install openssl)")
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
