@@ -80,7 +80,8 @@ function finish(request, frame) {
   current = null;
   const { answer, question } = request;
   if (frame.type === "done" || (frame.code === "cancelled" && answer.text)) {
-    store.addTurn(question, answer.text, frame.type === "done" ? frame : null);
+    store.addTurn(question, answer.text, frame.type === "done" ? frame
+      : { stopped: true, num_tokens: answer.numTokens });
   }
   announce(frame.type === "done"
     ? `Answer finished: ${formatCount(frame.usage.completion_tokens)} tokens.`

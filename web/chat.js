@@ -177,10 +177,11 @@ export class AnswerView {
   /** A saved answer after a reload: its text and, if kept, the server's figures. */
   restore(text, final) {
     this.text = text;
-    this.numTokens = final?.usage?.completion_tokens || 0;
-    this.setState("done");
-    if (final) this.stats.showDone(this, final);
-    else this.stats.showEnded(this, "stopped");
+    const stopped = !final || final.stopped;
+    this.numTokens = stopped ? final?.num_tokens || 0 : final.usage.completion_tokens;
+    this.setState(stopped ? "stopped" : "done");
+    if (stopped) this.stats.showEnded(this, "stopped");
+    else this.stats.showDone(this, final);
     this.render();
   }
 

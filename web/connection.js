@@ -52,6 +52,13 @@ export class Connection extends EventTarget {
   /** No more tries until `connect()` (the server refused the API key). */
   lock() {
     clearTimeout(this.retryTimer);
+    const socket = this.socket;
+    if (socket) {  // one opened with the old key: close it, and end what it carried
+      this.socket = null;
+      clearInterval(this.pingTimer);
+      socket.close();
+      for (const id of [...this.handlers.keys()]) this.finish(id, "error", lostFrame(id));
+    }
     this.setState("locked");
   }
 

@@ -2,7 +2,7 @@
 //
 // A conversation is {id, title, createdAt, updatedAt, messages}; messages are the finished
 // turns, [{role: "user" | "assistant", content, final?}] (`final`: the answer's terminal frame,
-// so its statistics come back after a reload). A conversation is stored once it has a turn.
+// so its statistics come back after a reload; {stopped, num_tokens} for a stopped answer). A conversation is stored once it has a turn.
 // `current` is the one on screen; its id survives a reload.
 
 const STORAGE_KEY = "duplex.conversations.v1";

@@ -64,6 +64,13 @@ def test_right_key_connects_and_never_travels_in_a_url(make_ui, server):
     ui2, _ = open_page(make_ui, server, key=KEY)  # a reload: the stored key is used at once
     ui2.page.wait_for_selector("#conn[data-state=open]")
     expect(ui2.page.locator("#key-dialog")).not_to_be_visible()
+    # Settings -> API key…: a new key replaces the old; a wrong one locks the page again
+    ui2.page.click("#open-settings")
+    ui2.page.click("#change-key")
+    ui2.page.fill("#key-dialog input[name=key]", "typo-key")
+    ui2.page.press("#key-dialog input[name=key]", "Enter")
+    expect(ui2.page.locator("#key-dialog")).to_have_attribute("data-reason", "wrong")
+    expect(ui2.page.locator("#conn")).to_have_attribute("data-state", "locked")
     assert ui.page_errors == [] and ui2.page_errors == []
 
 
