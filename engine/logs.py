@@ -68,14 +68,16 @@ def setup_logging_from_env(level: str = "info") -> logging.Handler:
 
 
 def setup_logging(level: str, log_format: str = "text", stream=None) -> logging.Handler:
-    """One handler on the root logger (replacing earlier ones), for this process."""
+    """Duplex's handler on the root logger (replacing one set up before; handlers others
+    installed, e.g. pytest's, stay)."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(RequestIdFilter())
+    handler.is_duplex = True
     root = logging.getLogger()
-    for old in list(root.handlers):
+    for old in [h for h in root.handlers if getattr(h, "is_duplex", False)]:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())

@@ -119,9 +119,6 @@ def normalize_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    log_format = getattr(args, "log_format", "text")
-    setup_logging(args.log_level, log_format)
-    os.environ[LOG_FORMAT_ENV] = log_format  # the workers it starts log the same way
     try:
         normalize_args(args)
         config = engine_config_from_args(args)
@@ -141,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"duplex serve: {e}", file=sys.stderr)
         return 2
+    setup_logging(args.log_level, args.log_format)
+    os.environ[LOG_FORMAT_ENV] = args.log_format  # the workers it starts log the same way
     import uvloop
     return uvloop.run(serve(config, options, model_path, args.host, args.port,
                             args.shutdown_timeout, layout, ssl_context=ssl_context,
