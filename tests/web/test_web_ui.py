@@ -9,11 +9,14 @@ import re
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from web_fakes import HTML_REPLY, MARKDOWN_REPLY, ScriptedEngine, ThreadedServer
 
 expect = pytest.importorskip("playwright.sync_api",
                              reason="playwright missing (pip install playwright)").expect
+
+from frontend.protocol import SamplingFields
 
 pytestmark = pytest.mark.browser
 
@@ -399,6 +402,10 @@ def test_every_sampling_field_is_settable_and_shown(ui, server):
                           "repetition_penalty", "seed", "min_tokens", "stop", "cache_salt",
                           "retention", "ignore_eos", "include_stop_str_in_output",
                           "skip_special_tokens"}
+    # with the main four, every sampling field a WebSocket chat frame takes (a field added to
+    # the API fails here until the settings dialog has it)
+    api_fields = {f.name for f in msgspec.structs.fields(SamplingFields)}
+    assert set(names) | {"temperature", "top_p", "max_tokens", "speculate"} == api_fields
     ui.page.keyboard.press("Escape")
     ui.send("What is Duplex?")
     ui.wait_answer_state("done")
