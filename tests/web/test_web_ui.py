@@ -1,6 +1,8 @@
 """The web demo in a real headless Chromium against the real aiohttp app over a scripted fake
 engine (tests/web/web_fakes.py): streaming and stats, stop, inert HTML, error frames, the
-reconnect banner, the /metrics fallback, keyboard and settings, a narrow screen."""
+reconnect banner, the /metrics fallback, keyboard and settings, a narrow screen; rendered
+markdown (tables, highlighted code, math, neutralised script), saved conversations (reload,
+regenerate, edit, the list) and every sampling field."""
 from __future__ import annotations
 
 import json
@@ -13,10 +15,10 @@ import msgspec
 import pytest
 from web_fakes import HTML_REPLY, MARKDOWN_REPLY, ScriptedEngine, ThreadedServer
 
+from frontend.protocol import SamplingFields
+
 expect = pytest.importorskip("playwright.sync_api",
                              reason="playwright missing (pip install playwright)").expect
-
-from frontend.protocol import SamplingFields
 
 pytestmark = pytest.mark.browser
 
