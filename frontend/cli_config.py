@@ -11,7 +11,8 @@ argparse parser, so a flag added later is covered with no extra code:
 A file key is the flag's long name without the dashes, `-` or `_` alike (vLLM's YAML
 style). Values from the environment and files go through the flag's own type and
 choices, and a bad one is an error naming where it came from. `--print-config` prints
-every setting with its source as TOML (a file `--config` reads back) and exits.
+every setting with its source as TOML (a file `--config` reads back; secrets such as API keys
+appear only as a comment) and exits.
 
 How the CLI's share is told apart: the subcommand parses its arguments into a namespace
 pre-filled with UNSET (argparse sets a default only for an attribute the namespace lacks),
@@ -84,9 +85,9 @@ def print_config(args: argparse.Namespace, out=None) -> None:
     """Every setting as `key = value  # source (origin)`, TOML that --config reads back."""
     out = out or sys.stdout
     for s in args.settings:
-        if _SECRET.search(s.dest) and s.value:
-            shown = ["***"] * len(s.value) if isinstance(s.value, list) else "***"
-            print(f"{s.dest} = {_toml(shown)}  # {s.source} ({s.origin}), hidden", file=out)
+        if _SECRET.search(s.dest) and s.value:  # a comment: read back, it keeps its source
+            count = f"{len(s.value)} values" if isinstance(s.value, list) else "a value"
+            print(f"# {s.dest} = ({count}, hidden)  # {s.source} ({s.origin})", file=out)
         elif s.value is None:
             print(f"# {s.dest} = (unset)  # {s.source}", file=out)
         else:
