@@ -86,7 +86,8 @@ def print_config(args: argparse.Namespace, out=None) -> None:
     out = out or sys.stdout
     for s in args.settings:
         if _SECRET.search(s.dest) and s.value:  # a comment: read back, it keeps its source
-            count = f"{len(s.value)} values" if isinstance(s.value, list) else "a value"
+            n = len(s.value) if isinstance(s.value, list) else 1
+            count = f"{n} value{'s' if n != 1 else ''}"
             print(f"# {s.dest} = ({count}, hidden)  # {s.source} ({s.origin})", file=out)
         elif s.value is None:
             print(f"# {s.dest} = (unset)  # {s.source}", file=out)

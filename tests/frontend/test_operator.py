@@ -97,7 +97,7 @@ def test_print_config_is_toml_that_reads_back(tmp_path, capsys, monkeypatch):
     assert "max_n = 2  # cli (--max-n)" in lines
     assert 'model = "some/model.gguf"  # cli (MODEL)' in lines
     assert "block_size = 16  # default (--block-size)" in lines
-    assert "# api_key = (1 values, hidden)  # cli (--api-key)" in lines
+    assert "# api_key = (1 value, hidden)  # cli (--api-key)" in lines
     values = tomllib.loads(out)
     assert "api_key" not in values
     config = tmp_path / "printed.toml"
