@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import ssl
 from pathlib import Path
 
@@ -49,12 +50,25 @@ def take_positional_model(args: argparse.Namespace) -> None:
 
 
 def parse_origins(values: list[str]) -> tuple[str, ...]:
-    origins = tuple(o.strip().rstrip("/") for v in values for o in v.split(",") if o.strip())
+    """Comma-separated or repeated; a JSON list too (vLLM's `--allowed-origins '["*"]'`)."""
+    origins = tuple(o.strip().rstrip("/") for v in values for o in _split(v) if o.strip())
     for origin in origins:
         if origin != "*" and not origin.startswith(("http://", "https://")):
             raise ValueError(f"--allowed-origins: {origin!r} is not an origin "
                              "(scheme://host[:port], or '*')")
     return origins
+
+
+def _split(value: str) -> list[str]:
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError:
+            raise ValueError(f"--allowed-origins: {value!r} is not a JSON list") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError(f"--allowed-origins: {value!r} is not a list of strings")
+        return items
+    return value.split(",")
 
 
 def read_chat_template(path: str | None) -> str | None:

@@ -122,6 +122,15 @@ def test_version_positional_model_and_bench_help(capsys):
     assert f"benchmarks: {', '.join(BENCHMARKS)}" in help_text
 
 
+def test_allowed_origins_spellings():
+    from frontend.operator_flags import parse_origins
+    assert parse_origins(["https://a.example,https://b.example/", "http://c:8080"]) == \
+        ("https://a.example", "https://b.example", "http://c:8080")
+    assert parse_origins(['["*"]']) == ("*",)  # vLLM's JSON list
+    with pytest.raises(ValueError, match="not a JSON list"):
+        parse_origins(["[nope"])
+
+
 def test_bad_operator_flags_exit_2(capsys, tmp_path):
     assert run(parse(["--allowed-origins", "example.com"])) == 2
     assert "not an origin" in capsys.readouterr().err
