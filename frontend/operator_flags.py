@@ -24,8 +24,8 @@ def add_operator_arguments(group) -> None:
                             "flag); rendered by the same sandboxed, injection-safe recipe")
     group.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
                        help="browser origins allowed to call the API from other sites (CORS), "
-                            "comma-separated, repeated or a JSON list, e.g. https://app.example.com; '*': "
-                            "any (default: none, same-origin only)")
+                            "comma-separated, repeated or a JSON list, e.g. "
+                            "https://app.example.com; '*': any (default: none, same-origin only)")
     group.add_argument("--ssl-certfile", default=None, metavar="FILE",
                        help="serve HTTPS / WSS with this PEM certificate (chain)")
     group.add_argument("--ssl-keyfile", default=None, metavar="FILE",

@@ -299,7 +299,8 @@ def test_table_code_math_rendered_and_script_neutralised(ui):
     ui.page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     body.locator("figure.code [data-action=copy]").click()
     expect(body.locator("figure.code [data-action=copy]")).to_have_text("Copied")
-    assert ui.page.evaluate("navigator.clipboard.readText()") == 'def hello():\n    return "<b>hi</b>"'
+    assert ui.page.evaluate("navigator.clipboard.readText()") == \
+        'def hello():\n    return "<b>hi</b>"'
     ui.screenshot("rich.png")
 
 
