@@ -53,6 +53,7 @@ class _LazyParser(argparse.ArgumentParser):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "benchmarks: " + ", ".join(SUBCOMMANDS)
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK",
                                 parser_class=_LazyParser)
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -272,7 +272,9 @@ class EngineCore:
             req.req_id, token_ids, logprobs, finish_reason, req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(0, req.num_cached_tokens),
-            cached_tokens_by_tier=req.cached_tokens_by_tier, error=error, **spec)
+            cached_tokens_by_tier=req.cached_tokens_by_tier, error=error,
+            queue_s=max(0.0, req.scheduled_time - req.arrival_time) if req.scheduled_time else 0.0,
+            **spec)
 
     def _load_draft_model(self, path: str):
         loaded = load(resolve_model_path(path), self.dtype, progress=False, quant=self.quant)

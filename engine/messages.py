@@ -72,6 +72,7 @@ class RequestDelta(msgspec.Struct, **_WIRE):
     num_draft_accepted: int = 0
     accepted_draft_mask: list[bool] = []  # per new token: came from an accepted draft
     error: str = ""
+    queue_s: float = 0.0  # arrival (AddRequest.arrival_time) -> first scheduled; 0: not yet
 
 
 class Outputs(msgspec.Struct, tag="outputs", **_WIRE):

@@ -36,6 +36,7 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.scheduled_time: float | None = None  # when it was first scheduled (queue time)
         self.cache_salt = cache_salt
         self.retention = retention
         self.deadline = deadline

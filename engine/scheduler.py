@@ -11,6 +11,7 @@ the reads overlap other requests' compute; only an otherwise idle step waits for
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -132,6 +133,8 @@ class Scheduler:
             return None
         self.kv.record_hit(req, len(hit), loaded)
         self.waiting.remove(req)
+        if req.scheduled_time is None:
+            req.scheduled_time = time.time()
         req.status = Status.RUNNING
         self.running.append(req)
         return num_new

@@ -29,6 +29,7 @@ import msgspec
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine.config import EngineConfig
 from engine.kv_transfer import LEASE_S
+from engine.logs import setup_logging_from_env
 from engine.worker import DEFAULT_KV_BIND, ROLES, CoreFactory, Worker, role_config
 
 DEFAULT_CORE = "engine.core:EngineCore"
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging_from_env("info")  # text, or JSON when its server runs --log-format json
     if args.parent_pid is not None:
         _die_with_parent(args.parent_pid)
     config = _config_from(args)

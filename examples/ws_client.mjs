@@ -6,8 +6,9 @@
 //     node --experimental-websocket examples/ws_client.mjs    # Node 20 and 21
 //
 // In a page: `import { chat } from "./ws_client.mjs"`. DUPLEX_URL overrides the server
-// (default http://127.0.0.1:8000); DUPLEX_API_KEY is sent as `?api_key=` because a browser
-// cannot set headers on a WebSocket. docs/websocket.md describes every frame.
+// (default http://127.0.0.1:8000); DUPLEX_API_KEY travels inside the subprotocol list, because
+// a browser cannot set headers on a WebSocket (never in the URL, where logs would keep it).
+// docs/websocket.md describes every frame.
 
 /**
  * Ask one question; `onText` gets each piece of the answer as it arrives.
@@ -15,9 +16,9 @@
  */
 export function chat(baseUrl, prompt, { apiKey, maxTokens = 64, onText = () => {} } = {}) {
   const url = new URL("/v1/ws", baseUrl.replace(/^http/, "ws"));
-  if (apiKey) url.searchParams.set("api_key", apiKey);
+  const protocols = ["duplex.v1", ...(apiKey ? [`duplex.key.${base64url(apiKey)}`] : [])];
   return new Promise((resolve, reject) => {
-    const socket = new WebSocket(url);
+    const socket = new WebSocket(url, protocols);
     socket.onopen = () => socket.send(JSON.stringify({
       type: "chat", id: "q1", max_tokens: maxTokens, temperature: 0,
       messages: [{ role: "user", content: prompt }],
@@ -34,6 +35,11 @@ export function chat(baseUrl, prompt, { apiKey, maxTokens = 64, onText = () => {
     socket.onerror = () => reject(new Error(`cannot talk to ${url.origin}${url.pathname}`));
     socket.onclose = () => reject(new Error("the server closed the socket"));  // no-op once settled
   });
+}
+
+function base64url(text) {
+  const binary = Array.from(new TextEncoder().encode(text), (b) => String.fromCharCode(b)).join("");
+  return btoa(binary).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
 }
 
 async function main() {

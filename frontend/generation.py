@@ -73,6 +73,7 @@ class Timings(NamedTuple):
     ttft_s: float
     tokens_per_s: float
     e2e_s: float
+    queue_s: float = 0.0  # in the worker: arrival -> first scheduled (RequestDelta.queue_s)
 
 
 @dataclasses.dataclass
@@ -327,6 +328,7 @@ class _Choice:
         self.first_token_at = 0.0
         self.last_token_at = 0.0
         self.num_first_tokens = 0  # tokens of the first delta (more than one with drafts)
+        self.queue_s = 0.0
         self.deadline = 0.0
 
     def add_request(self) -> AddRequest:
@@ -387,6 +389,7 @@ class _Choice:
             self.cached_by_tier = dict(delta.cached_tokens_by_tier)
         self.num_draft_proposed += delta.num_draft_proposed
         self.num_draft_accepted += delta.num_draft_accepted
+        self.queue_s = max(self.queue_s, delta.queue_s)
         self.pipeline.metrics.observe_delta(len(delta.new_token_ids), delta.num_draft_proposed,
                                             delta.num_draft_accepted)
 
@@ -435,13 +438,13 @@ class _Choice:
     def _timings(self) -> Timings:
         end = time.time()
         if not self.first_token_at:
-            return Timings(0.0, 0.0, end - self.start)
+            return Timings(0.0, 0.0, end - self.start, self.queue_s)
         # decode rate: tokens after the first delta over the time they took to arrive; 0 when
         # every token came at once (a rate over no time means nothing)
         decode_s = self.last_token_at - self.first_token_at
         later = self.num_tokens - self.num_first_tokens
         rate = later / decode_s if later > 0 and decode_s > 0 else 0.0
-        return Timings(self.first_token_at - self.start, rate, end - self.start)
+        return Timings(self.first_token_at - self.start, rate, end - self.start, self.queue_s)
 
 
 def _failed(finish_reason: str) -> bool:

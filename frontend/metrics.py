@@ -2,7 +2,12 @@
 
 Request-level figures (latencies, tokens, speculation) are observed by the generation
 pipeline as events pass; engine-level figures (queue length, running requests, KV blocks,
-layout) are copied from the worker's latest stats when /metrics or /v1/status is read.
+layout, preemptions) are copied from the worker's latest stats when /metrics or /v1/status
+is read.
+
+`render(model_name)` labels every sample with `model_name` (as vLLM does) and repeats the
+families whose meaning is the same as a vLLM metric under vLLM's name (VLLM_NAMES), so
+dashboards built for vLLM can be pointed at Duplex. docs/metrics.md has the mapping.
 """
 from __future__ import annotations
 
@@ -11,13 +16,38 @@ import re
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from engine.messages import Ready, WorkerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 THROUGHPUT_WINDOW_S = 10
+
+# Duplex family -> the vLLM family of the same meaning (names without _total / _bucket).
+VLLM_NAMES = {
+    "duplex_requests_running": "vllm:num_requests_running",
+    "duplex_requests_waiting": "vllm:num_requests_waiting",
+    "duplex_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",  # a 0..1 fraction in both
+    "duplex_prompt_tokens": "vllm:prompt_tokens",
+    "duplex_generation_tokens": "vllm:generation_tokens",
+    "duplex_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "duplex_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "duplex_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "duplex_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "duplex_request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "duplex_request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "duplex_request_inference_time_seconds": "vllm:request_inference_time_seconds",
+    "duplex_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "duplex_request_generation_tokens": "vllm:request_generation_tokens",
+    "duplex_num_preemptions": "vllm:num_preemptions",
+    "duplex_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "duplex_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "duplex_spec_draft_proposed_tokens": "vllm:spec_decode_num_draft_tokens",
+    "duplex_spec_draft_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
 
 
 class Metrics:
@@ -42,6 +72,26 @@ class Metrics:
                               registry=r)
         self.e2e = Histogram("duplex_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("duplex_request_queue_time_seconds", "Time a request waited "
+                                    "in the worker before it was first scheduled",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("duplex_request_prefill_time_seconds", "First scheduled "
+                                      "to first token (prefill, cache hits included)",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("duplex_request_decode_time_seconds", "First token to the "
+                                     "last (decode)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("duplex_request_inference_time_seconds", "First "
+                                        "scheduled to the end (prefill + decode)",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("duplex_request_prompt_tokens", "Prompt tokens "
+                                               "per request", buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "duplex_request_generation_tokens", "Generated tokens per request",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.prefix_cache_queries = Counter("duplex_prefix_cache_queries", "Prompt tokens "
+                                            "looked up in the KV cache", registry=r)
+        self.prefix_cache_hits = Counter("duplex_prefix_cache_hits", "Prompt tokens found in "
+                                         "the KV cache, any tier", registry=r)
         self.prompt_tokens = Counter("duplex_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("duplex_generation_tokens", "Generated tokens",
                                          registry=r)
@@ -78,6 +128,8 @@ class Metrics:
         self._window: collections.deque[list[int]] = collections.deque()  # [second, tokens]
         self.num_draft_proposed = 0  # totals for /v1/status (counters are write-only)
         self.num_draft_accepted = 0
+        self.num_preemptions = 0  # the workers' own total, copied from their stats
+        r.register(_WorkerCounters(self))
 
     # ------------------------------------------------------------ observed per request
     def observe_delta(self, num_tokens: int, num_proposed: int, num_accepted: int) -> None:
@@ -101,8 +153,24 @@ class Metrics:
         if usage.completion_tokens > 1:
             decode_s = timings.e2e_s - timings.ttft_s
             self.tpot.observe(decode_s / (usage.completion_tokens - 1))
+        self._observe_phases(timings, usage.completion_tokens)
+        self.request_prompt_tokens.observe(usage.prompt_tokens)
+        self.request_generation_tokens.observe(usage.completion_tokens)
+        self.prefix_cache_queries.inc(usage.prompt_tokens)
+        self.prefix_cache_hits.inc(usage.cached_tokens)
         for tier, num in _cached_by_tier(usage.cached_tokens, usage.cached_by_tier).items():
             self.cached_tokens.labels(tier).inc(num)
+
+    def _observe_phases(self, timings, num_tokens: int) -> None:
+        """Queue / prefill / decode split of one request (only once it was scheduled)."""
+        queue_s = getattr(timings, "queue_s", 0.0)
+        if not queue_s:
+            return
+        self.queue_time.observe(queue_s)
+        self.inference_time.observe(max(0.0, timings.e2e_s - queue_s))
+        if num_tokens:
+            self.prefill_time.observe(max(0.0, timings.ttft_s - queue_s))
+            self.decode_time.observe(max(0.0, timings.e2e_s - timings.ttft_s))
 
     def throughput(self) -> float:
         """Generated tokens per second over the last THROUGHPUT_WINDOW_S seconds."""
@@ -123,6 +191,7 @@ class Metrics:
             self.kv_blocks_used.set(stats.num_kv_blocks_used)
             self.kv_blocks_total.set(stats.num_kv_blocks_total)
             self.kv_usage.set(kv_usage(stats))
+            self.num_preemptions = stats.num_preemptions
 
     def update_workers(self, worker_stats: dict[str, WorkerStats]) -> None:
         for worker_id, stats in worker_stats.items():
@@ -136,8 +205,11 @@ class Metrics:
                 elif name == "moe_rebalances":
                     self.moe_rebalances.labels(worker_id).set(value)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, model_name: str | None = None) -> bytes:
+        """Prometheus text: every sample labelled model_name, vLLM's names repeated."""
+        if model_name is None:
+            return generate_latest(self.registry)
+        return generate_latest(_Labelled(self.registry, model_name))
 
     def _count_window(self, num_tokens: int) -> None:
         second = int(time.monotonic())
@@ -150,6 +222,45 @@ class Metrics:
     def _trim(self, second: int) -> None:
         while self._window and self._window[0][0] <= second - THROUGHPUT_WINDOW_S:
             self._window.popleft()
+
+
+class _WorkerCounters:
+    """Counters the workers keep (their totals arrive with their stats): preemptions."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        family = CounterMetricFamily("duplex_num_preemptions", "Requests preempted (KV freed, "
+                                     "recomputed later) by the workers since they started")
+        family.add_metric([], self.metrics.num_preemptions)
+        yield family
+
+
+class _Labelled:
+    """A view of a registry with a `model_name` label on every sample, and each family in
+    VLLM_NAMES once more under vLLM's name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={**s.labels, "model_name": self.model_name})
+                              for s in family.samples]
+            yield family
+            alias = VLLM_NAMES.get(family.name)
+            if alias is not None:
+                yield _renamed(family, alias)
+
+
+def _renamed(family, name: str):
+    copy = type(family).__new__(type(family))
+    copy.__dict__.update(family.__dict__)
+    copy.name = name
+    copy.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+    return copy
 
 
 _MOE_RANK = re.compile(r"moe_rank(\d+)_tokens")

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ from aiohttp import web
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
 from engine.kv_transfer import LEASE_S
+from engine.logs import LOG_FORMAT_ENV, setup_logging
+from frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
+                                     take_positional_model, tls_context, with_chat_template)
 from frontend.router import DEFAULT_BUCKETS, parse_buckets
 from frontend.server import AppState, ServerOptions, build_app
 
@@ -62,6 +66,8 @@ class WorkerLayout:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model takes it (vLLM's `serve MODEL`)")
     add_engine_arguments(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -83,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest request body accepted")
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
+    add_operator_arguments(group)
     workers = parser.add_argument_group("workers")
     workers.add_argument("--prefill-workers", type=int, default=0, metavar="N",
                          help="prefill worker processes (with --decode-workers; default: one "
@@ -106,27 +113,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "ones and to running streams")
 
 
+def normalize_args(args: argparse.Namespace) -> None:
+    """What --print-config and `run` see alike: `serve MODEL` is `--model MODEL`."""
+    take_positional_model(args)
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
+        normalize_args(args)
         config = engine_config_from_args(args)
         options = ServerOptions(
             served_model_names=tuple(args.served_model_name) or (model_name(config.model),),
             max_queued_requests=args.max_queued_requests, max_n=args.max_n,
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
-            client_max_size=args.max_body_bytes)
+            client_max_size=args.max_body_bytes, metrics_public=args.metrics_public,
+            allowed_origins=parse_origins(args.allowed_origins))
         model_path = resolve_model_path(config.model)
+        chat_template = read_chat_template(args.chat_template)
+        ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)
         layout = layout_from_args(args)
         if config.expert_parallel > 1 and layout.num_prefill:
             raise ValueError("--expert-parallel runs with one unified worker; it cannot be "
                              "combined with --prefill-workers / --decode-workers yet")
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"duplex serve: {e}", file=sys.stderr)
         return 2
+    setup_logging(args.log_level, args.log_format)
+    os.environ[LOG_FORMAT_ENV] = args.log_format  # the workers it starts log the same way
     import uvloop
     return uvloop.run(serve(config, options, model_path, args.host, args.port,
-                            args.shutdown_timeout, layout))
+                            args.shutdown_timeout, layout, ssl_context=ssl_context,
+                            chat_template=chat_template))
 
 
 def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
@@ -145,13 +162,14 @@ def model_name(model: str | None) -> str:
 
 async def serve(config: EngineConfig, options: ServerOptions, model_path: str, host: str,
                 port: int, shutdown_timeout_s: float,
-                layout: WorkerLayout = WorkerLayout()) -> int:
+                layout: WorkerLayout = WorkerLayout(), ssl_context=None,
+                chat_template: str | None = None) -> int:
     from frontend.engine_client import EngineClient
     from frontend.recipe import Recipe
     from frontend.router import DEFAULT_BUCKET_LIMITS, Router
     from frontend.supervisor import Supervisor
 
-    recipe = Recipe.from_model(model_path)
+    recipe = with_chat_template(Recipe.from_model(model_path), chat_template)
     supervisor = Supervisor(config, roles=layout.roles, worker_args=layout.worker_args(),
                             address=layout.worker_bind)
     limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)
@@ -165,16 +183,20 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await engine.start()
         await supervisor.start()
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        log.info("listening host=%s port=%d (waiting for the engine worker)", host, port)
-        await _announce_when_ready(engine, stop, f"http://{host}:{port}", options, layout,
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+        log.info("listening host=%s port=%d tls=%s (waiting for the engine worker)", host, port,
+                 ssl_context is not None)
+        scheme = "https" if ssl_context is not None else "http"
+        await _announce_when_ready(engine, stop, f"{scheme}://{host}:{port}", options, layout,
                                    config.expert_parallel)
         await stop.wait()
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)
-        if not await _drain(state, shutdown_timeout_s, force):
-            log.warning("drain ended early; ending in-flight=%d with an error",
-                        state.admission.num_active)
+        drained = await _drain(state, shutdown_timeout_s, force)
+        ending = drain_outcome(drained, force.is_set(), state.admission.num_active,
+                               shutdown_timeout_s)
+        if ending:
+            log.warning(ending)
     except OSError as e:
         print(f"duplex serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         return 1
@@ -185,6 +207,16 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await supervisor.close()
     log.info("stopped")
     return 0
+
+
+def drain_outcome(drained: bool, forced: bool, num_active: int, timeout_s: float) -> str | None:
+    """The line to log when a drain did not let every request finish (None when it did, or
+    when nothing was left running by the time a second signal came)."""
+    if drained or not num_active:
+        return None
+    why = ("a second signal cut the drain short" if forced
+           else f"the drain timeout of {timeout_s:.1f} s passed")
+    return f"{why}; ending in-flight={num_active} with an error"
 
 
 def _signal_events() -> tuple[asyncio.Event, asyncio.Event]:

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.logs import REQUEST_ID
 from frontend import anthropic_api, openai_api, openapi, ws
 from frontend.auth import ApiKeys
+from frontend.cors import setup_cors
 from frontend.errors import ApiError, invalid
 from frontend.generation import Pipeline
 from frontend.metrics import Metrics, kv_usage
@@ -43,8 +45,10 @@ class ServerOptions:
     max_n: int = 8
     request_timeout_s: float = 600.0  # 0: no deadline
     api_keys: tuple[str, ...] = ()
+    metrics_public: bool = False  # True: /metrics open even with api_keys
     client_max_size: int = 16 * 1024 * 1024
     web_dir: Path | None = WEB_DIR
+    allowed_origins: tuple[str, ...] = ()  # CORS; "*": any origin
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -113,7 +117,7 @@ class AppState:
         self.pipeline = Pipeline(engine, recipe, self.metrics,
                                  request_timeout_s=options.request_timeout_s)
         self.admission = Admission(options.max_queued_requests, self.metrics)
-        self.keys = ApiKeys(list(options.api_keys))
+        self.keys = ApiKeys(list(options.api_keys), options.metrics_public)
         self.started = int(time.time())
 
     # ------------------------------------------------------------ readiness and admission
@@ -275,6 +279,7 @@ def _vocab_size(recipe) -> int | None:
 def build_app(state: AppState) -> web.Application:
     app = web.Application(client_max_size=state.options.client_max_size,
                           middlewares=[_middleware(state)])
+    setup_cors(app, state.options.allowed_origins)
     app.router.add_routes(openai_api.OpenAIApi(state).routes())
     app.router.add_routes(anthropic_api.AnthropicApi(state).routes())
     ws_api = ws.WebSocketApi(state)
@@ -308,7 +313,7 @@ class OpsApi:
 
     async def metrics(self, _: web.Request) -> web.Response:
         self.state.refresh_metrics()
-        return web.Response(body=self.state.metrics.render(), headers={
+        return web.Response(body=self.state.metrics.render(self.state.model_name), headers={
             "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def openapi(self, _: web.Request) -> web.Response:
@@ -339,6 +344,7 @@ def _middleware(state: AppState):
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         request[REQ_ID] = uuid.uuid4().hex[:24]
+        REQUEST_ID.set(request[REQ_ID])  # on every log line of this request (engine/logs)
         start = time.perf_counter()
         status = "disconnected"
         try:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import WSMsgType, web
 
+from frontend.auth import WS_PROTOCOL
 from frontend.errors import ApiError
 from frontend.generation import Delta, Final, Job, params_from_fields, resolve_max_tokens
 from frontend.openai_api import chat_messages
@@ -42,7 +43,7 @@ class WebSocketApi:
         return [web.get("/v1/ws", self.handle)]
 
     async def handle(self, request: web.Request) -> web.WebSocketResponse:
-        socket = web.WebSocketResponse(heartbeat=HEARTBEAT_S,
+        socket = web.WebSocketResponse(heartbeat=HEARTBEAT_S, protocols=(WS_PROTOCOL,),
                                        max_msg_size=self.state.options.client_max_size)
         await socket.prepare(request)
         session = _Session(self.state, request, socket)

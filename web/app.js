@@ -1,30 +1,38 @@
 // Duplex web demo: wires the conversation, the WebSocket, the settings and the server panel.
 //
-// One request at a time: Send becomes Stop while an answer streams. The conversation history
-// sent with each request holds the finished turns (a stopped answer keeps what it said; a
-// failed one is left out, so the next question does not carry it).
+// One request at a time: Send becomes Stop while an answer streams. The conversation sent with
+// each request holds the finished turns of the current saved conversation (conversations.js):
+// a stopped answer keeps what it said; a failed one is left out, so the next question does not
+// carry it. Edit (a user message) and Regenerate (an answer) cut the conversation at that
+// message and ask again from there.
 
+import { KeyDialog, checkAccess, socketProtocols, storeKey } from "./auth.js";
 import { ChatView } from "./chat.js";
 import { Connection } from "./connection.js";
+import { ConversationStore } from "./conversations.js";
+import { HistoryDialog } from "./history.js";
 import { Settings } from "./settings.js";
 import { StatusPanel } from "./status.js";
 import { formatCount } from "./dom.js";
 
-const CONNECTION_TEXT = { open: "Connected", connecting: "Connecting…", waiting: "Offline" };
+const CONNECTION_TEXT = { open: "Connected", connecting: "Connecting…", waiting: "Offline",
+                          locked: "API key needed" };
 const $ = (id) => document.getElementById(id);
 const ui = {
   prompt: $("prompt"), send: $("send"), stop: $("stop"), composer: $("composer"),
   banner: $("banner"), bannerText: $("banner-text"), countdown: $("banner-countdown"),
   retry: $("retry-now"),
-  conn: $("conn"), connText: $("conn-text"), model: $("model-name"), announcer: $("announcer"),
-  panel: $("server-panel"), panelToggle: $("toggle-panel"),
+  conn: $("conn"), connText: $("conn-text"), model: $("model-name"), context: $("model-context"),
+  announcer: $("announcer"), panel: $("server-panel"), panelToggle: $("toggle-panel"),
 };
 
-const connection = new Connection(socketUrl());
-const chat = new ChatView($("conversation"), $("empty-state"));
+const connection = new Connection(socketUrl(), socketProtocols);
+const store = new ConversationStore();
+const chat = new ChatView($("conversation"), $("empty-state"), onMessageAction);
 const settings = new Settings($("settings"));
 const panel = new StatusPanel(ui.panel);
-let history = [];  // finished turns: [{role, content}]
+const historyDialog = new HistoryDialog($("history"), store, { open: openConversation,
+                                                               startNew: newChat });
 let current = null;  // the request in flight: {id, answer, question}
 let numSent = 0;
 let engineStatus = "ok";
@@ -34,11 +42,19 @@ let bannerTimer = 0;
 function send(text) {
   const question = text.trim();
   if (!question || current || !connection.isOpen) return;
-  const messages = [settings.systemMessage(), ...history, { role: "user", content: question }]
+  ask(question);
+  ui.prompt.value = "";
+  resizePrompt();
+}
+
+/** Sends `question` after the current conversation's finished turns. */
+function ask(question) {
+  const turns = store.current.messages.map(({ role, content }) => ({ role, content }));
+  const messages = [settings.systemMessage(), ...turns, { role: "user", content: question }]
     .filter(Boolean);
   const id = `web-${Date.now().toString(36)}-${++numSent}`;
-  chat.addUser(question);
-  const answer = chat.addAnswer();
+  chat.addUser(question, turns.length);
+  const answer = chat.addAnswer(turns.length + 1);
   const request = current = { id, answer, question };
   const frame = { type: "chat", id, messages, ...settings.requestFields() };
   const handler = {
@@ -55,8 +71,6 @@ function send(text) {
   if (!connection.start(frame, handler)) {
     handler.error({ type: "error", id, code: "connection_lost", message: "not connected" });
   }
-  ui.prompt.value = "";
-  resizePrompt();
   updateComposer();
 }
 
@@ -66,7 +80,8 @@ function finish(request, frame) {
   current = null;
   const { answer, question } = request;
   if (frame.type === "done" || (frame.code === "cancelled" && answer.text)) {
-    history.push({ role: "user", content: question }, { role: "assistant", content: answer.text });
+    store.addTurn(question, answer.text, frame.type === "done" ? frame
+      : { stopped: true, num_tokens: answer.numTokens });
   }
   announce(frame.type === "done"
     ? `Answer finished: ${formatCount(frame.usage.completion_tokens)} tokens.`
@@ -81,10 +96,39 @@ function stop() {
   if (current) connection.cancel(current.id);
 }
 
+/** Edit: ask the edited question in place of message `index`; regenerate: ask the question
+ * before answer `index` again. Either way what followed is dropped. */
+function onMessageAction(action, index, text) {
+  if (current || !connection.isOpen) return;
+  const userIndex = action === "edit" ? index : index - 1;
+  const question = action === "edit" ? text : store.current.messages[userIndex]?.content;
+  if (question === undefined) return;
+  store.truncate(userIndex);
+  showConversation();
+  ask(question);
+}
+
+/** Draws the current conversation's saved turns. */
+function showConversation() {
+  chat.clear();
+  store.current.messages.forEach((message, index) => {
+    if (message.role === "user") chat.addUser(message.content, index);
+    else chat.addAnswer(index).restore(message.content, message.final);
+  });
+}
+
+function openConversation(id) {
+  stop();
+  current = null;
+  store.open(id);
+  showConversation();
+  updateComposer();
+}
+
 function newChat() {
   stop();
   current = null;
-  history = [];
+  store.startNew();
   chat.clear();
   updateComposer();
   ui.prompt.focus();
@@ -126,6 +170,7 @@ document.addEventListener("keydown", (event) => {
   else stop();
 });
 $("new-chat").addEventListener("click", newChat);
+$("open-history").addEventListener("click", () => historyDialog.open());
 $("open-settings").addEventListener("click", () => settings.open());
 for (const button of document.querySelectorAll("[data-prompt]")) {
   button.addEventListener("click", () => send(button.dataset.prompt));
@@ -162,6 +207,7 @@ panel.addEventListener("status", (event) => {
     ui.model.textContent = snapshot.model;
     document.title = `Duplex · ${snapshot.model}`;
   }
+  if (snapshot.maxModelLen) ui.context.textContent = `${formatCount(snapshot.maxModelLen)} ctx`;
   settings.applyServer(snapshot);
   updateBanner();
 });
@@ -209,7 +255,40 @@ function socketUrl() {
   return `${scheme}://${location.host}/v1/ws`;
 }
 
-connection.connect();
+// ================================================================ API key
+const keyDialog = new KeyDialog($("key-dialog"), (key) => {
+  storeKey(key);
+  start();
+});
+
+/** Connects once the server lets this page in; asks for a key when it says one is needed. */
+async function start() {
+  const access = await checkAccess();
+  if (access === "needed" || access === "wrong") {
+    connection.lock();
+    keyDialog.ask(access);
+    return;
+  }
+  if (connection.isOpen) connection.socket.close();  // a new key: reconnect with it
+  else connection.connect();
+  panel.refresh();
+}
+
+// A socket refused at the handshake: a key that stopped working, or a server that is down.
+connection.addEventListener("refused", async () => {
+  const access = await checkAccess();
+  if (access === "needed" || access === "wrong") {
+    connection.lock();
+    keyDialog.ask(access);
+  }
+});
+$("change-key").addEventListener("click", () => {
+  settings.dialog.close();
+  keyDialog.ask("change");
+});
+
+showConversation();
+start();
 panel.start();
 updateComposer();
 ui.prompt.focus();

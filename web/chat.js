@@ -2,19 +2,26 @@
 //
 // An AnswerView owns one answer: the text so far, the source ranges of tokens that came from
 // accepted speculative drafts, and the counters shown under it. It re-renders at most once
-// per animation frame however fast deltas arrive.
+// per animation frame however fast deltas arrive, and then only the block being written
+// (markdown.js StreamRenderer); the whole answer is rendered once more when it ends.
 
 import { el, setText, formatCount, formatPercent, formatRate, formatSeconds } from "./dom.js";
-import { renderMarkdown } from "./markdown.js";
+import { StreamRenderer } from "./markdown.js";
 
 const DRAFT_TITLE = "From an accepted speculative draft";
 const STICKY_PX = 80;  // this close to the bottom, the view follows new text
 
 export class ChatView {
-  constructor(root, emptyState) {
+  /** `onAction(action, index, detail)`: "edit" (detail: the new text) or "regenerate", for
+   * the message at `index` of the conversation. */
+  constructor(root, emptyState, onAction = () => {}) {
     this.root = root;
     this.emptyState = emptyState;
-    root.addEventListener("click", (event) => copyCode(event));
+    this.onAction = onAction;
+    root.addEventListener("click", (event) => {
+      copyCode(event);
+      this.messageAction(event);
+    });
   }
 
   clear() {
@@ -22,16 +29,60 @@ export class ChatView {
     this.emptyState.hidden = false;
   }
 
-  addUser(text) {
+  addUser(text, index) {
     const bubble = el("div", { class: "bubble" }, text);
-    this.append(el("article", { class: "msg user", "aria-label": "You" }, bubble));
+    const article = el("article", { class: "msg user", "aria-label": "You", "data-index": index },
+                       bubble, messageActions(["edit", "Edit"], ["copy-message", "Copy"]));
+    this.append(article);
   }
 
-  addAnswer() {
-    const article = el("article", { class: "msg assistant", "aria-label": "Duplex answer" });
+  addAnswer(index) {
+    const article = el("article", { class: "msg assistant", "aria-label": "Duplex answer",
+                                    "data-index": index });
     const view = new AnswerView(article, () => this.follow());
+    article.answer = view;
     this.append(article);
     return view;
+  }
+
+  messageAction(event) {
+    const button = event.target.closest("[data-msg-action]");
+    const article = button?.closest("article.msg");
+    if (!article) return;
+    const action = button.dataset.msgAction;
+    const index = Number(article.dataset.index);
+    if (action === "copy-message") {
+      const text = article.answer ? article.answer.text
+        : article.querySelector(".bubble").textContent;
+      navigator.clipboard?.writeText(text).then(() => flash(button, "Copied"), () => {});
+    } else if (action === "regenerate") {
+      this.onAction("regenerate", index);
+    } else if (action === "edit") {
+      this.startEdit(article, index);
+    }
+  }
+
+  /** Turns a user bubble into a box: Save sends the edited question from this point on. */
+  startEdit(article, index) {
+    const bubble = article.querySelector(".bubble");
+    const box = el("textarea", { class: "edit-box", "aria-label": "Edit message", rows: 3 });
+    box.value = bubble.textContent;
+    const save = el("button", { type: "submit", class: "primary" }, "Save & send");
+    const cancel = el("button", { type: "button", class: "ghost" }, "Cancel");
+    const form = el("form", { class: "edit" }, box, el("div", { class: "edit-foot" }, cancel, save));
+    bubble.hidden = true;
+    article.querySelector(".msg-actions").hidden = true;
+    article.prepend(form);
+    box.focus();
+    cancel.addEventListener("click", () => {
+      form.remove();
+      bubble.hidden = false;
+      article.querySelector(".msg-actions").hidden = false;
+    });
+    form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      if (box.value.trim()) this.onAction("edit", index, box.value.trim());
+    });
   }
 
   /** A line from the page itself (not the model), e.g. a connection problem. */
@@ -76,11 +127,14 @@ export class AnswerView {
     this.numAccepted = 0;
     this.renderPending = false;
     this.body = el("div", { class: "answer-body" }, thinkingDots());
+    this.renderer = new StreamRenderer(this.body);
     this.problem = el("div", { class: "problem", role: "alert", hidden: true });
     this.stats = new AnswerStats();
     const avatar = el("div", { class: "avatar", "aria-hidden": "true" }, "D");
+    this.actions = messageActions(["copy-message", "Copy"], ["regenerate", "Regenerate"]);
+    this.actions.hidden = true;
     article.append(avatar, el("div", { class: "content" }, this.body, this.problem,
-                                       this.stats.root));
+                                       this.stats.root, this.actions));
     this.setState("streaming");
     this.stats.showLive(this);
   }
@@ -120,8 +174,20 @@ export class AnswerView {
     this.render();
   }
 
+  /** A saved answer after a reload: its text and, if kept, the server's figures. */
+  restore(text, final) {
+    this.text = text;
+    const stopped = !final || final.stopped;
+    this.numTokens = stopped ? final?.num_tokens || 0 : final.usage.completion_tokens;
+    this.setState(stopped ? "stopped" : "done");
+    if (stopped) this.stats.showEnded(this, "stopped");
+    else this.stats.showDone(this, final);
+    this.render();
+  }
+
   setState(state) {
     this.state = state;
+    if (this.actions) this.actions.hidden = state === "streaming";
     this.article.dataset.state = state;
     this.article.setAttribute("aria-busy", String(state === "streaming"));
   }
@@ -159,8 +225,8 @@ export class AnswerView {
 
   render() {
     if (!this.text && this.isStreaming) return;  // the thinking dots stay
-    const fragment = renderMarkdown(this.text, this.marks);
-    this.body.replaceChildren(fragment);
+    if (this.isStreaming) this.renderer.update(this.text, this.marks);
+    else this.renderer.finish(this.text, this.marks);
     if (!this.text && this.state !== "error") {
       this.body.append(el("p", { class: "empty-answer" }, "(no text)"));
     }
@@ -271,6 +337,17 @@ function errorTitle(code) {
     timeout: "The request timed out.",
     invalid_request: "The request was rejected.",
   }[code] || "Error.";
+}
+
+function messageActions(...actions) {
+  return el("div", { class: "msg-actions" }, ...actions.map(([action, label]) =>
+    el("button", { type: "button", class: "ghost small", "data-msg-action": action }, label)));
+}
+
+function flash(button, text) {
+  const before = button.textContent;
+  button.textContent = text;
+  setTimeout(() => { button.textContent = before; }, 1500);
 }
 
 function copyCode(event) {

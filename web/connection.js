@@ -5,7 +5,9 @@
 // or `error` handler: from the server's terminal frame, or from here when the socket is lost
 // (the server aborts a closed socket's requests, so nothing would ever arrive).
 //
-// Events: "state" with detail {state: "connecting" | "open" | "waiting", retryAt (ms epoch)}.
+// Events: "state" with detail {state: "connecting" | "open" | "waiting" | "locked",
+// retryAt (ms epoch)}; "refused" when a socket closed before it ever opened (the app then asks
+// whether the API key was the reason, and `lock()`s the connection until there is a new key).
 
 const MIN_BACKOFF_MS = 500;
 const MAX_BACKOFF_MS = 10_000;
@@ -13,9 +15,10 @@ const PING_EVERY_MS = 20_000;
 const SILENCE_LIMIT_MS = 45_000;  // no frame for this long after a ping: the socket is dead
 
 export class Connection extends EventTarget {
-  constructor(url) {
+  constructor(url, protocols = () => []) {
     super();
     this.url = url;
+    this.protocols = protocols;  // () -> subprotocols of the next socket (auth.socketProtocols)
     this.socket = null;
     this.state = "connecting";
     this.retryAt = 0;
@@ -35,7 +38,7 @@ export class Connection extends EventTarget {
     this.setState("connecting");
     let socket;
     try {
-      socket = new WebSocket(this.url);
+      socket = new WebSocket(this.url, this.protocols());
     } catch {
       this.scheduleRetry();
       return;
@@ -44,6 +47,19 @@ export class Connection extends EventTarget {
     socket.addEventListener("open", () => this.onOpen(socket));
     socket.addEventListener("message", (event) => this.onMessage(event));
     socket.addEventListener("close", () => this.onClose(socket));
+  }
+
+  /** No more tries until `connect()` (the server refused the API key). */
+  lock() {
+    clearTimeout(this.retryTimer);
+    const socket = this.socket;
+    if (socket) {  // one opened with the old key: close it, and end what it carried
+      this.socket = null;
+      clearInterval(this.pingTimer);
+      socket.close();
+      for (const id of [...this.handlers.keys()]) this.finish(id, "error", lostFrame(id));
+    }
+    this.setState("locked");
   }
 
   /** Skip the wait of the current backoff. */
@@ -73,6 +89,7 @@ export class Connection extends EventTarget {
   onOpen(socket) {
     if (socket !== this.socket) return;
     this.attempt = 0;
+    socket.wasOpen = true;
     this.lastFrameAt = Date.now();
     this.pingTimer = setInterval(() => this.keepAlive(), PING_EVERY_MS);
     this.setState("open");
@@ -104,6 +121,7 @@ export class Connection extends EventTarget {
     this.socket = null;
     for (const id of [...this.handlers.keys()]) this.finish(id, "error", lostFrame(id));
     this.scheduleRetry();
+    if (!socket.wasOpen) this.dispatchEvent(new CustomEvent("refused"));
   }
 
   keepAlive() {

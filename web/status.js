@@ -5,6 +5,7 @@
 // Every poll becomes one normalized snapshot (see `fromStatus` / `fromMetrics`), dispatched
 // as a "status" event; a poll that reaches neither endpoint dispatches "offline".
 
+import { authHeaders } from "./auth.js";
 import { LiveChart } from "./chart.js";
 import { el, setText, formatBytes, formatCount, formatPercent, formatRate } from "./dom.js";
 
@@ -223,7 +224,8 @@ async function fetchWithTimeout(path) {
   const controller = new AbortController();
   const timer = setTimeout(() => controller.abort(), FETCH_TIMEOUT_MS);
   try {
-    const response = await fetch(path, { cache: "no-store", signal: controller.signal });
+    const response = await fetch(path, { cache: "no-store", signal: controller.signal,
+                                        headers: authHeaders() });
     return response.ok ? response : null;
   } catch {
     return null;

@@ -160,7 +160,7 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> Loa
     args = _gguf_args(arch, meta, reader)
     quant = _check_quant(quant, arch)
     state = {}
-    for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=not progress):
+    for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=None if progress else True):  # None: on a terminal only
         name = _gguf_to_hf_name(t.name)
         state[name] = _gguf_tensor(t, name, args, dtype, quant)
     if quant != "none" and "lm_head.weight" not in state:  # tied: the head gets its own copy
@@ -281,7 +281,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, progress: bool, quant: str) -> L
     quant = _check_quant(quant, args.arch)
     quant = "none" if quant == "auto" else quant  # auto keeps the file's (float) precision
     state = {}
-    for f in tqdm(files, desc="loading", unit="file", disable=not progress):
+    for f in tqdm(files, desc="loading", unit="file", disable=None if progress else True):  # None: on a terminal only
         for name, tensor in load_file(str(f)).items():
             quantized = quant != "none" and is_quantizable(name)
             state[name] = quantize_float(tensor, quant) if quantized else tensor.to(dtype)

@@ -42,7 +42,7 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port),
              "--num-kv-blocks", "256", "--max-model-len", "2048", "--shutdown-timeout", "150",
-             "--request-timeout", "300", "--log-level", "info"],
+             "--request-timeout", "300", "--log-level", "info", "--log-format", "json"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),
             text=True, start_new_session=True)
         threading.Thread(target=self._read_stdout, daemon=True).start()
@@ -286,3 +286,9 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
     assert "length" in finishes
     assert server.process.wait(150) == 0
     assert not Path(f"/proc/{worker_pid}").exists()  # the worker was stopped, and reaped
+    # --log-format json: every line of the server's and its workers' log is one JSON object,
+    # and the lines of one request share its id
+    entries = [json.loads(line) for line in server.log_path.read_text().splitlines()]
+    assert {"engine.worker", "duplex.serve"} <= {e["logger"] for e in entries}  # both processes
+    http = [e for e in entries if e["msg"].startswith("http ") and "req_id" in e]
+    assert http and all(f"req_id={e['req_id']}" in e["msg"] for e in http)

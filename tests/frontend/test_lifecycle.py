@@ -210,7 +210,7 @@ async def test_api_keys(make_harness):
     for path in ("/health", "/"):
         assert (await h.client.get(path)).status == 200
     assert (await h.client.get("/v1/models")).status == 401
-    async with h.client.ws_connect("/v1/ws?api_key=k1") as socket:
+    async with h.client.ws_connect("/v1/ws", headers={"x-api-key": "k1"}) as socket:
         await socket.send_json({"type": "ping"})
         assert (await socket.receive_json())["type"] == "pong"
     with pytest.raises(aiohttp.WSServerHandshakeError):

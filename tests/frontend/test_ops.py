@@ -11,10 +11,12 @@ from frontend_fakes import FakeEngineClient
 HI = [{"role": "user", "content": "hi"}]
 
 
-def samples(text: str) -> dict[tuple, float]:
+def samples(text: str, model_name: str = "fake-model") -> dict[tuple, float]:
+    """{(name, labels other than model_name): value}; every sample names the model."""
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            assert s.labels.pop("model_name") == model_name, s
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -320,7 +321,9 @@ def test_duplex_serve_expert_parallel_end_to_end(model_path, reference, tmp_path
             assert done.usage.completion_tokens == NUM_NEW
         text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         for rank in (0, 1):
-            assert f'duplex_moe_rank_load_tokens{{rank="{rank}",worker="unified-0"}}' in text
+            # labels sort by name: /metrics adds model_name (frontend/metrics.py) first
+            assert re.search(rf'duplex_moe_rank_load_tokens{{model_name="[^"]+",rank="{rank}",'
+                             r'worker="unified-0"}', text)
         assert "duplex_moe_imbalance{" in text and "duplex_moe_rebalances{" in text
         leader = _children(server.pid)
         ranks = leader + [c for pid in leader for c in _children(pid)]

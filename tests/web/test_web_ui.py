@@ -1,15 +1,21 @@
 """The web demo in a real headless Chromium against the real aiohttp app over a scripted fake
 engine (tests/web/web_fakes.py): streaming and stats, stop, inert HTML, error frames, the
-reconnect banner, the /metrics fallback, keyboard and settings, a narrow screen."""
+reconnect banner, the /metrics fallback, keyboard and settings, a narrow screen; rendered
+markdown (tables, highlighted code, math, neutralised script), saved conversations (reload,
+regenerate, edit, the list) and every sampling field."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from web_fakes import HTML_REPLY, MARKDOWN_REPLY, ScriptedEngine, ThreadedServer
+
+from frontend.protocol import SamplingFields
 
 expect = pytest.importorskip("playwright.sync_api",
                              reason="playwright missing (pip install playwright)").expect
@@ -19,6 +25,9 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 README_SCREENSHOT = REPO / "docs" / "screenshots" / "web-demo.png"
 # Rewrite the README's screenshot (a tracked file) only when asked, so test runs leave git clean.
+PAGE_SCRIPTS = ["/vendor/markdown-it/markdown-it.min.js", "/vendor/markdown-it-texmath/texmath.js",
+                "/vendor/katex/katex.min.js", "/vendor/highlight.js/highlight.min.js",
+                "/vendor/dompurify/purify.min.js", "/app.js"]
 UPDATE_SCREENSHOT = os.environ.get("DUPLEX_UPDATE_SCREENSHOTS") == "1"
 
 
@@ -109,7 +118,8 @@ def test_html_in_answers_and_questions_is_shown_as_text(ui):
     assert ui.answer().locator(".answer-body").inner_text() == HTML_REPLY
     assert ui.page.locator("article.msg.user .bubble").inner_text() == question
     assert conversation.locator("script, b, img, i").count() == 0
-    assert ui.page.evaluate("document.scripts.length") == 1  # only the page's own module
+    scripts = ui.page.evaluate("[...document.scripts].map(s => new URL(s.src).pathname)")
+    assert scripts == PAGE_SCRIPTS  # only the page's own module and the vendored libraries
     assert ui.page.evaluate("typeof window.alert") == "function"  # and nothing called it
 
 
@@ -217,7 +227,7 @@ def test_screenshot_for_the_readme(make_ui, server):
     ui = make_ui(server.url, width=1280, height=800).open()
     ui.send("What is Duplex?")
     ui.wait_answer_state("done")
-    ui.send("Show me some html: <b>bold?</b>")
+    ui.send("Something rich: a table, code and math")
     ui.wait_answer_state("done")
     ui.page.wait_for_timeout(1500)  # a few status polls for the chart
     path = ui.screenshot("web-demo.png")
@@ -246,13 +256,164 @@ def test_markdown_renderer_builds_only_safe_nodes(ui):
         }
         return out;
     }""", MARKDOWN_CASES)
+    # marks: source [0, 4) is "1. o" -> only the "o" of "one" is text; "## T" -> the "T"
     assert html["nested"] == (
-        '<ol><li><span class="drafted" title="t">o</span>ne</li><li>two<ul><li>inner '
-        '<em>em</em></li></ul></li><li>three</li></ol>')
-    assert "<pre><code>let a = '&lt;b&gt;';\n</code></pre>" in html["fence"]
+        '<ol>\n<li><span class="drafted" title="t">o</span>ne</li>\n<li>two\n<ul>\n'
+        '<li>inner <em>em</em></li>\n</ul>\n</li>\n<li>three</li>\n</ol>\n')
+    assert '<pre><code class="hljs language-js"><span class="hljs-keyword">let</span> a = ' \
+        '<span class="hljs-string">\'&lt;b&gt;\'</span>;</code></pre>' in html["fence"]
     assert html["links"].count("<a ") == 1
     assert 'href="https://example.com/x"' in html["links"] and "&lt;a href=x&gt;y&lt;/a&gt;" \
-        in html["links"]
-    assert html["blocks"].startswith('<h4><span class="drafted" title="t">T</span>itle</h4>')
-    assert "<blockquote><p>quoted <strong>bold</strong></p></blockquote><hr><p>end</p>" \
-        in html["blocks"]
+        in html["links"] and "javascript" in html["links"]  # as text, not as an href
+    assert 'href="javascript' not in html["links"]
+    assert html["blocks"].startswith('<h2><span class="drafted" title="t">T</span>itle</h2>')
+    assert "<blockquote>\n<p>quoted <strong>bold</strong></p>\n</blockquote>\n<hr>\n" \
+        "<p>end</p>" in html["blocks"]
+
+
+def test_table_code_math_rendered_and_script_neutralised(ui):
+    ui.send("something rich please")
+    ui.wait_answer_state("done")
+    body = ui.answer().locator(".answer-body")
+    assert body.locator("table thead th").all_inner_texts() == ["engine", "step"]
+    assert body.locator("table tbody tr").count() == 2
+    assert body.locator("table tbody tr").nth(0).locator("td").all_inner_texts() == \
+        ["duplex", "10 ms"]
+    code = body.locator("figure.code pre code.language-python")
+    assert code.inner_text() == 'def hello():\n    return "<b>hi</b>"'
+    assert code.locator(".hljs-keyword").all_inner_texts()[:2] == ["def", "return"]
+    assert code.locator(".hljs-string").inner_text() == '"<b>hi</b>"'
+    assert body.locator("figure.code figcaption .lang").inner_text() == "python"
+    assert body.locator(".katex").count() == 2  # inline + block
+    assert body.locator(".katex-display").count() == 1
+    inline = body.locator(".katex").nth(0)
+    assert inline.locator(".katex-html").count() == 1 and "π" in inline.text_content()
+    assert "∫" in body.locator(".katex-display").text_content()
+    # model-written HTML and javascript: links stay text; only the https link is a link
+    assert body.locator("script, img, b").count() == 0
+    assert body.locator("a").evaluate_all("as => as.map(a => a.href)") == ["https://example.com/"]
+    assert body.locator("a").get_attribute("rel") == "noopener noreferrer nofollow"
+    assert "<script>alert(3)</script>" in body.inner_text()
+    assert ui.page.evaluate("typeof window.alert") == "function"
+    # the copy button copies the code as text
+    ui.page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    body.locator("figure.code [data-action=copy]").click()
+    expect(body.locator("figure.code [data-action=copy]")).to_have_text("Copied")
+    assert ui.page.evaluate("navigator.clipboard.readText()") == \
+        'def hello():\n    return "<b>hi</b>"'
+    ui.screenshot("rich.png")
+
+
+def test_streaming_renders_finished_blocks_once(ui):
+    """Finished blocks are not rebuilt per frame: a node of the first paragraph survives
+    the rest of a long stream (the whole answer is rendered once more at the end)."""
+    ui.send("a long one")
+    ui.page.wait_for_function("() => document.querySelector("
+                              "'article.msg.assistant:last-of-type .md-done p')")
+    ui.page.evaluate("window.__first = document.querySelector("
+                     "'article.msg.assistant:last-of-type .md-done p')")
+    ui.page.wait_for_function("() => document.querySelector('article.msg.assistant:last-of-type"
+                              " .answer-body').textContent.length > 400")
+    assert ui.page.evaluate("window.__first.isConnected") is True
+    ui.page.click("#stop")
+    ui.wait_answer_state("stopped")
+
+
+def test_conversation_survives_reload_regenerate_edit_and_the_list(make_ui, server):
+    ui = make_ui(server.url).open()
+    ui.send("What is Duplex?")
+    ui.wait_answer_state("done")
+    ui.send("And a second question")
+    ui.wait_answer_state("done")
+    first_answer = ui.answer(0).locator(".answer-body").inner_text()
+
+    ui.page.reload()
+    ui.page.wait_for_selector("#conn[data-state=open]")
+    expect(ui.page.locator("article.msg")).to_have_count(4)
+    assert ui.page.locator("article.msg.user .bubble").all_inner_texts() == \
+        ["What is Duplex?", "And a second question"]
+    assert ui.answer(0).locator(".answer-body").inner_text() == first_answer
+    assert ui.answer(0).locator(".answer-body strong").all_inner_texts() == ["prefill", "decode"]
+    assert ui.stat("finish", 0) == "stop"  # the server's figures came back with it
+    ui.screenshot("reloaded.png")
+
+    ui.answer(-1).locator("[data-msg-action=regenerate]").click()
+    ui.wait_answer_state("done")
+    expect(ui.page.locator("article.msg")).to_have_count(4)
+    roles = [(m["role"], m["content"][:12]) for m in ui.sent[-1]["messages"]]
+    assert roles == [("user", "What is Dupl"), ("assistant", first_answer[:12]),
+                     ("user", "And a second")]
+
+    ui.page.locator("article.msg.user").nth(0).locator("[data-msg-action=edit]").click()
+    ui.page.fill("article.msg.user .edit-box", "Edited question")
+    ui.page.click("article.msg.user .edit button[type=submit]")
+    ui.wait_answer_state("done")
+    expect(ui.page.locator("article.msg")).to_have_count(2)
+    assert ui.sent[-1]["messages"] == [{"role": "user", "content": "Edited question"}]
+
+    ui.page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    ui.answer().locator("[data-msg-action=copy-message]").click()
+    assert ui.page.evaluate("navigator.clipboard.readText()") == MARKDOWN_REPLY  # the source
+
+    ui.page.click("#new-chat")
+    ui.send("html in a second chat")
+    ui.wait_answer_state("done")
+    ui.page.click("#open-history")
+    rows = ui.page.locator("#history li[data-id]")
+    expect(rows).to_have_count(2)
+    assert rows.locator(".title").all_inner_texts() == ["html in a second chat", "What is Duplex?"]
+    rows.nth(1).locator("[data-action=rename]").click()
+    ui.page.fill("#history input.rename", "Renamed chat")
+    ui.page.press("#history input.rename", "Enter")
+    expect(rows.nth(1).locator(".title")).to_have_text("Renamed chat")
+    with ui.page.expect_download() as download:
+        ui.page.click("#history [data-action=export-all]")
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert [c["title"] for c in exported["conversations"]] == ["html in a second chat",
+                                                               "Renamed chat"]
+    assert exported["conversations"][1]["messages"][0] == {"role": "user",
+                                                           "content": "Edited question"}
+    ui.screenshot("history.png")
+    rows.nth(1).locator(".title").click()  # open the renamed one
+    expect(ui.page.locator("article.msg.user .bubble")).to_have_text(["Edited question"])
+    ui.page.click("#open-history")
+    rows.nth(0).locator("[data-action=delete]").click()
+    expect(rows).to_have_count(1)
+    assert ui.page.evaluate("JSON.parse(localStorage.getItem('duplex.conversations.v1'))"
+                            ".map(c => c.title)") == ["Renamed chat"]
+    assert ui.page_errors == []
+
+
+def test_every_sampling_field_is_settable_and_shown(ui, server):
+    max_model_len = server.engine.ready_info.max_model_len
+    expect(ui.page.locator("#model-context")).to_have_text(f"{max_model_len:,} ctx")
+    ui.page.click("#open-settings")
+    dialog = ui.page.locator("#settings")
+    dialog.locator("summary").click()
+    form = dialog.locator("[data-field=advanced]")
+    form.locator("input[name=topK]").fill("40")
+    form.locator("input[name=seed]").fill("7")
+    form.locator("textarea[name=stop]").fill("END\nSTOP")
+    form.locator("input[name=ignoreEos]").check()
+    form.locator("select[name=retention]").select_option("agent")
+    expect(form.locator("output[data-shows=topK]")).to_have_text("40")
+    expect(form.locator("output[data-shows=stop]")).to_have_text('"END", "STOP"')
+    expect(form.locator("output[data-shows=ignoreEos]")).to_have_text("on")
+    expect(form.locator("output[data-shows=minP]")).to_have_text("server default")
+    names = form.locator("label > span").evaluate_all("ss => ss.map(s => s.firstChild.data)")
+    assert set(names) == {"top_k", "min_p", "presence_penalty", "frequency_penalty",
+                          "repetition_penalty", "seed", "min_tokens", "stop", "cache_salt",
+                          "retention", "ignore_eos", "include_stop_str_in_output",
+                          "skip_special_tokens"}
+    # with the main four, every sampling field a WebSocket chat frame takes (a field added to
+    # the API fails here until the settings dialog has it)
+    api_fields = {f.name for f in msgspec.structs.fields(SamplingFields)}
+    assert set(names) | {"temperature", "top_p", "max_tokens", "speculate"} == api_fields
+    ui.page.keyboard.press("Escape")
+    ui.send("What is Duplex?")
+    ui.wait_answer_state("done")
+    (chat,) = [f for f in ui.sent if f["type"] == "chat"]
+    assert {k: chat[k] for k in ("top_k", "seed", "stop", "ignore_eos", "retention")} == \
+        {"top_k": 40, "seed": 7, "stop": ["END", "STOP"], "ignore_eos": True,
+         "retention": "agent"}
+    assert not {"min_p", "presence_penalty", "skip_special_tokens", "cache_salt"} & set(chat)

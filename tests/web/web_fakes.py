@@ -32,7 +32,13 @@ MARKDOWN_REPLY = (
     "```python\nprint(\"hello from duplex\")\n```\n"
     "Repeated context is a `cache hit`, never recomputed.")
 HTML_REPLY = "<script>alert(1)</script><b>x</b>"
-LONG_REPLY = "All work and no play makes a long answer. " * 200
+RICH_REPLY = (
+    "| engine | step |\n| --- | --- |\n| duplex | 10 ms |\n| other | 12 ms |\n\n"
+    "```python\ndef hello():\n    return \"<b>hi</b>\"\n```\n\n"
+    "Inline $e^{i\\pi}+1=0$ and a block:\n\n$$\n\\int_0^1 x\\,dx = \\tfrac12\n$$\n\n"
+    "<script>alert(3)</script> [click](javascript:alert(4)) "
+    "<img src=x onerror=alert(5)> [safe](https://example.com/)")
+LONG_REPLY = ("All work and no play makes a long answer. " * 5 + "\n\n") * 40
 FAIL_AFTER_TOKENS = 12
 
 
@@ -46,6 +52,8 @@ def reply_for(question: str) -> str:
     lowered = question.lower()
     if "html" in lowered:
         return HTML_REPLY
+    if "rich" in lowered:
+        return RICH_REPLY
     if "long" in lowered:
         return LONG_REPLY
     return MARKDOWN_REPLY
@@ -111,8 +119,9 @@ class ScriptedEngine(FakeEngineClient):
 
 
 class ThreadedServer:
-    def __init__(self, engine: FakeEngineClient) -> None:
+    def __init__(self, engine: FakeEngineClient, options: ServerOptions = ServerOptions()) -> None:
         self.engine = engine
+        self.options = options
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.loop = asyncio.new_event_loop()
@@ -135,7 +144,7 @@ class ThreadedServer:
         self.loop.close()
 
     async def _start(self) -> None:
-        state = AppState(self.engine, FakeRecipe(), ServerOptions())
+        state = AppState(self.engine, FakeRecipe(), self.options)
         self.runner = web.AppRunner(build_app(state), handler_cancellation=True,
                                     shutdown_timeout=2.0, access_log=None)
         await self.runner.setup()
