@@ -31,6 +31,7 @@ log = logging.getLogger("duplex.serve")
 
 # After the drain timeout, streams still open get their terminal error; this long to send it.
 FINAL_FLUSH_S = 2.0
+TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest n (choices per request)")
     group.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
                        help="largest request body accepted")
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template replacing the model's own; "
+                            f"{TOOLS_TEMPLATE.name} (shipped) adds Hermes-style tool calling "
+                            "to SmolLM2")
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
     workers = parser.add_argument_group("workers")
@@ -115,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
             served_model_names=tuple(args.served_model_name) or (model_name(config.model),),
             max_queued_requests=args.max_queued_requests, max_n=args.max_n,
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
-            client_max_size=args.max_body_bytes)
+            client_max_size=args.max_body_bytes,
+            chat_template=_read_template(args.chat_template))
         model_path = resolve_model_path(config.model)
         layout = layout_from_args(args)
         if config.expert_parallel > 1 and layout.num_prefill:
@@ -127,6 +133,15 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
     return uvloop.run(serve(config, options, model_path, args.host, args.port,
                             args.shutdown_timeout, layout))
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--chat-template {path}: {e.strerror or e}") from None
 
 
 def layout_from_args(args: argparse.Namespace) -> WorkerLayout:

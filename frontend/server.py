@@ -45,6 +45,7 @@ class ServerOptions:
     api_keys: tuple[str, ...] = ()
     client_max_size: int = 16 * 1024 * 1024
     web_dir: Path | None = WEB_DIR
+    chat_template: str | None = None  # --chat-template: replaces the model's own template
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -162,6 +163,7 @@ class AppState:
                     continue_final_message: bool = False) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty", param="messages")
+        template = template if template is not None else self.options.chat_template
         try:
             if continue_final_message:  # keyword only when used: fakes need not know it
                 return self.recipe.encode_chat(messages, tools=tools, template=template,
@@ -176,7 +178,8 @@ class AppState:
                         template: str | None = None) -> tuple[list[int], str]:
         """(prompt ids that end inside the start of a tool call, that start's text), for
         tool_choice 'required' / 'any' (name None) or a named tool."""
-        source = template if template is not None else getattr(self.recipe, "template", None)
+        source = template if template is not None else \
+            self.options.chat_template or getattr(self.recipe, "template", None)
         if not tools_supported(source):
             raise invalid("this model's chat template has no tool calling, so a required or "
                           "named tool_choice cannot be honoured", param="tool_choice")
