@@ -44,7 +44,6 @@ log = logging.getLogger("duplex.grammar")
 
 MAX_SPEC_BYTES = 256 * 1024  # a schema / grammar / regex text longer than this is refused
 MAX_CACHED = 256  # compiled grammars kept (LRU)
-MAX_ROLLBACK = 16  # draft tokens a matcher walks ahead (engine/spec MAX_POSITIONS)
 # json_object: any JSON object. Schemas are compiled without free whitespace between tokens
 # (`any_whitespace=False`: ", " and ": " separators), or a small model can pad forever.
 JSON_OBJECT = '{"type": "object"}'
@@ -110,9 +109,16 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
+# JSON kinds are compiled without free whitespace, so a token holding a raw control byte
+# (< 0x20) can never be part of valid output; xgrammar's rule for strings with a length
+# bound (`[^"\\\r\n]{0,n}`) would let one through, so those tokens are banned as well.
+JSON_KINDS = ("json_object", "json_schema")
+
+
 class _Matcher:
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, banned: torch.Tensor | None) -> None:
         self.matcher = matcher
+        self.banned = banned  # [vocab] bool: tokens masked out on top of the grammar
         self.num_accepted = 0  # leading output tokens the matcher has consumed
 
 
@@ -129,6 +135,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler = None
+        self._control_ids: torch.Tensor | None = None  # [vocab] bool, see JSON_KINDS
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiled: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self._waiting: dict[str, tuple[object, Future]] = {}  # req_id -> (Request, Future)
@@ -177,7 +184,8 @@ class Grammars:
                 self._compiled.pop(constraint_key(req.params.constraint), None)
                 failed.append((req, _first_line(error)))
                 continue
-            self._matchers[req_id] = _Matcher(self._new_matcher(future.result()))
+            banned = self._control_ids if req.params.constraint.kind in JSON_KINDS else None
+            self._matchers[req_id] = _Matcher(self._new_matcher(future.result()), banned)
             if self.sync(req):
                 ready.append(req)
             else:
@@ -220,12 +228,17 @@ class Grammars:
                 self._tokenizer(), vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            control = torch.zeros(self.vocab_size, dtype=torch.bool)
+            for token_id, text in enumerate(info.decoded_vocab[:self.vocab_size]):
+                control[token_id] = any(byte < 0x20 for byte in text)
+            control[self.stop_token_ids] = False
+            self._control_ids = control
         return self._compiler
 
     def _new_matcher(self, compiled):
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK)
+        return xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar 0.2
 
     # ------------------------------------------------------------------ tokens
     def has(self, req) -> bool:
@@ -258,6 +271,10 @@ class Grammars:
             self.sync(req)
             self._matchers[req.req_id].matcher.fill_next_token_bitmask(bitmask, i)
         allowed = unpack(bitmask, self.vocab_size)
+        for i, row in enumerate(rows):
+            banned = self._matchers[reqs[row].req_id].banned
+            if banned is not None:
+                allowed[i] &= ~banned
         self._count(start, len(rows))
         return TokenMask(rows, allowed)
 
@@ -267,9 +284,12 @@ class Grammars:
             if not req.spec_token_ids or req.req_id not in self._matchers:
                 continue
             self.sync(req)
-            matcher = self._matchers[req.req_id].matcher
+            state = self._matchers[req.req_id]
+            matcher = state.matcher
             num_ok = 0
             for token_id in req.spec_token_ids:
+                if state.banned is not None and state.banned[token_id]:
+                    break
                 if matcher.is_terminated() or not matcher.accept_token(token_id):
                     break
                 num_ok += 1
@@ -294,6 +314,9 @@ class Grammars:
         if drafts:
             matcher.rollback(len(drafts))
         allowed = unpack(bitmask, self.vocab_size)
+        banned = self._matchers[req.req_id].banned
+        if banned is not None:
+            allowed &= ~banned
         self._count(start, len(drafts) + 1)
         return allowed
 

@@ -14,8 +14,10 @@ import json
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
+import msgspec
 from aiohttp import web
 
+from frontend import structured
 from frontend.errors import invalid
 from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
                                  resolve_max_tokens, sampling_params)
@@ -25,7 +27,7 @@ from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicToo
                                InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
                                MessageStop, Ping, SseStream, StopInfo, TextBlock, TextDelta,
                                ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
-from frontend.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from frontend.tool_parser import HermesFormat, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState
@@ -47,6 +49,7 @@ class AnthropicApi:
         with self.state.admit():
             body = await read_json(request, MessagesRequest)
             job = self._job(request, body)
+            await structured.check(job.params.constraint, "tool_choice")
             msg_id = f"msg_{request[REQ_ID]}"
             async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
                 if body.stream:
@@ -86,6 +89,7 @@ class AnthropicApi:
 
     def _job(self, request: web.Request, body: MessagesRequest) -> Job:
         state = self.state
+        _check_thinking(body.thinking)
         prompt_ids, forced = self._encode(body)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
         params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
@@ -94,6 +98,11 @@ class AnthropicApi:
                                  stop_token_ids=[] if body.ignore_eos else state.stop_token_ids)
         parse_tools = bool(body.tools) and not (body.tool_choice and
                                                 body.tool_choice.type == "none")
+        constrained = structured.for_chat(None, [tool_dict(t) for t in body.tools or []],
+                                          HermesFormat, _tool_choice_name(body.tool_choice),
+                                          _parallel(body.tool_choice), forced)
+        if constrained is not None:
+            params = msgspec.structs.replace(params, constraint=constrained.constraint)
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
                    params=params, parse_tools=parse_tools, retention=body.retention,
@@ -142,6 +151,25 @@ def _tool_result_text(block: ToolResultBlock) -> str:
     if block.content is None or isinstance(block.content, str):
         return block.content or ""
     return "\n".join(part.text for part in block.content)
+
+
+def _tool_choice_name(choice) -> str | None:
+    """Anthropic tool_choice as structured.for_chat takes it (auto when absent)."""
+    if choice is None:
+        return "auto"
+    return {"any": "required", "tool": choice.name}.get(choice.type, choice.type)
+
+
+def _parallel(choice) -> bool:
+    return not (choice is not None and choice.disable_parallel_tool_use)
+
+
+def _check_thinking(thinking: dict | None) -> None:
+    """Extended thinking: this server has no thinking mode, so only "disabled" is taken."""
+    if thinking is not None and thinking.get("type") != "disabled":
+        raise invalid("thinking is not supported by this server (the model has no "
+                      "thinking mode); omit it or send {\"type\": \"disabled\"}",
+                      param="thinking")
 
 
 def tool_dict(tool: AnthropicTool) -> dict:
