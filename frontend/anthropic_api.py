@@ -153,6 +153,11 @@ def _tool_result_text(block: ToolResultBlock) -> str:
     return "\n".join(part.text for part in block.content)
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id of a tool call (`toolu_...`) from the parser's (`call_...`)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _tool_choice_name(choice) -> str | None:
     """Anthropic tool_choice as structured.for_chat takes it (auto when absent)."""
     if choice is None:
@@ -199,7 +204,7 @@ def _tool_input(arguments: str) -> dict:
 def _response(msg_id: str, model: str, result: ChoiceResult) -> AnthropicResponse:
     final = result.final
     content: list = [TextBlock(text=result.text)] if result.text or not result.tool_calls else []
-    content += [ToolUseBlock(id=c.id, name=c.name, input=_tool_input(c.arguments))
+    content += [ToolUseBlock(id=tool_use_id(c.id), name=c.name, input=_tool_input(c.arguments))
                 for c in result.tool_calls.values()]
     return AnthropicResponse(msg_id, model, content, _stop_reason(final),
                              final.stop_sequence, _usage(final.usage))
@@ -230,7 +235,7 @@ class _Blocks:
         if isinstance(event, ToolCallStart):
             await self.close_text()
             self.tool_blocks[event.index] = await self._start(
-                ToolUseBlock(id=event.id, name=event.name, input={}))
+                ToolUseBlock(id=tool_use_id(event.id), name=event.name, input={}))
         elif isinstance(event, ToolCallArgsDelta):
             await self._send(ContentBlockDelta(self.tool_blocks[event.index],
                                                InputJsonDelta(event.json_text)))

@@ -2,20 +2,16 @@
 that shares the default model's tokenizer (so only the grammar can make its output valid)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from engine import core as core_module
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.models import loader
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_load(path, dtype, progress=True, quant="none"):
-    return loader.load(path, dtype, progress=False, quant=quant)
+# one cache with the engine tests', so a whole-suite run loads the default model once
+from tests.engine.conftest import _cached_load  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
