@@ -1,5 +1,5 @@
-"""Structured-output fixtures: engines on the default model and on a tiny random model
-that shares the default model's tokenizer (so only the grammar can make its output valid)."""
+"""Structured-output fixtures: engines on the default model, and a tiny random model with a
+tiny byte-level tokenizer trained here (its text is noise: only a grammar makes it valid)."""
 from __future__ import annotations
 
 import pytest
@@ -8,10 +8,8 @@ import torch
 from engine import core as core_module
 from engine.config import EngineConfig
 from engine.core import EngineCore
-
-
 # one cache with the engine tests', so a whole-suite run loads the default model once
-from tests.engine.conftest import _cached_load  # noqa: E402
+from tests.engine.conftest import _cached_load
 
 
 @pytest.fixture(autouse=True)
