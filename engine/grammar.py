@@ -112,7 +112,11 @@ def _first_line(error: BaseException) -> str:
 # JSON kinds are compiled without free whitespace, so a token holding a raw control byte
 # (< 0x20) can never be part of valid output; xgrammar's rule for strings with a length
 # bound (`[^"\\\r\n]{0,n}`) would let one through, so those tokens are banned as well.
+# Structural tags (tool calls) hold JSON arguments too, and their literals may need a
+# newline (Hermes' `<tool_call>\n`): there every control byte but "\n" is banned (free text
+# before a call then writes no tabs).
 JSON_KINDS = ("json_object", "json_schema")
+TAG_KINDS = ("structural_tag",)
 
 
 class _Matcher:
@@ -136,6 +140,7 @@ class Grammars:
         self.stop_token_ids = list(stop_token_ids)
         self._compiler = None
         self._control_ids: torch.Tensor | None = None  # [vocab] bool, see JSON_KINDS
+        self._tag_control_ids: torch.Tensor | None = None  # the same but "\n", TAG_KINDS
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiled: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self._waiting: dict[str, tuple[object, Future]] = {}  # req_id -> (Request, Future)
@@ -184,7 +189,9 @@ class Grammars:
                 self._compiled.pop(constraint_key(req.params.constraint), None)
                 failed.append((req, _first_line(error)))
                 continue
-            banned = self._control_ids if req.params.constraint.kind in JSON_KINDS else None
+            kind = req.params.constraint.kind
+            banned = self._control_ids if kind in JSON_KINDS else \
+                self._tag_control_ids if kind in TAG_KINDS else None
             self._matchers[req_id] = _Matcher(self._new_matcher(future.result()), banned)
             if self.sync(req):
                 ready.append(req)
@@ -228,12 +235,17 @@ class Grammars:
                 self._tokenizer(), vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            control = torch.zeros(self.vocab_size, dtype=torch.bool)
-            for token_id, text in enumerate(info.decoded_vocab[:self.vocab_size]):
-                control[token_id] = any(byte < 0x20 for byte in text)
-            control[self.stop_token_ids] = False
-            self._control_ids = control
+            self._control_ids = self._tokens_with(info, set(range(0x20)))
+            self._tag_control_ids = self._tokens_with(info, set(range(0x20)) - {0x0A})
         return self._compiler
+
+    def _tokens_with(self, info, banned_bytes: set[int]) -> torch.Tensor:
+        """[vocab] bool: tokens whose text holds one of banned_bytes (stop tokens never)."""
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        for token_id, text in enumerate(info.decoded_vocab[:self.vocab_size]):
+            mask[token_id] = any(byte in banned_bytes for byte in text)
+        mask[self.stop_token_ids] = False
+        return mask
 
     def _new_matcher(self, compiled):
         import xgrammar as xgr

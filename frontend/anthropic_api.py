@@ -27,7 +27,8 @@ from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicToo
                                InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
                                MessageStop, Ping, SseStream, StopInfo, TextBlock, TextDelta,
                                ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
-from frontend.tool_parser import HermesFormat, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from frontend.tool_formats import tool_format
+from frontend.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState
@@ -84,6 +85,8 @@ class AnthropicApi:
         if prefill:
             raise invalid("an assistant prefill cannot be combined with tool_choice "
                           f"{choice.type!r}", param="tool_choice")
+        if self.state.options.tool_call_parser != "hermes":
+            return ids, ""  # the grammar alone makes the call (frontend/structured.py)
         return self.state.force_tool_call(ids, names,
                                           choice.name if choice.type == "tool" else None)
 
@@ -98,14 +101,16 @@ class AnthropicApi:
                                  stop_token_ids=[] if body.ignore_eos else state.stop_token_ids)
         parse_tools = bool(body.tools) and not (body.tool_choice and
                                                 body.tool_choice.type == "none")
+        fmt = tool_format(state.options.tool_call_parser)
         constrained = structured.for_chat(None, [tool_dict(t) for t in body.tools or []],
-                                          HermesFormat, _tool_choice_name(body.tool_choice),
+                                          fmt, _tool_choice_name(body.tool_choice),
                                           _parallel(body.tool_choice), forced)
         if constrained is not None:
             params = msgspec.structs.replace(params, constraint=constrained.constraint)
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
                    params=params, parse_tools=parse_tools, retention=body.retention,
+                   tool_format=fmt.name,
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
 

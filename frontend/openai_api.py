@@ -29,7 +29,8 @@ from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                PromptTokensDetails,
                                SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
                                Tool, ToolCall, TopLogprob, REQ_ID, json_response, read_json)
-from frontend.tool_parser import HermesFormat, ToolCallArgsDelta, ToolCallStart
+from frontend.tool_formats import tool_format
+from frontend.tool_parser import ToolCallArgsDelta, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState
@@ -76,7 +77,9 @@ class OpenAIApi:
                             else (body.max_tokens, "max_tokens"))
         forced = ""
         choice = body.tool_choice
-        if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        fmt = tool_format(state.options.tool_call_parser)
+        if tools and fmt.name == "hermes" and (choice == "required" or
+                                               isinstance(choice, NamedToolChoice)):
             if body.continue_final_message:
                 raise invalid("continue_final_message cannot be combined with a required or "
                               "named tool_choice", param="tool_choice")
@@ -86,13 +89,14 @@ class OpenAIApi:
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, param)
         params = params_from_fields(body, max_tokens, state.stop_token_ids,
                                     logprobs=_chat_logprobs_count(body))
-        constrained = structured.for_chat(structured.from_openai(body), tools, HermesFormat,
+        constrained = structured.for_chat(structured.from_openai(body), tools, fmt,
                                           _tool_choice_name(choice), body.parallel_tool_calls,
                                           forced)
         params = with_constraint(params, constrained, body.logit_bias, state)
         job = Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                   forced_text=forced,
                   params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
+                  tool_format=fmt.name,
                   retention=body.retention,
                   cache_salt=state.keys.tenant_salt(request, body.cache_salt))
         return job, constrained.param if constrained else ""

@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a Jinja chat template replacing the model's own; "
                             f"{TOOLS_TEMPLATE.name} (shipped) adds Hermes-style tool calling "
                             "to SmolLM2")
+    group.add_argument("--tool-call-parser", default="hermes",
+                       choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                       help="how the model writes tool calls: parsed from its output and, "
+                            "except pythonic, constrained for tool_choice (default: hermes)")
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
     workers = parser.add_argument_group("workers")
@@ -121,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             max_queued_requests=args.max_queued_requests, max_n=args.max_n,
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
             client_max_size=args.max_body_bytes,
-            chat_template=_read_template(args.chat_template))
+            chat_template=_read_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser)
         model_path = resolve_model_path(config.model)
         layout = layout_from_args(args)
         if config.expert_parallel > 1 and layout.num_prefill:

@@ -28,6 +28,7 @@ from frontend.errors import ApiError, invalid
 from frontend.generation import Pipeline
 from frontend.metrics import Metrics, kv_usage
 from frontend.protocol import REQ_ID, json_response
+from frontend.tool_formats import TOOL_FORMATS
 from frontend.tool_parser import forced_call_prefix, tools_supported
 
 log = logging.getLogger("duplex.server")
@@ -46,12 +47,16 @@ class ServerOptions:
     client_max_size: int = 16 * 1024 * 1024
     web_dir: Path | None = WEB_DIR
     chat_template: str | None = None  # --chat-template: replaces the model's own template
+    tool_call_parser: str = "hermes"  # --tool-call-parser (frontend/tool_formats.py)
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not 1 <= self.max_n <= 128:
             raise ValueError(f"max_n must be in [1, 128], got {self.max_n}")
+        if self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.request_timeout_s < 0:
             raise ValueError(f"request_timeout_s must be >= 0, got {self.request_timeout_s}")
 

@@ -28,7 +28,8 @@ from frontend.errors import invalid
 
 PARSE_TIMEOUT_S = 5.0
 MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema (objects and arrays)
-# Free whitespace inside constrained JSON (tool arguments): bounded, or a small model pads.
+# Free whitespace inside constrained JSON (tool arguments): one character at a time, or a
+# small model pads forever (engine/grammar.py bans control bytes but "\n" in tool calls).
 MAX_WHITESPACE = 1
 
 
@@ -147,12 +148,18 @@ def for_chat(requested: Requested | None, tools: list[dict] | None, fmt, choice:
              parallel: bool, forced: str = "") -> Requested | None:
     """The constraint of a chat request: its output constraint (`requested`) and its
     tool_choice over OpenAI-shaped tools ({"function": {...}}) written in the tool-call
-    format `fmt` (tool_parser.HermesFormat). choice: "auto", "required", a tool name, or
+    format `fmt` (frontend/tool_formats.py). choice: "auto", "required", a tool name, or
     None / "none" (no tool constraint). forced: the start of a call the prompt already
     holds (required / named, see tool_parser.forced_call_prefix); the constraint continues
     after it. With auto, an output constraint means: that output, or tool calls."""
     if not tools or choice in (None, "none"):
         return requested
+    if not fmt.can_constrain:
+        if choice != "auto":
+            raise invalid(f"tool_choice {choice!r} needs a tool-call format that can be "
+                          f"constrained; the server's --tool-call-parser {fmt.name} cannot",
+                          param="tool_choice")
+        return requested  # auto: calls are parsed, not constrained
     functions = [t["function"] for t in tools]
     if choice not in ("auto", "required"):
         functions = [f for f in functions if f["name"] == choice]

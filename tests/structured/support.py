@@ -131,9 +131,14 @@ class ApiServer:
     def _call(self, coro, timeout_s: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def close(self) -> None:
+    def close_app(self) -> None:
+        """Stop serving; the engine keeps running (other apps may share it)."""
         if self._runner is not None:
             self._call(self._runner.cleanup())
+            self._runner = None
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def close(self) -> None:
+        self.close_app()
         self.engine.close_now()
         time.sleep(0.05)
