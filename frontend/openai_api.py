@@ -29,6 +29,7 @@ from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                PromptTokensDetails,
                                SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
                                Tool, ToolCall, TopLogprob, REQ_ID, json_response, read_json)
+from frontend.responses_api import ResponsesApi
 from frontend.tool_formats import tool_format
 from frontend.tool_parser import ToolCallArgsDelta, ToolCallStart
 
@@ -46,7 +47,9 @@ class OpenAIApi:
         return [web.post("/v1/chat/completions", self.chat_completions),
                 web.post("/v1/completions", self.completions),
                 web.get("/v1/models", self.models),
-                web.post("/tokenize", self.tokenize)]
+                web.get("/v1/models/{model_id}", self.model),
+                web.post("/tokenize", self.tokenize),
+                *ResponsesApi(self.state).routes()]
 
     # ------------------------------------------------------------ chat
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -179,6 +182,14 @@ class OpenAIApi:
         cards = [ModelCard(name, state.started, max_model_len=info.max_model_len if info else None)
                  for name in names]
         return json_response(ModelList(cards))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the card of a served model, or a 404 in OpenAI's shape."""
+        model_id = request.match_info["model_id"]
+        self.state.check_model(model_id)
+        info = self.state.engine.ready_info
+        return json_response(ModelCard(model_id, self.state.started,
+                                       max_model_len=info.max_model_len if info else None))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request, TokenizeRequest)
