@@ -192,3 +192,15 @@ def test_logit_bias_moves_greedy_choices(core, tokenizer):
                                                   logit_bias={first: -100.0}))])
     assert biased["up"][0] == [token] * 6
     assert biased["down"][0][0] != first
+
+
+def test_a_constraint_and_a_logit_bias_cross_the_wire_as_data():
+    from engine.messages import decode_to_worker, encode
+
+    params = SamplingParams(max_tokens=4, logit_bias={7: -2.5, 9: 100.0},
+                            constraint=Constraint("json_schema", json.dumps(SCHEMA)))
+    frame = encode(AddRequest("w", [1, 2], params))
+    assert b"\x80\x04" not in frame[:2]  # msgpack, not a pickle protocol header
+    assert decode_to_worker(frame).params == params
+    with pytest.raises(ValueError, match="constraint.kind"):
+        Constraint("python", "import os")
