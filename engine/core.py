@@ -124,7 +124,8 @@ class EngineCore:
             block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
-                                          self.eos_token_ids)
+                                          self.eos_token_ids,
+                                          blocking=config.expert_parallel > 1)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
         self._stats = WorkerStats()

@@ -28,9 +28,11 @@ how the frontend refuses a bad one with a 400 before it reaches a worker.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
@@ -134,10 +136,14 @@ class Grammars:
     """
 
     def __init__(self, tokenizer: Callable[[], object], vocab_size: int,
-                 stop_token_ids: Sequence[int]) -> None:
+                 stop_token_ids: Sequence[int], blocking: bool = False) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        # blocking: submit waits for the compile, so when a request is scheduled does not
+        # depend on timing (expert-parallel ranks replay one schedule in lockstep)
+        self.blocking = blocking
+        self._lock = threading.Lock()  # compile times: appended in the compile thread
         self._compiler = None
         self._control_ids: torch.Tensor | None = None  # [vocab] bool, see JSON_KINDS
         self._tag_control_ids: torch.Tensor | None = None  # the same but "\n", TAG_KINDS
@@ -150,8 +156,8 @@ class Grammars:
         self.num_masked_rows = 0
 
     @classmethod
-    def for_model(cls, model_path: str, vocab_size: int,
-                  stop_token_ids: Sequence[int]) -> Grammars:
+    def for_model(cls, model_path: str, vocab_size: int, stop_token_ids: Sequence[int],
+                  blocking: bool = False) -> Grammars:
         """Grammars compiled against the tokenizer of the model at model_path (a GGUF file's
         own vocabulary, or a Hugging Face directory's tokenizer), loaded on first use."""
         def tokenizer():
@@ -160,7 +166,7 @@ class Grammars:
             from frontend.tokenizer import load_tokenizer
 
             return load_tokenizer(model_path)
-        return cls(tokenizer, vocab_size, stop_token_ids)
+        return cls(tokenizer, vocab_size, stop_token_ids, blocking)
 
     # ------------------------------------------------------------------ compile
     def submit(self, req) -> None:
@@ -175,6 +181,8 @@ class Grammars:
         else:
             self._compiled.move_to_end(key)
         self._waiting[req.req_id] = (req, future)
+        if self.blocking:
+            concurrent.futures.wait([future])
 
     def take_ready(self) -> tuple[list, list[tuple[object, str]]]:
         """Requests whose grammar is compiled now (their matchers made and caught up with
@@ -224,7 +232,8 @@ class Grammars:
             compiled = compiler.compile_structural_tag(choice_tag(json.loads(spec)))
         else:
             compiled = compiler.compile_structural_tag(spec)
-        self._compile_times.append(time.perf_counter() - start)
+        with self._lock:
+            self._compile_times.append(time.perf_counter() - start)
         return compiled
 
     def _get_compiler(self):
@@ -347,7 +356,8 @@ class Grammars:
         self._waiting.pop(req_id, None)
 
     def metrics(self) -> dict[str, float]:
-        times = sorted(self._compile_times)
+        with self._lock:
+            times = sorted(self._compile_times)
         out = dict(grammar_mask_seconds=self.mask_seconds,
                    grammar_masked_rows=float(self.num_masked_rows),
                    grammar_waiting=float(len(self._waiting)),
