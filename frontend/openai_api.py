@@ -274,6 +274,9 @@ def with_constraint(params, constrained: structured.Requested | None,
     """params with the request's output constraint and logit bias."""
     changes: dict = {}
     if constrained is not None:
+        if params.min_tokens:  # the grammar may be complete before min_tokens
+            raise invalid("min_tokens cannot be combined with a constrained output "
+                          f"({constrained.param})", param="min_tokens")
         changes["constraint"] = constrained.constraint
     if bias:
         changes["logit_bias"] = structured.logit_bias(bias)

@@ -201,6 +201,7 @@ def test_anthropic_tool_choice_any_and_tool(server):
     ({"guided_json": json.loads('{"items":' * 80 + '{}' + '}' * 80)}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
      "response_format"),
+    ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens"),
     ({"logit_bias": {"not-a-token": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 500}}, "logit_bias"),
     ({"logit_bias": {"999999999": 1}}, "logit_bias"),
