@@ -30,6 +30,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": TIME,
                                            "description": "Current time in a timezone"}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+# strings bounded, so a random model must close its call within max_tokens
+BOUNDED = [{"type": "function", "function": {
+    **t["function"], "parameters": {**t["function"]["parameters"], "properties": {
+        k: {**v, "maxLength": 8} if v.get("type") == "string" else v
+        for k, v in t["function"]["parameters"]["properties"].items()}}}} for t in TOOLS]
 
 
 def _serve(model: str | None) -> ApiServer:
@@ -148,17 +153,17 @@ def _check_calls(calls, names) -> None:
 
 def test_tool_choice_required_named_and_auto_give_valid_calls(oai):
     question = _ask("What's the weather in Paris right now?")
-    reply = oai.chat.completions.create(model="x", messages=question, tools=TOOLS,
+    reply = oai.chat.completions.create(model="x", messages=question, tools=BOUNDED,
                                         tool_choice="required", temperature=0, max_tokens=200,
                                         parallel_tool_calls=False)
     assert reply.choices[0].finish_reason == "tool_calls"
     _check_calls(reply.choices[0].message.tool_calls, SCHEMAS)
     assert len(reply.choices[0].message.tool_calls) == 1
     reply = oai.chat.completions.create(
-        model="x", messages=question, tools=TOOLS, temperature=0, max_tokens=200,
+        model="x", messages=question, tools=BOUNDED, temperature=0, max_tokens=200,
         tool_choice={"type": "function", "function": {"name": "get_time"}})
     _check_calls(reply.choices[0].message.tool_calls, ["get_time"])
-    stream = oai.chat.completions.create(model="x", messages=question, tools=TOOLS,
+    stream = oai.chat.completions.create(model="x", messages=question, tools=BOUNDED,
                                          tool_choice="auto", temperature=0, max_tokens=200,
                                          stream=True)
     calls: dict[int, dict] = {}
@@ -174,7 +179,7 @@ def test_tool_choice_required_named_and_auto_give_valid_calls(oai):
 def test_anthropic_tool_choice_any_and_tool(server):
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
-              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+              "input_schema": t["function"]["parameters"]} for t in BOUNDED]
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
         msg = client.messages.create(model="x", max_tokens=200, tools=tools,
                                      tool_choice=choice, messages=_ask("Weather in Oslo?"))

@@ -15,13 +15,7 @@ from frontend.tool_formats import TOOL_FORMATS
 from frontend.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 from tests.structured.conftest import make_core
 from tests.structured.support import ApiServer, CoreEngine
-from tests.structured.test_structured_api import SCHEMAS, TOOLS
-
-# strings bounded, so the random model must close its call within max_tokens
-BOUNDED = [{"type": "function", "function": {
-    **t["function"], "parameters": {**t["function"]["parameters"], "properties": {
-        k: {**v, "maxLength": 8} if v.get("type") == "string" else v
-        for k, v in t["function"]["parameters"]["properties"].items()}}}} for t in TOOLS]
+from tests.structured.test_structured_api import BOUNDED, SCHEMAS
 
 SAMPLES = {
     "hermes": ('Sure.<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n'
