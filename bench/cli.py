@@ -26,6 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                 "top-1 agreement with float32"),
     "invariance": ("bench.invariance", "batch dependence of outputs, with and without "
                    "--batch-invariant"),
+    "structured": ("bench.structured", "grammar-constrained decoding: compile time, mask "
+                   "time per step, tokens/s with and without constraints"),
     "anchor": ("bench.anchor", "Duplex beside llama.cpp's llama-server and llama-bench "
                "on the same GGUF"),
 }

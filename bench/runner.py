@@ -192,6 +192,7 @@ class _Run:
             body["ignore_eos"] = True
         if conversation.tools:
             body["tools"] = list(conversation.tools)
+        body.update(conversation.body)
         return body
 
     def _headers(self, conversation: Conversation) -> dict[str, str]:

@@ -12,6 +12,8 @@ token counts of message contents under the model's tokenizer (see `bench.text`).
 | multi-turn    | C × T                      | one system prompt; turn k extends turn k−1     |
 | agent         | C × T (steps)              | as multi-turn, each step adds a tool result    |
 | mooncake      | trace lines × 1            | equal hash-id prefixes → equal token prefixes  |
+| structured    | N × 1                      | as random; every other request carries a JSON  |
+|               |                            | schema (`response_format`, constrained output) |
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any, NamedTuple
 
 from bench.text import TextSource
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "agent", "mooncake")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "agent", "mooncake", "structured")
 AGENT_MARKS = ("header", "tools", "both")
 AGENT_HEADER = ("x-duplex-retention", "agent")
 MOONCAKE_BLOCK_TOKENS = 512          # tokens behind one hash id in the Mooncake trace
@@ -43,6 +45,7 @@ class Conversation(NamedTuple):
     arrival_s: float | None = None   # from a trace; None lets the load generator decide
     headers: tuple[tuple[str, str], ...] = ()
     tools: tuple[dict, ...] = ()
+    body: tuple[tuple[str, Any], ...] = ()  # extra request fields (e.g. response_format)
 
 
 class Workload(NamedTuple):
@@ -99,7 +102,7 @@ class WorkloadOptions:
 def build_workload(name: str, text: TextSource, options: WorkloadOptions) -> Workload:
     builders = {"random": random_workload, "shared-prefix": shared_prefix_workload,
                 "multi-turn": multi_turn_workload, "agent": agent_workload,
-                "mooncake": mooncake_workload}
+                "mooncake": mooncake_workload, "structured": structured_workload}
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     return builders[name](text, options)
@@ -118,6 +121,26 @@ def random_workload(text: TextSource, options: WorkloadOptions,
     if max_input_len is not None:
         params["max_input_len"] = max_input_len
     return Workload("random", conversations, params)
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object", "properties": {
+        "title": {"type": "string"},
+        "points": {"type": "array", "items": {"type": "string"}},
+        "rating": {"enum": ["low", "medium", "high"]}},
+    "required": ["title", "points", "rating"], "additionalProperties": False}
+
+
+def structured_workload(text: TextSource, options: WorkloadOptions) -> Workload:
+    """The random workload's prompts; requests 0, 2, 4, ... ask for JSON matching
+    STRUCTURED_SCHEMA (OpenAI `response_format` json_schema), the others for free text.
+    Against `--workload random` with the same seed and lengths: the cost of constraints."""
+    plain = random_workload(text, options)
+    fmt = {"type": "json_schema", "json_schema": {"name": "summary", "strict": True,
+                                                  "schema": STRUCTURED_SCHEMA}}
+    conversations = [c._replace(body=(("response_format", fmt),)) if i % 2 == 0 else c
+                     for i, c in enumerate(plain.conversations)]
+    return Workload("structured", conversations, plain.params)
 
 
 def random_lengths(options: WorkloadOptions, max_input_len: int | None) -> list[int]:

@@ -26,6 +26,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, available_cores, resolve_model_path
 from engine.cost_model import CostModel, step_features
+from engine.grammar import Grammars
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
 from engine.kv_manager import KVCacheManager
 from engine.kv_tiers import BlockCodec, KVTiers, TierLink
@@ -122,6 +123,9 @@ class EngineCore:
             load_model=self._load_draft_model, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=config.seed)
+        self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
+                                          self.eos_token_ids,
+                                          blocking=config.expert_parallel > 1)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
         self._stats = WorkerStats()
@@ -139,22 +143,27 @@ class EngineCore:
         for token_id in msg.output_token_ids:  # generated elsewhere: continue after them
             req.append_output(token_id)
         self.requests[req.req_id] = req
+        self._counters["prompt"] += req.num_prompt_tokens
+        if msg.params.constraint is not None:
+            self.grammar.submit(req)  # scheduled once its grammar is compiled
+            return
         self.scheduler.add(req)
         self.kv.start_loads(req)
-        self._counters["prompt"] += req.num_prompt_tokens
 
     def abort_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is None:
                 continue
+            self.grammar.free(req_id)
             self.scheduler.remove(req)
             if self.spec is not None:
                 self.spec.free(req)
             self._pending_deltas.append(self._delta(req, [], [], "abort"))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._pending_deltas)
+        return self.scheduler.has_unfinished or bool(self._pending_deltas) or \
+            self.grammar.num_waiting > 0
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestDelta]:
@@ -166,10 +175,14 @@ class EngineCore:
     def _step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
         self._expire_deadlines(deltas)
+        self._admit_compiled(deltas)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+            self.grammar.clip_drafts(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.grammar.num_waiting:
+                time.sleep(0.001)  # only grammars compiling: do not spin the step thread
             return deltas
         if self.spec is not None:
             self.spec.clip(sched.scheduled)
@@ -195,8 +208,10 @@ class EngineCore:
         for req in reqs:
             num_drafts = len(req.spec_token_ids)
             if num_drafts:
-                verified = self.spec.verify(req, logits[row:row + num_drafts + 1],
-                                            self.sampler.generator)
+                rows = logits[row:row + num_drafts + 1]
+                if self.grammar.has(req):  # each row masked as the sampler would mask it
+                    rows = rows.masked_fill(~self.grammar.draft_masks(req), float("-inf"))
+                verified = self.spec.verify(req, rows, self.sampler.generator)
                 token_ids = verified.token_ids
                 logprobs = self.sampler.logprobs(logits[row:row + len(token_ids)],
                                                  [req] * len(token_ids), token_ids)
@@ -205,7 +220,9 @@ class EngineCore:
                 plain.append((row, req))
             row += num_drafts + 1
         if plain:
-            result = self.sampler(logits[[r for r, _ in plain]], [req for _, req in plain])
+            plain_reqs = [req for _, req in plain]
+            result = self.sampler(logits[[r for r, _ in plain]], plain_reqs,
+                                  self.grammar.masks(plain_reqs))
             for (_, req), token_id, logprob in zip(plain, result.token_ids, result.logprobs):
                 out[req.req_id] = _Sampled([token_id], [logprob], 0, 0)
         return out
@@ -235,13 +252,15 @@ class EngineCore:
         while num < len(out.token_ids) and not finished:
             req.append_output(out.token_ids[num])
             num += 1
-            finished = req.check_stop(self.max_model_len)
+            finished = req.check_stop(self.max_model_len) or self._grammar_ended(req)
         mask = [i < out.num_accepted for i in range(num)]
         req.num_draft_proposed += out.num_proposed
         req.num_draft_accepted += sum(mask)
         self._counters["generated"] += num
+        error = "the grammar rejected a token" if finished and req.finish_reason == "error" \
+            else ""
         return self._delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
-                           req.finish_reason if finished else None,
+                           req.finish_reason if finished else None, error=error,
                            num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
                            accepted_draft_mask=mask if out.num_proposed else [])
 
@@ -252,7 +271,33 @@ class EngineCore:
         req.spec_token_ids = []
         self.kv.trim(req)
 
+    def _grammar_ended(self, req: Request) -> bool:
+        """A constrained request ends when its grammar is complete (a stop token, or a
+        grammar that allows nothing more); a token it rejects ends it with an error."""
+        if not self.grammar.has(req):
+            return False
+        if not self.grammar.sync(req):
+            req.finish_reason = "error"
+            return True
+        if self.grammar.is_terminated(req):
+            req.finish_reason = req.finish_reason or "stop"
+            return True
+        return False
+
+    def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
+        """Requests whose grammar finished compiling join the scheduler; a grammar that
+        failed ends its request with an error."""
+        ready, failed = self.grammar.take_ready()
+        for req in ready:
+            self.scheduler.add(req)
+            self.kv.start_loads(req)
+        for req, error in failed:
+            self.requests.pop(req.req_id, None)
+            req.finish_reason = "error"
+            deltas.append(self._delta(req, [], [], "error", error=f"grammar: {error}"))
+
     def _finish(self, req: Request) -> None:
+        self.grammar.free(req.req_id)
         if self.spec is not None:
             self.spec.free(req)
         self.scheduler.remove(req)
@@ -313,6 +358,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Flush queued KV writes to disk and release the KV directory. Idempotent."""
+        self.grammar.close()
         if self.tiers is not None:
             self.tiers.close()
 
@@ -325,6 +371,7 @@ class EngineCore:
             num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
             extra={**self._kv_metrics(), **self.cost_model.metrics(), **self._model_metrics(),
+                   **self.grammar.metrics(),
                    **(self.spec.metrics() if self.spec is not None else {})})
 
     def _model_metrics(self) -> dict[str, float]:

@@ -35,6 +35,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from engine.grammar import TokenMask
 from engine.messages import TokenLogprob
 from engine.request import Request
 from kernels import batch_invariant as bi
@@ -59,10 +60,13 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
-        """logits: fp32 [num_reqs, vocab]; not modified."""
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request],
+                 mask: TokenMask | None = None) -> SamplerOutput:
+        """logits: fp32 [num_reqs, vocab]; not modified. mask: the tokens a grammar allows
+        in some rows (engine/grammar.py); other rows are computed exactly as without it."""
         raw = logits
         logits = _apply_penalties(_mask_early_stop(logits, reqs), reqs)
+        logits = apply_grammar_mask(_apply_logit_bias(logits, reqs), mask)
         greedy = [row for row, req in enumerate(reqs) if req.params.is_greedy]
         sampled = [row for row, req in enumerate(reqs) if not req.params.is_greedy]
         token_ids = torch.empty(len(reqs), dtype=torch.long)
@@ -408,6 +412,34 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Ten
     pres = _column([p.presence_penalty for p in params])
     x = torch.where(counts > 0, x - (freq * counts + pres), x)
     return logits.index_copy(0, torch.tensor(rows), x)
+
+
+def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """OpenAI logit_bias: add each request's bias to its tokens' logits (ids >= vocab are
+    ignored); rows without one are untouched."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab = logits.shape[-1]
+    for row, req in enumerate(reqs):
+        for token_id, bias in req.params.logit_bias.items():
+            if token_id < vocab:
+                rows.append(row)
+                cols.append(token_id)
+                values.append(bias)
+    if not rows:
+        return logits
+    return logits.index_put((torch.tensor(rows), torch.tensor(cols)),
+                            torch.tensor(values, dtype=logits.dtype), accumulate=True)
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
+    """Tokens a grammar rules out -> -inf, in the mask's rows only (a new tensor)."""
+    if mask is None:
+        return logits
+    rows = torch.tensor(mask.rows)
+    masked = torch.where(mask.allowed[:, :logits.shape[-1]], logits[rows], NEG_INF)
+    return logits.index_copy(0, rows, masked)
 
 
 def _token_counts(token_ids: Sequence[list[int]], vocab: int) -> torch.Tensor:

@@ -9,6 +9,24 @@ from __future__ import annotations
 import msgspec
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's own limit)
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar",
+                    "structural_tag")
+
+
+class Constraint(msgspec.Struct, frozen=True, omit_defaults=True, array_like=True):
+    """What a request's output must match, as data (engine/grammar.py compiles it).
+
+    kind: json_object (any JSON object), json_schema (spec: the schema's JSON text), regex
+    (spec: the pattern), choice (spec: a JSON list of strings), grammar (spec: GBNF/EBNF
+    text), structural_tag (spec: an xgrammar structural-tag JSON, e.g. free text with
+    triggered tool calls)."""
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in CONSTRAINT_KINDS, "constraint.kind",
+               f"must be one of {', '.join(CONSTRAINT_KINDS)}", self.kind)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -29,6 +47,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculate: bool = True  # False: never draft for this request (server speculation on)
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI's range)
+    constraint: Constraint | None = None  # grammar-constrained decoding (engine/grammar.py)
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
@@ -52,6 +72,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                "must be non-empty strings", self.stop)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative", self.stop_token_ids)
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"must bias at most {MAX_LOGIT_BIAS} tokens", len(self.logit_bias))
+        _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+               "logit_bias", "must map token ids >= 0 to biases in [-100, 100]",
+               self.logit_bias)
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
 

@@ -14,8 +14,10 @@ import json
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
+import msgspec
 from aiohttp import web
 
+from frontend import structured
 from frontend.errors import invalid
 from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
                                  resolve_max_tokens, sampling_params)
@@ -25,6 +27,7 @@ from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicToo
                                InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
                                MessageStop, Ping, SseStream, StopInfo, TextBlock, TextDelta,
                                ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
+from frontend.tool_formats import tool_format
 from frontend.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 if TYPE_CHECKING:
@@ -47,6 +50,7 @@ class AnthropicApi:
         with self.state.admit():
             body = await read_json(request, MessagesRequest)
             job = self._job(request, body)
+            await structured.check(job.params.constraint, "tool_choice")
             msg_id = f"msg_{request[REQ_ID]}"
             async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
                 if body.stream:
@@ -81,11 +85,14 @@ class AnthropicApi:
         if prefill:
             raise invalid("an assistant prefill cannot be combined with tool_choice "
                           f"{choice.type!r}", param="tool_choice")
+        if self.state.options.tool_call_parser != "hermes":
+            return ids, ""  # the grammar alone makes the call (frontend/structured.py)
         return self.state.force_tool_call(ids, names,
                                           choice.name if choice.type == "tool" else None)
 
     def _job(self, request: web.Request, body: MessagesRequest) -> Job:
         state = self.state
+        _check_thinking(body.thinking)
         prompt_ids, forced = self._encode(body)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
         params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
@@ -94,9 +101,16 @@ class AnthropicApi:
                                  stop_token_ids=[] if body.ignore_eos else state.stop_token_ids)
         parse_tools = bool(body.tools) and not (body.tool_choice and
                                                 body.tool_choice.type == "none")
+        fmt = tool_format(state.options.tool_call_parser)
+        constrained = structured.for_chat(None, [tool_dict(t) for t in body.tools or []],
+                                          fmt, _tool_choice_name(body.tool_choice),
+                                          _parallel(body.tool_choice), forced)
+        if constrained is not None:
+            params = msgspec.structs.replace(params, constraint=constrained.constraint)
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
                    params=params, parse_tools=parse_tools, retention=body.retention,
+                   tool_format=fmt.name,
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
 
@@ -144,6 +158,30 @@ def _tool_result_text(block: ToolResultBlock) -> str:
     return "\n".join(part.text for part in block.content)
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id of a tool call (`toolu_...`) from the parser's (`call_...`)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _tool_choice_name(choice) -> str | None:
+    """Anthropic tool_choice as structured.for_chat takes it (auto when absent)."""
+    if choice is None:
+        return "auto"
+    return {"any": "required", "tool": choice.name}.get(choice.type, choice.type)
+
+
+def _parallel(choice) -> bool:
+    return not (choice is not None and choice.disable_parallel_tool_use)
+
+
+def _check_thinking(thinking: dict | None) -> None:
+    """Extended thinking: this server has no thinking mode, so only "disabled" is taken."""
+    if thinking is not None and thinking.get("type") != "disabled":
+        raise invalid("thinking is not supported by this server (the model has no "
+                      "thinking mode); omit it or send {\"type\": \"disabled\"}",
+                      param="thinking")
+
+
 def tool_dict(tool: AnthropicTool) -> dict:
     function: dict = {"name": tool.name, "parameters": tool.input_schema}
     if tool.description is not None:
@@ -171,7 +209,7 @@ def _tool_input(arguments: str) -> dict:
 def _response(msg_id: str, model: str, result: ChoiceResult) -> AnthropicResponse:
     final = result.final
     content: list = [TextBlock(text=result.text)] if result.text or not result.tool_calls else []
-    content += [ToolUseBlock(id=c.id, name=c.name, input=_tool_input(c.arguments))
+    content += [ToolUseBlock(id=tool_use_id(c.id), name=c.name, input=_tool_input(c.arguments))
                 for c in result.tool_calls.values()]
     return AnthropicResponse(msg_id, model, content, _stop_reason(final),
                              final.stop_sequence, _usage(final.usage))
@@ -202,7 +240,7 @@ class _Blocks:
         if isinstance(event, ToolCallStart):
             await self.close_text()
             self.tool_blocks[event.index] = await self._start(
-                ToolUseBlock(id=event.id, name=event.name, input={}))
+                ToolUseBlock(id=tool_use_id(event.id), name=event.name, input={}))
         elif isinstance(event, ToolCallArgsDelta):
             await self._send(ContentBlockDelta(self.tool_blocks[event.index],
                                                InputJsonDelta(event.json_text)))

@@ -25,7 +25,8 @@ from engine.sampling_params import SamplingParams
 from frontend.errors import ApiError, from_sampling_error, invalid
 from frontend.protocol import SamplingFields
 from frontend.stop import StopChecker
-from frontend.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallParser, ToolCallStart
+from frontend.tool_formats import tool_format
+from frontend.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 
 log = logging.getLogger("duplex.generation")
 
@@ -46,6 +47,7 @@ class Job:
     # the start of the reply the prompt already holds (a forced tool call): the tool parser
     # reads it before the model's text; it is never sent as content
     forced_text: str = ""
+    tool_format: str = "hermes"  # frontend/tool_formats.py: how calls are written and parsed
     retention: str = "chat"
     cache_salt: str = ""
 
@@ -314,7 +316,7 @@ class _Choice:
         self.detokenizer = pipeline.recipe.new_detokenizer(params.skip_special_tokens)
         self.stop = (StopChecker(params.stop, params.include_stop_str_in_output)
                      if params.stop else None)
-        self.tools = ToolCallParser() if job.parse_tools else None
+        self.tools = tool_format(job.tool_format).new_parser() if job.parse_tools else None
         self._forced_events = self.tools.push(job.forced_text) \
             if self.tools is not None and job.forced_text else []
         self.has_tool_calls = False

@@ -11,8 +11,11 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
 
+import msgspec
 from aiohttp import web
 
+from engine.sampling_params import SamplingParams
+from frontend import structured
 from frontend.errors import invalid
 from frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
                                  check_n, collect, params_from_fields, resolve_max_tokens,
@@ -26,6 +29,8 @@ from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                PromptTokensDetails,
                                SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
                                Tool, ToolCall, TopLogprob, REQ_ID, json_response, read_json)
+from frontend.responses_api import ResponsesApi
+from frontend.tool_formats import tool_format
 from frontend.tool_parser import ToolCallArgsDelta, ToolCallStart
 
 if TYPE_CHECKING:
@@ -42,13 +47,16 @@ class OpenAIApi:
         return [web.post("/v1/chat/completions", self.chat_completions),
                 web.post("/v1/completions", self.completions),
                 web.get("/v1/models", self.models),
-                web.post("/tokenize", self.tokenize)]
+                web.get("/v1/models/{model_id}", self.model),
+                web.post("/tokenize", self.tokenize),
+                *ResponsesApi(self.state).routes()]
 
     # ------------------------------------------------------------ chat
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         with self.state.admit():
             body = await read_json(request, ChatCompletionRequest)
-            job = self._chat_job(request, body)
+            job, param = self._chat_job(request, body)
+            await structured.check(job.params.constraint, param)
             reply = _Reply(f"chatcmpl-{request[REQ_ID]}", self.state.model_name, body.n)
             async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
                 if body.stream:
@@ -57,7 +65,8 @@ class OpenAIApi:
                 results = await collect(events, job.n)
             return json_response(_chat_completion(reply, results))
 
-    def _chat_job(self, request: web.Request, body: ChatCompletionRequest) -> Job:
+    def _chat_job(self, request: web.Request, body: ChatCompletionRequest) -> tuple[Job, str]:
+        """The job, and the field its output constraint (if any) came from."""
         state = self.state
         state.check_model(body.model)
         check_n(body.n, state.options.max_n)
@@ -71,7 +80,9 @@ class OpenAIApi:
                             else (body.max_tokens, "max_tokens"))
         forced = ""
         choice = body.tool_choice
-        if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        fmt = tool_format(state.options.tool_call_parser)
+        if tools and fmt.name == "hermes" and (choice == "required" or
+                                               isinstance(choice, NamedToolChoice)):
             if body.continue_final_message:
                 raise invalid("continue_final_message cannot be combined with a required or "
                               "named tool_choice", param="tool_choice")
@@ -81,19 +92,28 @@ class OpenAIApi:
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, param)
         params = params_from_fields(body, max_tokens, state.stop_token_ids,
                                     logprobs=_chat_logprobs_count(body))
-        return Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
-                   forced_text=forced,
-                   params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
-                   retention=body.retention,
-                   cache_salt=state.keys.tenant_salt(request, body.cache_salt))
+        constrained = structured.for_chat(structured.from_openai(body), tools, fmt,
+                                          _tool_choice_name(choice), body.parallel_tool_calls,
+                                          forced)
+        params = with_constraint(params, constrained, body.logit_bias, state)
+        job = Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
+                  forced_text=forced,
+                  params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
+                  tool_format=fmt.name,
+                  retention=body.retention,
+                  cache_salt=state.keys.tenant_salt(request, body.cache_salt))
+        return job, constrained.param if constrained else ""
 
     # ------------------------------------------------------------ completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
         with self.state.admit():
             body = await read_json(request, CompletionRequest)
             prompts = self._completion_prompts(body)
-            jobs = [self._completion_job(request, body, p.token_ids, k)
+            constrained = structured.from_openai(body)
+            jobs = [self._completion_job(request, body, p.token_ids, k, constrained)
                     for k, p in enumerate(prompts)]
+            if constrained:
+                await structured.check(constrained.constraint, constrained.param)
             reply = _Reply(f"cmpl-{request[REQ_ID]}", self.state.model_name,
                            len(jobs) * body.n)
             echoes = [prompts[i // body.n].text if body.echo else ""
@@ -127,12 +147,14 @@ class OpenAIApi:
         return out
 
     def _completion_job(self, request: web.Request, body: CompletionRequest,
-                        prompt_ids: list[int], k: int) -> Job:
+                        prompt_ids: list[int], k: int,
+                        constrained: structured.Requested | None) -> Job:
         state = self.state
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len,
                                         default=16)
         params = params_from_fields(body, max_tokens, state.stop_token_ids,
                                     logprobs=body.logprobs)
+        params = with_constraint(params, constrained, body.logit_bias, state)
         return Job(req_id=f"cmpl-{request[REQ_ID]}-{k}", prompt_token_ids=prompt_ids,
                    params=params, n=body.n, retention=body.retention,
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
@@ -160,6 +182,14 @@ class OpenAIApi:
         cards = [ModelCard(name, state.started, max_model_len=info.max_model_len if info else None)
                  for name in names]
         return json_response(ModelList(cards))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the card of a served model, or a 404 in OpenAI's shape."""
+        model_id = request.match_info["model_id"]
+        self.state.check_model(model_id)
+        info = self.state.engine.ready_info
+        return json_response(ModelCard(model_id, self.state.started,
+                                       max_model_len=info.max_model_len if info else None))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request, TokenizeRequest)
@@ -230,6 +260,28 @@ def _check_tool_choice(body: ChatCompletionRequest) -> None:
     if choice.function.name not in names:
         raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools",
                       param="tool_choice")
+
+
+def _tool_choice_name(choice) -> str | None:
+    """tool_choice as structured.tool_calls takes it: none / auto / required / a name."""
+    if isinstance(choice, NamedToolChoice):
+        return choice.function.name
+    return choice or "auto"
+
+
+def with_constraint(params, constrained: structured.Requested | None,
+                    bias: dict[str, float] | None, state) -> SamplingParams:
+    """params with the request's output constraint and logit bias."""
+    changes: dict = {}
+    if constrained is not None:
+        if params.min_tokens:  # the grammar may be complete before min_tokens
+            raise invalid("min_tokens cannot be combined with a constrained output "
+                          f"({constrained.param})", param="min_tokens")
+        changes["constraint"] = constrained.constraint
+    if bias:
+        changes["logit_bias"] = structured.logit_bias(bias)
+        state.check_token_ids(list(changes["logit_bias"]), "logit_bias")
+    return msgspec.structs.replace(params, **changes) if changes else params
 
 
 def _chat_logprobs_count(body: ChatCompletionRequest) -> int | None:

@@ -21,7 +21,9 @@ MAX_TEMPLATE_CHARS = 256_000  # as the recipe's RenderLimits.template_chars
 def add_operator_arguments(group) -> None:
     group.add_argument("--chat-template", default=None, metavar="FILE",
                        help="Jinja chat template to use instead of the model's own (vLLM's "
-                            "flag); rendered by the same sandboxed, injection-safe recipe")
+                            "flag); rendered by the same sandboxed, injection-safe recipe; "
+                            "frontend/templates/smollm2_tools.jinja (shipped) adds Hermes-style "
+                            "tool calling to SmolLM2")
     group.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
                        help="browser origins allowed to call the API from other sites (CORS), "
                             "comma-separated, repeated or a JSON list, e.g. "

@@ -93,7 +93,40 @@ class StreamOptions(msgspec.Struct, **_KW):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(SamplingFields, **_KW):
+class JsonSchemaSpec(msgspec.Struct, **_KW):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, **_KW):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(msgspec.Struct, **_KW):
+    """vLLM's `structured_outputs`: exactly one of these."""
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+class StructuredFields(SamplingFields, **_KW):
+    """Output constraints (frontend/structured.py) and logit_bias, OpenAI and vLLM names."""
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatCompletionRequest(StructuredFields, **_KW):
     messages: list[ChatMessage]
     model: str | None = None
     stream: bool = False
@@ -104,12 +137,13 @@ class ChatCompletionRequest(SamplingFields, **_KW):
     top_logprobs: Int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the final assistant message
 
 
-class CompletionRequest(SamplingFields, **_KW):
+class CompletionRequest(StructuredFields, **_KW):
     prompt: str | list[str | TokenId | list[TokenId]]
     model: str | None = None
     stream: bool = False
@@ -336,6 +370,7 @@ class MessagesRequest(CountTokensRequest, **_KW):
     speculate: bool = True  # Duplex: false turns speculative decoding off for this request
     retention: Literal["chat", "agent"] = "chat"
     cache_salt: str | None = None
+    thinking: dict[str, Any] | None = None  # refused unless disabled: no thinking mode
 
 
 class AnthropicUsage(msgspec.Struct):

@@ -35,6 +35,7 @@ log = logging.getLogger("duplex.serve")
 
 # After the drain timeout, streams still open get their terminal error; this long to send it.
 FINAL_FLUSH_S = 2.0
+TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest n (choices per request)")
     group.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
                        help="largest request body accepted")
+    group.add_argument("--tool-call-parser", default="hermes",
+                       choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                       help="how the model writes tool calls: parsed from its output and, "
+                            "except pythonic, constrained for tool_choice (default: hermes)")
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
     add_operator_arguments(group)
@@ -127,9 +132,11 @@ def run(args: argparse.Namespace) -> int:
             max_queued_requests=args.max_queued_requests, max_n=args.max_n,
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
             client_max_size=args.max_body_bytes, metrics_public=args.metrics_public,
-            allowed_origins=parse_origins(args.allowed_origins))
+            allowed_origins=parse_origins(args.allowed_origins),
+            chat_template=read_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser)
         model_path = resolve_model_path(config.model)
-        chat_template = read_chat_template(args.chat_template)
+        chat_template = options.chat_template
         ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)
         layout = layout_from_args(args)
         if config.expert_parallel > 1 and layout.num_prefill:

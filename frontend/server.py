@@ -30,6 +30,7 @@ from frontend.errors import ApiError, invalid
 from frontend.generation import Pipeline
 from frontend.metrics import Metrics, kv_usage
 from frontend.protocol import REQ_ID, json_response
+from frontend.tool_formats import TOOL_FORMATS
 from frontend.tool_parser import forced_call_prefix, tools_supported
 
 log = logging.getLogger("duplex.server")
@@ -49,12 +50,17 @@ class ServerOptions:
     client_max_size: int = 16 * 1024 * 1024
     web_dir: Path | None = WEB_DIR
     allowed_origins: tuple[str, ...] = ()  # CORS; "*": any origin
+    chat_template: str | None = None  # --chat-template: replaces the model's own template
+    tool_call_parser: str = "hermes"  # --tool-call-parser (frontend/tool_formats.py)
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not 1 <= self.max_n <= 128:
             raise ValueError(f"max_n must be in [1, 128], got {self.max_n}")
+        if self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.request_timeout_s < 0:
             raise ValueError(f"request_timeout_s must be >= 0, got {self.request_timeout_s}")
 
@@ -166,6 +172,7 @@ class AppState:
                     continue_final_message: bool = False) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty", param="messages")
+        template = template if template is not None else self.options.chat_template
         try:
             if continue_final_message:  # keyword only when used: fakes need not know it
                 return self.recipe.encode_chat(messages, tools=tools, template=template,
@@ -180,7 +187,8 @@ class AppState:
                         template: str | None = None) -> tuple[list[int], str]:
         """(prompt ids that end inside the start of a tool call, that start's text), for
         tool_choice 'required' / 'any' (name None) or a named tool."""
-        source = template if template is not None else getattr(self.recipe, "template", None)
+        source = template if template is not None else \
+            self.options.chat_template or getattr(self.recipe, "template", None)
         if not tools_supported(source):
             raise invalid("this model's chat template has no tool calling, so a required or "
                           "named tool_choice cannot be honoured", param="tool_choice")

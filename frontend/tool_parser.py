@@ -175,6 +175,19 @@ def forced_call_prefix(tool_names: list[str], name: str | None) -> str:
     return OPEN_TAG + '\n{"name": ' + json.dumps(name) + ', "arguments": '
 
 
+class HermesFormat:
+    """How a Hermes-style call is written, for constrained decoding (frontend/structured.py):
+    each call a tag `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`."""
+    trigger = OPEN_TAG
+    separator = "\n"
+
+    @staticmethod
+    def tag(name: str, arguments: dict) -> dict:
+        """The structural tag of one call of `name`; arguments: its content format."""
+        return {"type": "tag", "begin": forced_call_prefix([name], name),
+                "content": arguments, "end": "}\n" + CLOSE_TAG}
+
+
 def tools_supported(template: str | None) -> bool:
     """Whether a chat template renders tools and asks for Hermes-style <tool_call> output."""
     return bool(template) and OPEN_TAG in template and re.search(r"\btools\b", template) is not None

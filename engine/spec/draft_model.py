@@ -50,7 +50,7 @@ class ModelDraft(NamedTuple):
 class RequestView:
     """The fields of a Request that ModelRunner.prepare reads, for a draft forward."""
     __slots__ = ("all_token_ids", "spec_token_ids", "block_ids", "num_computed_tokens",
-                 "num_tokens", "swa_block_ids", "replay_end")
+                 "num_tokens", "swa_block_ids", "replay_end", "num_prompt_tokens")
 
     def __init__(self, token_ids: list[int], block_ids: list[int], num_computed: int,
                  swa_block_ids: list[int] | None = None) -> None:
@@ -61,6 +61,7 @@ class RequestView:
         self.num_tokens = len(token_ids)
         self.swa_block_ids = swa_block_ids or []  # a hybrid (sliding-window) KV layout's
         self.replay_end = 0
+        self.num_prompt_tokens = 0  # a draft forward is never a prompt step (quant.prompt_step)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return (self.all_token_ids + self.spec_token_ids)[start:end]

@@ -19,7 +19,7 @@ kept and asks KVCacheManager.trim to free blocks that only held rejected drafts.
 Drafting that the rule switched off is retried now and then (EXPLORE_BUDGET): one request
 drafts its full length, so the acceptance estimates can recover when the workload changes.
 
-Requests with penalties, or below min_tokens, do not draft (their next-token rule depends
+Requests with penalties or a logit bias, or below min_tokens, do not draft (their next-token rule depends
 on the tokens before it in ways verification of a whole run does not reproduce). Sampled
 requests keep their distribution exactly; a seeded one repeats its tokens only when its
 draft lengths repeat too (they depend on the batch and on the measured cost curve; a
@@ -196,7 +196,7 @@ class Speculator:
 
     def _max_drafts(self, req: Request) -> int:
         params = req.params
-        if not params.speculate or params.has_penalties or \
+        if not params.speculate or params.has_penalties or params.logit_bias or \
                 req.num_output_tokens < params.min_tokens:
             return 0
         # every draft kept still leaves room for the bonus token
