@@ -41,6 +41,7 @@ from kernels.batch_invariant import set_batch_invariant_mode
 from kernels.cpu_fused import use_fused
 from kernels.quant import QuantEmbedding, QuantWeight
 from kvstore import keys as kvkeys
+from kvstore import retention
 
 log = logging.getLogger("duplex.engine")
 
@@ -283,6 +284,9 @@ class EngineCore:
         ids = msg.prompt_token_ids + msg.output_token_ids
         if msg.req_id in self.requests:
             raise ValueError(f"request id {msg.req_id!r} is already in use")
+        if msg.retention not in retention.CLASSES:
+            raise ValueError(f"unknown retention class {msg.retention!r}; expected one of "
+                             f"{list(retention.CLASSES)}")
         if not msg.prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from aiohttp import web
 
 from frontend.errors import invalid
+from frontend.retention import request_retention
 from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
                                  resolve_max_tokens, sampling_params)
 from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
@@ -96,7 +97,8 @@ class AnthropicApi:
                                                 body.tool_choice.type == "none")
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
-                   params=params, parse_tools=parse_tools, retention=body.retention,
+                   params=params, parse_tools=parse_tools,
+                   retention=request_retention(request, body.retention, bool(body.tools)),
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
 from aiohttp import web
 
 from frontend.errors import invalid
+from frontend.retention import request_retention
 from frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
                                  check_n, collect, params_from_fields, resolve_max_tokens,
                                  total_usage)
@@ -84,7 +85,7 @@ class OpenAIApi:
         return Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
                    params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
-                   retention=body.retention,
+                   retention=request_retention(request, body.retention, bool(tools)),
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
     # ------------------------------------------------------------ completions
@@ -134,7 +135,8 @@ class OpenAIApi:
         params = params_from_fields(body, max_tokens, state.stop_token_ids,
                                     logprobs=body.logprobs)
         return Job(req_id=f"cmpl-{request[REQ_ID]}-{k}", prompt_token_ids=prompt_ids,
-                   params=params, n=body.n, retention=body.retention,
+                   params=params, n=body.n,
+                   retention=request_retention(request, body.retention, False),
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
     def _completion(self, reply: _Reply, body: CompletionRequest, results: list[ChoiceResult],
