@@ -350,6 +350,8 @@ class EngineCore:
         if self.tiers is not None:
             store = self.tiers.stats()
             metrics.update({f"kv_{name}": store[name] for name in _STORE_METRICS})
+            metrics.update({f"kv_{name}": v for name, v in store.items()
+                            if name.startswith("shared_") or name == "hits_shared"})
         return metrics
 
 

@@ -387,10 +387,14 @@ def _endpoint(request: web.Request) -> str:
 
 
 def _kv_tiers(extra: dict[str, float]) -> dict[str, dict[str, float]]:
-    """Bytes held and prompt tokens served per KV tier (device pool, host RAM, SSD)."""
-    return {tier: {"bytes": extra.get(f"kv_bytes_{tier}", 0.0),
-                   "hit_tokens": extra.get(f"kv_hit_tokens_{tier}", 0.0)}
-            for tier in ("device", "host", "disk")}
+    """Bytes held and prompt tokens served per KV tier (device pool, host RAM, SSD, the
+    fleet-shared store); the shared tier adds its kv_shared_* figures (on, hits, errors...)."""
+    tiers = {tier: {"bytes": extra.get(f"kv_bytes_{tier}", 0.0),
+                    "hit_tokens": extra.get(f"kv_hit_tokens_{tier}", 0.0)}
+             for tier in ("device", "host", "disk", "shared")}
+    tiers["shared"].update({name.removeprefix("kv_shared_"): value
+                            for name, value in extra.items() if name.startswith("kv_shared_")})
+    return tiers
 
 
 def _moe(extra: dict[str, float]) -> dict | None:
