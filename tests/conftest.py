@@ -21,12 +21,13 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture
 def redis_factory(tmp_path):
-    """Start private redis-servers (extra args: e.g. "--maxmemory", "2mb")."""
+    """Private redis-servers (extra args: e.g. "--maxmemory", "2mb"), started unless
+    started=False (a port where nothing listens yet)."""
     servers: list[RedisServer] = []
 
-    def start(*extra: str) -> RedisServer:
-        servers.append(RedisServer(tmp_path, *extra).start())
-        return servers[-1]
+    def start(*extra: str, started: bool = True) -> RedisServer:
+        servers.append(RedisServer(tmp_path, *extra))
+        return servers[-1].start() if started else servers[-1]
     yield start
     for server in servers:
         server.kill()
