@@ -12,7 +12,7 @@ with noeviction a full store refuses writes, which are counted and dropped).
 
 Why redis-py's asyncio client: the tiers already run an event loop on their own thread
 (`engine.kv_tiers.KVTiers`), so the client lives there without a thread of its own, and a
-read for a whole prefix is one MGET round trip. Its retries are off: the `SharedTier`
+read for a whole prefix is one MGET round trip. It retries once (a pooled connection gone stale after a store restart), no more: the `SharedTier`
 bounds every call by a timeout and owns the decision to back off (its breaker).
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ class RedisBackend:
     async def start(self) -> None:
         self._client = aioredis.Redis.from_url(
             self.url, socket_timeout=self.op_timeout_s,
-            socket_connect_timeout=self.op_timeout_s, retry=Retry(NoBackoff(), 0))
+            socket_connect_timeout=self.op_timeout_s, retry=Retry(NoBackoff(), 1))  # one retry: a stale pooled connection
         await self._client.ping()
 
     async def ping(self) -> None:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import anthropic
+import msgspec
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -17,13 +18,20 @@ from engine.messages import AddRequest
 from engine.sampling_params import SamplingParams
 from frontend.server import AppState, ServerOptions, build_app
 from kvstore import blockfile
+from tests.disagg.conftest import tiny_model
 from tests.engine.conftest import make_core
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
-from frontend_fakes import FakeEngineClient, FakeRecipe  # noqa: E402
+from frontend_fakes import OFFSET, FakeEngineClient, FakeRecipe  # noqa: E402
 
 DAY_S = 86_400.0
 HI = [{"role": "user", "content": "tell me a long story about caches " * 2}]
+
+
+@pytest.fixture(scope="module")
+def default_model() -> str:
+    """A tiny random Llama (vocab 384 covers the fake recipe's byte tokens)."""
+    return tiny_model()
 
 
 class CoreEngine(FakeEngineClient):
@@ -36,8 +44,9 @@ class CoreEngine(FakeEngineClient):
     async def _deltas(self, msg: AddRequest):
         self.core.add_request(msg)
         while self.core.has_unfinished_requests():
-            for delta in self.core.step():
-                yield delta
+            for delta in self.core.step():  # tiny-model ids as the fake recipe's byte tokens
+                yield msgspec.structs.replace(
+                    delta, new_token_ids=[OFFSET + t % 256 for t in delta.new_token_ids])
 
 
 @pytest.fixture
@@ -84,7 +93,7 @@ async def test_body_field_and_default_classes(served):
     await sdk.messages.create(model="fake-model", messages=HI, max_tokens=2)
     assert ttl_class(expiries(core, root), t0) == {7}, "no header, no tools: chat"
     await sdk.messages.create(model="fake-model", max_tokens=2, extra_body={"retention": "agent"},
-                              messages=[{"role": "user", "content": "agent work " * 12}])
+                              messages=[{"role": "user", "content": "agent work " * 8}])
     assert ttl_class(expiries(core, root), t0) == {3, 7}
 
 
