@@ -111,6 +111,7 @@ class Ready(msgspec.Struct, tag="ready", **_WIRE):
     kv_layout: str = ""
     num_threads: int = 0  # torch threads of the worker's steps
     weights: str = ""  # weight precision in use: float32, bfloat16, or the quantization
+    kv_shared: str = ""  # identity of the fleet-shared KV store it uses (kvstore.shared), or ""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):

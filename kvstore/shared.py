@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -275,3 +276,11 @@ def open_shared(url: str, namespace: bytes, capacity_bytes: int,
         raise ValueError(f"--kv-remote must be redis://HOST:PORT/DB, valkey://..., or a "
                          f"shared directory path, got {url!r}")
     return SharedTier(backend, config, clock=clock)
+
+
+def store_identity(url: str | None) -> str:
+    """A short name for one shared store that workers announce, so the router knows which
+    workers see each other's blocks ("" for none). A hash: URLs may carry passwords."""
+    if not url:
+        return ""
+    return hashlib.blake2b(url.strip().rstrip("/").encode(), digest_size=8).hexdigest()
