@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import math
 import os
 import threading
@@ -46,6 +47,14 @@ TIERS = (DEVICE, HOST, DISK, SHARED)
 # of a 2,000-token prefix take ~0.1-0.7 s on the CPU boxes; computing it takes a minute.
 LOAD_TIMEOUT_S = 2.0
 _CLOSE_TIMEOUT_S = 60.0
+
+
+def private_kv_dir(config: EngineConfig, worker_id: str) -> EngineConfig:
+    """`--kv-dir /ssd/kv/{worker}`: each worker its own private disk tier (a directory
+    belongs to one process); the shared tier is `--kv-remote`."""
+    if not config.kv_dir or "{worker}" not in config.kv_dir:
+        return config
+    return dataclasses.replace(config, kv_dir=config.kv_dir.replace("{worker}", worker_id))
 
 
 class KVTiers:
