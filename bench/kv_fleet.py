@@ -13,6 +13,7 @@ from the tier under test. Reports hit rate and TTFT p50 / p99 per layout.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import shutil
 import subprocess
@@ -41,7 +42,10 @@ def _replay(args, tier_flags: list[str]) -> dict:
                             time_scale=args.mooncake_time_scale, output_scale=0.05,
                             sessions=args.mooncake_sessions, concurrency=args.concurrency)
     s = result["summary"]
+    errors = collections.Counter(f"{r.get('error')}: {(r.get('detail') or '')[:120]}"
+                                 for r in result["records"] if r.get("error"))
     return {"completed": s["completed"], "failed": s["failed"], "rejected": s["rejected"],
+            "errors": dict(errors),
             "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"],
             "hit_rate": s["cache_hit_rate"], "ttft_p50_ms": s["ttft_ms"].get("p50"),
             "ttft_p99_ms": s["ttft_ms"].get("p99")}
