@@ -39,6 +39,7 @@ _COUNTERS = ("hits", "misses", "puts", "dedup_skipped", "write_dropped", "write_
              "write_rejected", "read_errors", "corrupt_dropped", "expired", "bytes_read",
              "bytes_written", "reads")
 _MAX_BATCH = 32  # blocks per write round trip
+_READ_BATCH = 16  # blocks per read round trip (SmolLM2 fp32: 16 x 0.7 MB)
 _KNOWN_KEYS = 1 << 16  # keys remembered as present in the store (saves re-sending them)
 _LATENCIES = 512  # recent read round trips kept for p50 / p99
 
@@ -65,7 +66,8 @@ class SharedBackend(Protocol):
 @dataclasses.dataclass(frozen=True)
 class SharedConfig:
     max_inflight_bytes: int = 64 * 2**20  # queued, unsent payload; beyond it puts drop
-    op_timeout_s: float = 0.5  # one read or write round trip, at most
+    op_timeout_s: float = 0.5  # one read round trip (a request may be waiting on it), at most
+    write_timeout_s: float = 5.0  # one batch of writes (nobody waits on it), at most
     max_failures: int = 3  # consecutive faults that turn the tier off
     cooldown_s: float = 5.0  # off this long before a probe
 
@@ -160,7 +162,7 @@ class SharedTier:
             return
         try:
             num_refused = await asyncio.wait_for(self.backend.write(batch, self._clock()),
-                                                 self.config.op_timeout_s)
+                                                 self.config.write_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a store fault drops the batch, never raises
             self._fault("write", exc)
             self._counts["write_errors"] += len(batch)
@@ -187,11 +189,23 @@ class SharedTier:
     # ------------------------------------------------------------------ reads
     async def get_chain(self, keys: Sequence[bytes]) -> list[BlockEntry | None]:
         """Entries of the leading blocks of `keys` the store holds, None from the first
-        miss on (a chained key after a miss is useless)."""
-        found: list[BlockEntry | None] = [None] * len(keys)
-        if not keys or not self.breaker.allow():
-            self._counts["misses"] += len(keys)
-            return found
+        miss on (a chained key after a miss is useless). Read `_READ_BATCH` blocks per
+        round trip, so one reply stays small and each is bounded by the timeout."""
+        found: list[BlockEntry | None] = []
+        for start in range(0, len(keys), _READ_BATCH):
+            batch = await self._read_batch(keys[start:start + _READ_BATCH])
+            found += batch
+            if not batch or batch[-1] is None:
+                break
+        num_hits = sum(e is not None for e in found)
+        self._counts["hits"] += num_hits
+        self._counts["misses"] += len(keys) - num_hits
+        return found + [None] * (len(keys) - len(found))
+
+    async def _read_batch(self, keys: Sequence[bytes]) -> list[BlockEntry | None]:
+        """One round trip: the leading entries found, then None from the first miss on."""
+        if not self.breaker.allow():
+            return []
         start = time.perf_counter()
         try:
             results = await asyncio.wait_for(self.backend.read(list(keys)),
@@ -199,19 +213,15 @@ class SharedTier:
         except Exception as exc:  # noqa: BLE001 - a store fault is a miss
             self._fault("read", exc)
             self._counts["read_errors"] += 1
-            self._counts["misses"] += len(keys)
-            return found
+            return []
         self.breaker.record_success()
         self._latencies.append(time.perf_counter() - start)
         self._counts["reads"] += 1
+        found: list[BlockEntry | None] = [None] * len(keys)
         for i, (key, result) in enumerate(zip(keys, results)):
-            entry = self._accept(key, result)
-            if entry is None:
+            found[i] = self._accept(key, result)
+            if found[i] is None:
                 break
-            found[i] = entry
-        num_hits = sum(e is not None for e in found)
-        self._counts["hits"] += num_hits
-        self._counts["misses"] += len(keys) - num_hits
         return found
 
     def _accept(self, key: bytes, result: ReadResult) -> BlockEntry | None:
@@ -271,7 +281,8 @@ def open_shared(url: str, namespace: bytes, capacity_bytes: int,
     if redis_tier.is_redis_url(url):
         backend = redis_tier.RedisBackend(url, namespace, config.op_timeout_s)
     elif shared_dir.is_dir_url(url):
-        backend = shared_dir.SharedDirBackend(shared_dir.dir_of(url), namespace, capacity_bytes)
+        backend = shared_dir.SharedDirBackend(shared_dir.dir_of(url), namespace, capacity_bytes,
+                                              fsync=False)
     else:
         raise ValueError(f"--kv-remote must be redis://HOST:PORT/DB, valkey://..., or a "
                          f"shared directory path, got {url!r}")

@@ -7,8 +7,9 @@ them under a size budget and their expiry. There is no index in any process: the
 is the index, so what one worker publishes every other sees at once.
 
 Multi-writer scheme (lock-free for data, a lease only to avoid duplicate work):
-  * publish = write a uniquely named temp file next to the target, fsync, rename over the
-    target. Rename is atomic, so a reader sees no file, an old complete file or the new
+  * publish = write a uniquely named temp file next to the target, rename over the target
+    (no fsync by default: a cache may lose entries in a crash, and the CRC turns a torn file
+    into a miss; fsync on NFS costs a server round trip per file). Rename is atomic, so a reader sees no file, an old complete file or the new
     complete file, never a partial one. Two writers racing on one key both rename a
     complete image of the same content address; the last rename wins, both are valid.
   * read = open, read, verify namespace, key, size and CRC. A file that vanishes under a

@@ -239,3 +239,16 @@ async def _until(predicate, timeout_s: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.02)
+
+
+async def test_long_chain_is_read_in_batches_and_stops_at_the_first_gap(tiers, shared_url):
+    await flush_db(shared_url)
+    tier = await tiers(shared_url)
+    keys = make_keys(40, salt=12)
+    for i, key in enumerate(keys):
+        if i != 35:
+            tier.put(key, now_entry(i, 64))
+    await tier.flush()
+    got = await tier.get_chain(keys)
+    assert [e is not None for e in got] == [True] * 35 + [False] * 5
+    assert tier.stats()["reads"] == 3  # 16 + 16 + 8: the third round trip finds the gap
