@@ -252,3 +252,21 @@ async def test_long_chain_is_read_in_batches_and_stops_at_the_first_gap(tiers, s
     got = await tier.get_chain(keys)
     assert [e is not None for e in got] == [True] * 35 + [False] * 5
     assert tier.stats()["reads"] == 3  # 16 + 16 + 8: the third round trip finds the gap
+
+
+def test_breaker_opens_after_failures_and_lets_one_trial_through():
+    from kvstore.breaker import CircuitBreaker
+    now = [0.0]
+    breaker = CircuitBreaker(max_failures=2, cooldown_s=5.0, clock=lambda: now[0])
+    breaker.record_failure()
+    assert breaker.is_on and breaker.allow()
+    breaker.record_failure()
+    assert not breaker.is_on and not breaker.allow() and breaker.num_trips == 1
+    now[0] = 5.0
+    assert breaker.allow() and not breaker.allow(), "one trial at a time"
+    breaker.record_failure()  # the trial failed: off for another cooldown
+    assert not breaker.allow() and breaker.num_trips == 1
+    now[0] = 10.0
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.is_on and breaker.allow()
