@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-tokens", type=int, default=2000)
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="extra flag for duplex serve in the multi-turn run (repeatable)")
+    parser.add_argument("--fleet-layout", action="append", default=None,
+                        choices=("per-worker-disk", "shared-redis", "shared-dir"),
+                        help="fleet: which tier layout(s) to run (default: all three)")
     parser.add_argument("--out", default=None)
 
 

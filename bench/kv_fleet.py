@@ -26,7 +26,7 @@ LAYOUTS = ("per-worker-disk", "shared-redis", "shared-dir")
 
 def fleet(args) -> dict:
     out = {"bound": trace_bound(args)}
-    for layout in LAYOUTS:
+    for layout in getattr(args, "fleet_layout", None) or LAYOUTS:
         with tempfile.TemporaryDirectory(prefix="duplex-bench-fleet-") as tmp, \
                 _tier_flags(layout, Path(tmp)) as flags:
             out[layout] = _replay(args, flags)
@@ -34,13 +34,18 @@ def fleet(args) -> dict:
 
 
 def _replay(args, tier_flags: list[str]) -> dict:
-    from bench.kv import _serve_and_run
+    from bench.serve import run_workload
+    from bench.server_proc import free_port, running_server
 
-    serve = ["--prefill-workers", "2", "--decode-workers", "1",
+    serve = ["serve", "--prefill-workers", "2", "--decode-workers", "1",
              "--num-kv-blocks", str(args.small_pool_blocks), *tier_flags, *args.serve_arg]
-    result = _serve_and_run(serve, "mooncake", max_requests=args.mooncake_requests,
-                            time_scale=args.mooncake_time_scale, output_scale=0.05,
-                            sessions=args.mooncake_sessions, concurrency=args.concurrency)
+    port = free_port()
+    with running_server(serve, port):
+        result = run_workload(f"http://127.0.0.1:{port}", "mooncake", progress=False,
+                              max_duration_s=3600, max_requests=args.mooncake_requests,
+                              time_scale=args.mooncake_time_scale, output_scale=0.05,
+                              sessions=args.mooncake_sessions, concurrency=args.concurrency)
+        tiers = _kv_tiers(port)
     s = result["summary"]
     errors = collections.Counter(f"{r.get('error')}: {(r.get('detail') or '')[:120]}"
                                  for r in result["records"] if r.get("error"))
@@ -48,7 +53,16 @@ def _replay(args, tier_flags: list[str]) -> dict:
             "errors": dict(errors),
             "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"],
             "hit_rate": s["cache_hit_rate"], "ttft_p50_ms": s["ttft_ms"].get("p50"),
-            "ttft_p99_ms": s["ttft_ms"].get("p99")}
+            "ttft_p99_ms": s["ttft_ms"].get("p99"), "kv_tiers": tiers}
+
+
+def _kv_tiers(port: int) -> dict:
+    """/v1/status `kv_tiers` at the end of the run (summed over the workers)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=10) as reply:
+        return json.load(reply).get("kv_tiers", {})
 
 
 @contextlib.contextmanager
@@ -94,6 +108,11 @@ def trace_bound(args) -> float:
     if args.mooncake_sessions:
         entries = select_sessions(entries, args.mooncake_sessions)[:args.mooncake_requests]
     max_blocks = max((options.max_model_len - _CONTEXT_MARGIN - 1) // options.tokens_per_block, 1)
+    return hash_bound(entries, max_blocks)
+
+
+def hash_bound(entries: list[dict], max_blocks: int) -> float:
+    """Hit rate in hash blocks if each request reused every leading block seen before."""
     seen: set[tuple[int, ...]] = set()
     total = cached = 0
     for entry in entries:
