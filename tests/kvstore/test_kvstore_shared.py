@@ -221,7 +221,8 @@ async def test_slow_store_costs_at_most_the_timeout(redis_server):
     start = time.perf_counter()
     assert await tier.get_chain([key]) == [None]
     assert time.perf_counter() - start < 0.01
-    tier._task.cancel()
+    backend.delay_s = 0.0
+    await tier.close()
 
 
 async def test_inflight_bytes_are_bounded(redis_server):
