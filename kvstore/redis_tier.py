@@ -1,4 +1,5 @@
-"""`RedisBackend`: the shared KV tier on Redis or Valkey (`--kv-remote redis://HOST:PORT/DB`).
+"""`RedisBackend`: the shared KV tier on Redis or Valkey (`--kv-remote redis://HOST:PORT/DB`,
+or a Redis / Valkey Cluster: `redis+cluster://HOST:PORT`, any one node as the seed).
 
 Owns the connection to one Redis-protocol server and the key names in it:
 
@@ -12,7 +13,8 @@ with noeviction a full store refuses writes, which are counted and dropped).
 
 Why redis-py's asyncio client: the tiers already run an event loop on their own thread
 (`engine.kv_tiers.KVTiers`), so the client lives there without a thread of its own, and a
-read for a whole prefix is one MGET round trip. It retries once (a pooled connection gone stale after a store restart), no more: the `SharedTier`
+read of a batch of a prefix is one pipelined round trip (GETs rather than one MGET, so a
+cluster client can split the batch by hash slot). It retries once (a pooled connection gone stale after a store restart), no more: the `SharedTier`
 bounds every call by a timeout and owns the decision to back off (its breaker).
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -29,42 +32,60 @@ from kvstore.blockfile import ReadResult, Status
 from kvstore.entry import BlockEntry
 from kvstore.keys import key_hex
 
-SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
+SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://", "redis+cluster://",
+           "rediss+cluster://", "valkey+cluster://", "valkeys+cluster://")
 
 
 def is_redis_url(url: str) -> bool:
     return url.startswith(SCHEMES)
 
 
+def plain_url(url: str) -> tuple[str, bool]:
+    """(the URL as redis-py takes it, whether it names a cluster)."""
+    scheme, _, rest = url.partition("://")
+    is_cluster = scheme.endswith("+cluster")
+    scheme = scheme.removesuffix("+cluster").replace("valkey", "redis", 1)
+    return f"{scheme}://{rest}", is_cluster
+
+
 class RedisBackend:
     kind = "redis"
 
     def __init__(self, url: str, namespace: bytes, op_timeout_s: float = 0.5) -> None:
-        self.url = url.replace("valkey", "redis", 1) if url.startswith("valkey") else url
+        self.url, self.is_cluster = plain_url(url)
         self.namespace = namespace
         self.op_timeout_s = op_timeout_s
         self._prefix = f"duplex:kv:{key_hex(namespace)}:".encode()
-        self._client: aioredis.Redis | None = None
+        self._client: aioredis.Redis | RedisCluster | None = None
 
     def name(self, key: bytes) -> bytes:
         """The Redis key that stores block `key`."""
         return self._prefix + key_hex(key).encode()
 
     async def start(self) -> None:
-        self._client = aioredis.Redis.from_url(
-            self.url, socket_timeout=self.op_timeout_s,
-            socket_connect_timeout=self.op_timeout_s, retry=Retry(NoBackoff(), 1))  # one retry: a stale pooled connection
+        options = dict(socket_timeout=self.op_timeout_s,
+                       socket_connect_timeout=self.op_timeout_s,
+                       retry=Retry(NoBackoff(), 1))  # one retry: a stale pooled connection
+        if self.is_cluster:  # its retries also follow MOVED / ASK redirections
+            options["retry"] = Retry(NoBackoff(), 3)
+            self._client = RedisCluster.from_url(self.url, **options)
+            await self._client.initialize()
+        else:
+            self._client = aioredis.Redis.from_url(self.url, **options)
         await self._client.ping()
 
     async def ping(self) -> None:
         await self._require().ping()
 
     async def read(self, keys: Sequence[bytes]) -> list[ReadResult]:
-        values = await self._require().mget([self.name(k) for k in keys])
+        pipe = self._require().pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self.name(key))
+        values = await pipe.execute()
         results = [blockfile.decode_block(v, self.namespace, k) for k, v in zip(keys, values)]
         bad = [self.name(k) for k, r in zip(keys, results) if r.status is Status.CORRUPT]
-        if bad:
-            await self._client.delete(*bad)
+        for name in bad:  # one by one: in a cluster they may live on different nodes
+            await self._client.delete(name)
         return results
 
     async def write(self, items: list[tuple[bytes, BlockEntry]], now: float) -> int:
@@ -92,7 +113,7 @@ class RedisBackend:
     def stats(self) -> dict[str, float]:
         return {}
 
-    def _require(self) -> aioredis.Redis:
+    def _require(self) -> aioredis.Redis | RedisCluster:
         if self._client is None:
             raise redis.exceptions.ConnectionError("not connected")
         return self._client

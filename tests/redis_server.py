@@ -15,9 +15,22 @@ SKIP_REASON = "redis-server is not installed (make test installs it with apt whe
 
 
 def free_port() -> int:
+    """A free port whose cluster bus port (+10000) is a free port too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 < 65536 and _is_free(port + 10000):
+            return port
+
+
+def _is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 class RedisServer:
@@ -61,3 +74,41 @@ class RedisServer:
             s.sendall((" ".join(args) + "\r\n").encode())
             time.sleep(0.05)
             return s.recv(1 << 16)
+
+
+class RedisCluster:
+    """Three masters (no replicas) on free ports, slots split by `redis-cli --cluster create`."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.nodes = []
+        for i in range(3):
+            node_dir = workdir / f"node{i}"
+            node_dir.mkdir()
+            self.nodes.append(RedisServer(node_dir, "--cluster-enabled", "yes",
+                                          "--cluster-config-file", "nodes.conf"))
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> RedisCluster:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            pytest.skip("redis-cli is not installed")
+        for node in self.nodes:
+            node.start()
+        subprocess.run([cli, "--cluster", "create",
+                        *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=30)
+        deadline = time.monotonic() + 10
+        while not all(b"cluster_state:ok" in n.command("CLUSTER", "INFO") for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis cluster did not come up")
+            time.sleep(0.1)
+        return self
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()

@@ -271,3 +271,31 @@ def test_breaker_opens_after_failures_and_lets_one_trial_through():
     assert breaker.allow()
     breaker.record_success()
     assert breaker.is_on and breaker.allow()
+
+
+async def test_redis_cluster_round_trip_across_slots(tiers, tmp_path):
+    from tests.redis_server import RedisCluster
+    cluster = RedisCluster(tmp_path).start()
+    try:
+        tier = await tiers(cluster.url, config=SharedConfig(op_timeout_s=2.0))
+        keys = make_keys(20, salt=13)  # spread over the three nodes' hash slots
+        entries = [now_entry(i, 128) for i in range(20)]
+        for key, entry in zip(keys, entries):
+            tier.put(key, entry)
+        await tier.flush()
+        got = await tier.get_chain(keys)
+        assert [bytes(e.payload) for e in got] == [e.payload for e in entries]
+        assert tier.stats()["write_errors"] == tier.stats()["write_rejected"] == 0
+        counts = [int(n.command("DBSIZE").split(b":")[1]) for n in cluster.nodes]
+        assert sum(counts) == 20 and all(counts), counts
+    finally:
+        cluster.kill()
+
+
+def test_store_urls():
+    from kvstore.redis_tier import plain_url
+    assert plain_url("redis+cluster://h:7000") == ("redis://h:7000", True)
+    assert plain_url("valkeys://:pw@h:6380/2") == ("rediss://:pw@h:6380/2", False)
+    assert plain_url("redis://h:6379/0") == ("redis://h:6379/0", False)
+    with pytest.raises(ValueError, match="--kv-remote must be"):
+        open_shared("memcached://h", NS, 1)
