@@ -57,6 +57,7 @@ class RedisBackend:
         self.op_timeout_s = op_timeout_s
         self._prefix = f"duplex:kv:{key_hex(namespace)}:".encode()
         self._client: aioredis.Redis | RedisCluster | None = None
+        self._store_bytes = 0
 
     def name(self, key: bytes) -> bytes:
         """The Redis key that stores block `key`."""
@@ -110,8 +111,16 @@ class RedisBackend:
             await self._client.aclose()
             self._client = None
 
+    async def refresh(self) -> None:
+        info = await self._require().info("memory")
+        if self.is_cluster:  # {node: info} from every node
+            self._store_bytes = sum(node.get("used_memory", 0) for node in info.values())
+        else:
+            self._store_bytes = info.get("used_memory", 0)
+
     def stats(self) -> dict[str, float]:
-        return {}
+        """store_bytes: the server's used_memory (every key, not only Duplex's)."""
+        return {"store_bytes": float(self._store_bytes)}
 
     def _require(self) -> aioredis.Redis | RedisCluster:
         if self._client is None:

@@ -42,6 +42,7 @@ _MAX_BATCH = 32  # blocks per write round trip
 _READ_BATCH = 16  # blocks per read round trip (SmolLM2 fp32: 16 x 0.7 MB)
 _KNOWN_KEYS = 1 << 16  # keys remembered as present in the store (saves re-sending them)
 _LATENCIES = 512  # recent read round trips kept for p50 / p99
+_REFRESH_S = 10.0  # how often the store's own size is asked for
 
 
 class StoreFault(Exception):
@@ -59,6 +60,8 @@ class SharedBackend(Protocol):
         """Store every item that is not there yet; returns how many the store refused
         (full, e.g. Redis maxmemory with noeviction) without being unreachable."""
     async def ping(self) -> None: ...
+    async def refresh(self) -> None:
+        """Update what `stats` reports of the store itself (its `store_bytes`)."""
     async def close(self) -> None: ...
     def stats(self) -> dict[str, float]: ...
 
@@ -93,6 +96,7 @@ class SharedTier:
         self._latencies: collections.deque[float] = collections.deque(maxlen=_LATENCIES)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._task: asyncio.Task | None = None
+        self._refreshed_at = 0.0
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -142,6 +146,7 @@ class SharedTier:
 
     async def _drain(self) -> None:
         while True:
+            await self._refresh()
             if not self._queue:
                 self._idle.set()
                 self._wake.clear()
@@ -173,6 +178,17 @@ class SharedTier:
         self._counts["bytes_written"] += sum(e.nbytes for _, e in batch)
         for key, _ in batch:
             self._remember(key)
+
+    async def _refresh(self) -> None:
+        """Now and then, while on, ask the store how big it is (a failure is no fault)."""
+        now = time.monotonic()
+        if not self.breaker.is_on or now - self._refreshed_at < _REFRESH_S:
+            return
+        self._refreshed_at = now
+        try:
+            await asyncio.wait_for(self.backend.refresh(), self.config.op_timeout_s)
+        except Exception:  # noqa: BLE001 - a figure for /v1/status, never worth a fault
+            pass
 
     async def _probe(self) -> None:
         """While off: one ping per cooldown turns the tier back on when the store answers."""

@@ -122,9 +122,12 @@ class SharedDirBackend:
             await asyncio.gather(self._sweeper, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
+    async def refresh(self) -> None:
+        pass  # the size is measured by each sweep
+
     def stats(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in self._counts.items()},
-                "dir_bytes": float(self.last_sweep_bytes)}
+                "store_bytes": float(self.last_sweep_bytes)}
 
     # ------------------------------------------------------------------ sweep
     async def sweep(self) -> bool:

@@ -24,3 +24,17 @@ async def test_shared_tier_figures_per_worker_in_metrics_and_usage(make_harness)
     assert figure("prefill-0", "kv_shared_read_errors") == 1
     assert figure("prefill-0", "kv_hit_tokens_shared") == 64
     assert m[("duplex_cached_prompt_tokens_total", (("tier", "shared"),))] == 16
+
+
+async def test_status_lists_the_shared_tier_per_worker(make_harness):
+    engine = FakeEngineClient()
+    engine.worker_stats = lambda: {
+        "prefill-0": WorkerStats(extra={**SHARED, "kv_shared_store_bytes": 4096.0}),
+        "prefill-1": WorkerStats(extra={"kv_shared_on": 0.0, "kv_shared_store_bytes": 0.0}),
+        "decode-0": WorkerStats(extra={})}
+    h = await make_harness(engine)
+    shared = (await (await h.client.get("/v1/status")).json())["kv_tiers"]["shared"]
+    assert shared["bytes"] == 4096.0, "one store: its size, not a sum over workers"
+    assert set(shared["workers"]) == {"prefill-0", "prefill-1"}
+    assert shared["workers"]["prefill-0"]["read_p99_ms"] == 2.5
+    assert shared["workers"]["prefill-1"] == {"on": 0.0, "store_bytes": 0.0}

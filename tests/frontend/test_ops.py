@@ -88,8 +88,8 @@ async def test_status_per_tier_kv_and_expert_load(make_harness):
     assert status["kv_tiers"] == {"device": {"bytes": 4096.0, "hit_tokens": 32.0},
                                   "host": {"bytes": 2048.0, "hit_tokens": 0.0},
                                   "disk": {"bytes": 8192.0, "hit_tokens": 16.0},
-                                  "shared": {"bytes": 0.0, "hit_tokens": 48.0, "on": 1.0,
-                                             "read_p50_ms": 0.4}}
+                                  "shared": {"bytes": 0.0, "hit_tokens": 48.0, "workers": {
+                                      "worker": {"on": 1.0, "read_p50_ms": 0.4}}}}
     assert status["moe"] == {"ep_ranks": 2, "rank_load_tokens": [30.0, 10.0],
                              "imbalance_mean": 1.4, "imbalance_max": 1.5, "rebalances": 3}
 

@@ -68,6 +68,8 @@ async def test_round_trip_and_chain_stops_at_first_miss(tiers, shared_url):
     stats = reader.stats()
     assert (stats["hits"], stats["misses"], stats["on"]) == (2, 2, 1)
     assert stats["bytes_read"] == 512 and stats["read_p50_ms"] > 0
+    if shared_url.startswith("redis"):
+        assert stats["store_bytes"] > 0, "the server's used_memory, asked for at start"
 
 
 async def test_damaged_and_foreign_values_are_never_served(tiers, shared_url, tmp_path):
