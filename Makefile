@@ -31,7 +31,13 @@ $(VENV)/.browser: | $(STAMP)
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed: browser tests will be skipped"
 	touch $@
 
-test: $(STAMP) $(VENV)/.browser
+# The shared KV tier's tests run a real redis-server (Debian's package); without it they
+# are skipped with a reason.
+$(VENV)/.redis: | $(STAMP)
+	command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) || echo "redis-server not installed: shared KV tier tests on Redis will be skipped"
+	touch $@
+
+test: $(STAMP) $(VENV)/.browser $(VENV)/.redis
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 clean:

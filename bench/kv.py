@@ -8,6 +8,8 @@
   ttft        cold vs device / host / disk-hit time to first token of a 2,000-token prompt
               (offline, `engine.kv_tiers_bench`).
   disk        the SSD tier's read MB/s next to plain file reads (`kvstore.diskbench`).
+  fleet       2 prefill + 1 decode workers on the Mooncake trace: per-worker SSD tiers vs
+              one shared tier (Redis, shared directory) vs the trace's bound (`bench.kv_fleet`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-PARTS = ("multi-turn", "mooncake", "ttft", "disk")
+PARTS = ("multi-turn", "mooncake", "ttft", "disk", "fleet")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-tokens", type=int, default=2000)
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="extra flag for duplex serve in the multi-turn run (repeatable)")
+    parser.add_argument("--fleet-layout", action="append", default=None,
+                        choices=("per-worker-disk", "shared-redis", "shared-dir"),
+                        help="fleet: which tier layout(s) to run (default: all three)")
     parser.add_argument("--out", default=None)
 
 
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     report = {}
     for part in parts:
         report[part] = {"multi-turn": multi_turn, "mooncake": mooncake, "ttft": ttft,
-                        "disk": disk}[part](args)
+                        "disk": disk, "fleet": fleet}[part](args)
         print(f"## {part}\n{json.dumps(report[part], indent=2)}\n", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
@@ -134,6 +139,12 @@ def ttft(args) -> dict:
         return EngineCore(EngineConfig(**fields), progress=False)
 
     return bench_cached_ttft(factory, num_tokens=args.ttft_tokens)
+
+
+def fleet(args) -> dict:
+    from bench.kv_fleet import fleet as run_fleet
+
+    return run_fleet(args)
 
 
 def disk(args) -> dict:

@@ -31,6 +31,10 @@ _HELP = {
     "kv_dir": "directory of the SSD KV tier (off when unset)",
     "kv_host_bytes": "host-RAM KV tier capacity in bytes (0: off)",
     "kv_disk_bytes": "SSD KV tier capacity in bytes",
+    "kv_remote": "fleet-shared KV tier: redis://HOST:PORT/DB (or valkey://; a cluster: "
+                 "redis+cluster://HOST:PORT), or a directory on a shared filesystem (off "
+                 "when unset)",
+    "kv_remote_bytes": "size budget of a shared-directory KV tier in bytes",
     "chat_ttl_s": "retention of chat KV blocks in seconds (default 7 days)",
     "agent_ttl_s": "retention of agent KV blocks in seconds (default 3 days)",
     "step_budget_ms": "time budget of one scheduler step in ms (0: token budget only)",

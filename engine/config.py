@@ -73,6 +73,10 @@ class EngineConfig:
     kv_dir: str | None = None  # SSD tier root; None = no disk tier
     kv_host_bytes: int = 0  # host-RAM tier capacity; 0 = no RAM tier
     kv_disk_bytes: int = 16 * 1024**3
+    # fleet-shared KV tier (kvstore/shared.py): redis://HOST:PORT/DB, valkey://..., or a
+    # directory on a shared filesystem; None = off
+    kv_remote: str | None = None
+    kv_remote_bytes: int = 64 * 1024**3  # size budget of a shared directory (Redis: maxmemory)
     chat_ttl_s: float = 7 * 86400.0
     agent_ttl_s: float = 3 * 86400.0
     step_budget_ms: float = 0.0  # 0 = no time budget, token budget only
@@ -120,8 +124,11 @@ class EngineConfig:
                  self.eplb_interval_steps)
         _require(0 <= self.ep_local_ranks <= self.expert_parallel, "ep_local_ranks",
                  "must be in [0, expert_parallel]", self.ep_local_ranks)
+        _require(self.kv_remote_bytes > 0, "kv_remote_bytes", "must be > 0",
+                 self.kv_remote_bytes)
         if self.expert_parallel > 1:  # the ranks replay one schedule: nothing may depend on time
-            for field, off in (("kv_dir", None), ("step_budget_ms", 0.0), ("speculation", "off")):
+            for field, off in (("kv_dir", None), ("kv_remote", None), ("step_budget_ms", 0.0),
+                               ("speculation", "off")):
                 _require(getattr(self, field) == off, field, "is not supported with "
                          "expert_parallel > 1 (ranks step in lockstep; it makes scheduling "
                          f"depend on timing): leave it at {off!r}", getattr(self, field))

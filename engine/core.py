@@ -42,6 +42,7 @@ from kernels.batch_invariant import set_batch_invariant_mode
 from kernels.cpu_fused import use_fused
 from kernels.quant import QuantEmbedding, QuantWeight
 from kvstore import keys as kvkeys
+from kvstore import retention
 
 log = logging.getLogger("duplex.engine")
 
@@ -330,6 +331,9 @@ class EngineCore:
         ids = msg.prompt_token_ids + msg.output_token_ids
         if msg.req_id in self.requests:
             raise ValueError(f"request id {msg.req_id!r} is already in use")
+        if msg.retention not in retention.CLASSES:
+            raise ValueError(f"unknown retention class {msg.retention!r}; expected one of "
+                             f"{list(retention.CLASSES)}")
         if not msg.prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
@@ -395,6 +399,8 @@ class EngineCore:
         if self.tiers is not None:
             store = self.tiers.stats()
             metrics.update({f"kv_{name}": store[name] for name in _STORE_METRICS})
+            metrics.update({f"kv_{name}": v for name, v in store.items()
+                            if name.startswith("shared_") or name == "hits_shared"})
         return metrics
 
 

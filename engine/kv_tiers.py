@@ -1,7 +1,7 @@
-"""The engine side of the KV cache hierarchy: device pool <-> host RAM <-> disk.
+"""The engine side of the KV cache hierarchy: device pool <-> host RAM <-> disk <-> shared.
 
 Owns three things:
-  KVTiers    a `kvstore.KVStore` (host RAM in front of disk) running on its own event loop
+  KVTiers    a `kvstore.KVStore` (host RAM, disk, the fleet-shared store) on its own event loop
              in a daemon thread, behind thread-safe synchronous methods: the core steps in an
              executor thread and the offline `LLM` has no loop at all.
   BlockCodec the copy of one device block (every layer, K and V) to and from a BlockEntry.
@@ -10,7 +10,10 @@ Owns three things:
 
     down:  device --evict------------> host RAM --spill--> disk
            device --publish--write-behind---------------> disk     (a restart loses nothing)
+           device --publish--write-behind---------------> shared   (every worker sees it)
     up:    device <--load at scheduling-- host RAM <--prefetch at admission-- disk
+                                                  <--prefetch at admission-- shared (the
+                                                     part of the prefix no local tier has)
 
 Nothing here blocks a step on disk: writes are queued, reads start when a request arrives
 and the scheduler runs other requests until they land (or a short timeout passes).
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import math
 import os
 import threading
@@ -34,14 +38,23 @@ from kvstore.disk import DiskConfig, DiskTier
 from kvstore.entry import BlockEntry
 from kvstore.errors import KVStoreError
 from kvstore.retention import RetentionPolicy
-from kvstore.store import DISK, HOST, KVStore
+from kvstore.shared import open_shared
+from kvstore.store import DISK, HOST, SHARED, KVStore
 
 DEVICE = "device"
-TIERS = (DEVICE, HOST, DISK)
+TIERS = (DEVICE, HOST, DISK, SHARED)
 # How long a request waits for its disk reads before computing what has not arrived. Reads
 # of a 2,000-token prefix take ~0.1-0.7 s on the CPU boxes; computing it takes a minute.
 LOAD_TIMEOUT_S = 2.0
 _CLOSE_TIMEOUT_S = 60.0
+
+
+def private_kv_dir(config: EngineConfig, worker_id: str) -> EngineConfig:
+    """`--kv-dir /ssd/kv/{worker}`: each worker its own private disk tier (a directory
+    belongs to one process); the shared tier is `--kv-remote`."""
+    if not config.kv_dir or "{worker}" not in config.kv_dir:
+        return config
+    return dataclasses.replace(config, kv_dir=config.kv_dir.replace("{worker}", worker_id))
 
 
 class KVTiers:
@@ -53,18 +66,20 @@ class KVTiers:
 
     def __init__(self, host_bytes: int, disk: DiskConfig | None,
                  policy: RetentionPolicy = RetentionPolicy(), *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 shared: SharedSpec | None = None) -> None:
         self.clock = clock
         self.policy = policy
         self.has_host = host_bytes > 0
         self.has_disk = disk is not None
+        self.has_shared = shared is not None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-tiers",
                                         daemon=True)
         self._thread.start()
         self._closed = False
         try:
-            self._store = self._call(self._open(host_bytes, disk))
+            self._store = self._call(self._open(host_bytes, disk, shared))
         except BaseException:
             self._stop_loop()
             raise
@@ -72,23 +87,29 @@ class KVTiers:
 
     @classmethod
     def from_config(cls, config: EngineConfig, namespace: bytes) -> KVTiers | None:
-        """Tiers of an EngineConfig (None when host and disk tiers are both off). `namespace`
-        is the model-level key namespace (no tenant salt) that guards the disk files."""
+        """Tiers of an EngineConfig (None when every tier is off). `namespace` is the
+        model-level key namespace (no tenant salt) that guards disk files and shared values."""
         disk = None
         if config.kv_dir:
             disk = DiskConfig(os.path.expanduser(config.kv_dir), namespace,
                               config.kv_disk_bytes)
-        if disk is None and config.kv_host_bytes <= 0:
+        shared = SharedSpec(config.kv_remote, namespace, config.kv_remote_bytes) \
+            if config.kv_remote else None
+        if disk is None and shared is None and config.kv_host_bytes <= 0:
             return None
         policy = RetentionPolicy(config.chat_ttl_s, config.agent_ttl_s)
         try:
-            return cls(config.kv_host_bytes, disk, policy)
+            return cls(config.kv_host_bytes, disk, policy, shared=shared)
         except KVStoreError as exc:
             raise KVStoreError(f"--kv-dir {config.kv_dir!r} cannot be used: {exc}") from exc
 
-    async def _open(self, host_bytes: int, disk: DiskConfig | None) -> KVStore:
+    async def _open(self, host_bytes: int, disk: DiskConfig | None,
+                    shared: SharedSpec | None) -> KVStore:
         now = lambda: self.clock()  # noqa: E731 - late-bound, so a replaced clock counts
-        store = KVStore(host_bytes, DiskTier(disk, clock=now) if disk else None, clock=now)
+        remote = None if shared is None else open_shared(
+            shared.url, shared.namespace, shared.capacity_bytes, clock=now)
+        store = KVStore(host_bytes, DiskTier(disk, clock=now) if disk else None, clock=now,
+                        shared=remote)
         await store.start()
         return store
 
@@ -101,9 +122,15 @@ class KVTiers:
             self._loop.call_soon_threadsafe(self._store.put, key, entry)
 
     def write_behind(self, key: bytes, entry: BlockEntry) -> None:
-        """Queue `entry` for the disk tier only (deduplicated by key there)."""
-        if self.has_disk and not self._closed:
-            self._loop.call_soon_threadsafe(self._store.disk.put, key, entry)
+        """Queue `entry` for the disk tier and the shared store (deduplicated by key)."""
+        if (self.has_disk or self.has_shared) and not self._closed:
+            self._loop.call_soon_threadsafe(self._store.put_behind, key, entry)
+
+    @property
+    def shared_is_on(self) -> bool:
+        """A shared tier exists and its breaker is closed (a plain read across threads: a
+        stale answer costs one wasted or one skipped read, never a wrong hit)."""
+        return self.has_shared and self._store.shared.is_on
 
     def expiry(self, retention: str) -> float:
         """Absolute expiry of a block stored now by a request of class `retention`."""
@@ -115,21 +142,32 @@ class KVTiers:
         return self._call_sync(self._store.lookup, list(keys))
 
     def prefetch(self, keys: Sequence[bytes],
-                 landed: dict[bytes, BlockEntry] | None = None) -> concurrent.futures.Future:
-        """Start reading `keys` (disk reads run concurrently, each promoted into host RAM as
-        it lands); the future gives their entries, None where missing. Each entry found is
-        also put in `landed` the moment it is read, so a caller that stops waiting early
+                 landed: dict[bytes, BlockEntry] | None = None,
+                 shared_keys: Sequence[bytes] = ()) -> concurrent.futures.Future:
+        """Start reading `keys` from disk (concurrently, each promoted into host RAM as it
+        lands) and the chain `shared_keys` from the shared store (one round trip); the
+        future gives the entries of keys + shared_keys, None where missing. Each entry found
+        is also put in `landed` the moment it is read, so a caller that stops waiting early
         still has what arrived (with or without a host tier)."""
-        return asyncio.run_coroutine_threadsafe(self._prefetch(list(keys), landed), self._loop)
+        return asyncio.run_coroutine_threadsafe(
+            self._prefetch(list(keys), landed, list(shared_keys)), self._loop)
 
-    async def _prefetch(self, keys: list[bytes],
-                        landed: dict[bytes, BlockEntry] | None) -> list[BlockEntry | None]:
+    async def _prefetch(self, keys: list[bytes], landed: dict[bytes, BlockEntry] | None,
+                        shared_keys: list[bytes]) -> list[BlockEntry | None]:
         async def read(key: bytes) -> BlockEntry | None:
             entry, = await self._store.get_many([key])  # one key: promoted as soon as read
             if entry is not None and landed is not None:
                 landed[key] = entry
             return entry
-        return list(await asyncio.gather(*(read(key) for key in keys)))
+
+        async def read_shared() -> list[BlockEntry | None]:
+            entries = await self._store.get_shared(shared_keys)
+            if landed is not None:
+                landed.update((k, e) for k, e in zip(shared_keys, entries) if e is not None)
+            return entries
+        disk, shared = await asyncio.gather(asyncio.gather(*(read(key) for key in keys)),
+                                            read_shared())
+        return list(disk) + list(shared)
 
     def get_host(self, key: bytes) -> BlockEntry | None:
         return self.get_host_many([key])[0]
@@ -206,13 +244,20 @@ class BlockCodec:
         self.kv[:, :, block_id].copy_(src.view(self.shape))
 
 
+class SharedSpec(NamedTuple):
+    url: str  # --kv-remote
+    namespace: bytes  # model-level namespace the values must carry
+    capacity_bytes: int  # size budget of a shared directory
+
+
 class TierHit(NamedTuple):
     entry: BlockEntry
-    tier: str  # "host", or "disk" when the block came up from disk for this request
+    tier: str  # "host", or "disk" / "shared" when it came up from there for this request
 
 
 class _Load(NamedTuple):
-    keys: list[bytes]  # blocks being read from disk for one request
+    keys: list[bytes]  # blocks being read from disk or the shared store for one request
+    shared_keys: frozenset[bytes]  # which of them come from the shared store
     landed: dict[bytes, BlockEntry]  # those read so far (filled by the tiers' thread)
     future: concurrent.futures.Future
     deadline: float  # time.monotonic() after which the request stops waiting
@@ -242,7 +287,7 @@ class TierLink:
     def on_publish(self, block_id: int, key: bytes, retention: str) -> None:
         """A freshly computed block became addressable: stamp its expiry, write it to disk."""
         self.expires_at[block_id] = self.tiers.expiry(retention)
-        if self.tiers.has_disk:
+        if self.tiers.has_disk or self.tiers.has_shared:
             self.tiers.write_behind(key, self.codec.save(block_id, self.expires_at[block_id]))
 
     def is_live(self, block_id: int) -> bool:
@@ -250,15 +295,18 @@ class TierLink:
 
     # ------------------------------------------------------------------ up
     def start_load(self, req_id: str, keys: list[bytes]) -> None:
-        """At admission: start reading the disk part of the prefix that `keys` continue."""
-        if not keys or not self.tiers.has_disk:
+        """At admission: start reading the disk part of the prefix that `keys` continue,
+        and the rest of it (what no local tier has) from the shared store."""
+        if not keys or not (self.tiers.has_disk or self.tiers.has_shared):
             return
         tiers = self.tiers.lookup(keys)
         disk_keys = [key for key, tier in zip(keys, tiers) if tier == DISK]
-        if disk_keys:
+        shared_keys = keys[len(tiers):] if self.tiers.shared_is_on else []
+        if disk_keys or shared_keys:
             landed: dict[bytes, BlockEntry] = {}
-            self._loads[req_id] = _Load(disk_keys, landed, self.tiers.prefetch(disk_keys, landed),
-                                        time.monotonic() + self.load_timeout_s)
+            future = self.tiers.prefetch(disk_keys, landed, shared_keys)
+            self._loads[req_id] = _Load(disk_keys + shared_keys, frozenset(shared_keys), landed,
+                                        future, time.monotonic() + self.load_timeout_s)
 
     def is_loading(self, req_id: str) -> bool:
         """Its disk reads are still in flight and it has not waited too long for them."""
@@ -284,13 +332,15 @@ class TierLink:
         if not keys or (load is None and not self.tiers.has_host):
             return []
         landed = load.landed if load else {}
-        disk_keys = set(load.keys) if load else set()
+        loaded = set(load.keys) if load else set()
+        shared = load.shared_keys if load else frozenset()
         hits = []
         for key, entry in zip(keys, self.tiers.get_host_many(keys)):
             entry = entry or landed.get(key)
             if entry is None or not self.codec.fits(entry):
                 break
-            hits.append(TierHit(entry, DISK if key in disk_keys else HOST))
+            tier = HOST if key not in loaded else SHARED if key in shared else DISK
+            hits.append(TierHit(entry, tier))
         return hits
 
     def load(self, block_id: int, entry: BlockEntry) -> None:

@@ -67,7 +67,7 @@ class RequestDelta(msgspec.Struct, **_WIRE):
     stop_reason: int | None = None  # the stop token id that ended it, if any
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = {}  # "device" | "host" | "disk" -> tokens
+    cached_tokens_by_tier: dict[str, int] = {}  # "device" | "host" | "disk" | "shared" -> tokens
     num_draft_proposed: int = 0  # in this delta
     num_draft_accepted: int = 0
     accepted_draft_mask: list[bool] = []  # per new token: came from an accepted draft
@@ -112,6 +112,7 @@ class Ready(msgspec.Struct, tag="ready", **_WIRE):
     kv_layout: str = ""
     num_threads: int = 0  # torch threads of the worker's steps
     weights: str = ""  # weight precision in use: float32, bfloat16, or the quantization
+    kv_shared: str = ""  # identity of the fleet-shared KV store it uses (kvstore.shared), or ""
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):

@@ -41,6 +41,7 @@ from engine.messages import (AbortRequests, AddRequest, Heartbeat, Outputs, Read
 from engine.sampling_params import SamplingParams
 from engine.step_policy import fair_prefill
 from engine.zmq_io import Channel, worker_channel
+from kvstore.shared import store_identity
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +414,8 @@ class Worker:
                      kv_dtype=self.config.weights_dtype if hasattr(core, "runner") else "",
                      kv_layout=getattr(core, "kv_layout", ""),
                      num_threads=getattr(core, "num_threads", 0),
-                     weights=getattr(core, "weights_label", ""))
+                     weights=getattr(core, "weights_label", ""),
+                     kv_shared=store_identity(self.config.kv_remote))
 
     async def _in_core_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -28,6 +28,7 @@ import msgspec
 
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine.config import EngineConfig
+from engine.kv_tiers import private_kv_dir
 from engine.kv_transfer import LEASE_S
 from engine.logs import setup_logging_from_env
 from engine.worker import DEFAULT_KV_BIND, ROLES, CoreFactory, Worker, role_config
@@ -88,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
             print("duplex worker: --expert-parallel runs as a unified worker", file=sys.stderr)
             return 2
         from engine.ep_group import leader_core as factory
-    worker = Worker(role_config(config, args.role), factory,
-                    address=args.connect,
-                    worker_id=args.worker_id or f"{args.role}-{os.getpid()}", role=args.role,
+    worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
+    worker = Worker(private_kv_dir(role_config(config, args.role), worker_id), factory,
+                    address=args.connect, worker_id=worker_id, role=args.role,
                     heartbeat_s=args.heartbeat_s, kv_bind=args.kv_bind,
                     lease_s=args.handoff_lease_s, fair_prefill=args.fair_prefill)
     code = _run_on_uvloop(worker)

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from frontend import structured
 from frontend.errors import invalid
+from frontend.retention import request_retention
 from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
                                  resolve_max_tokens, sampling_params)
 from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
@@ -109,8 +110,8 @@ class AnthropicApi:
             params = msgspec.structs.replace(params, constraint=constrained.constraint)
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
-                   params=params, parse_tools=parse_tools, retention=body.retention,
-                   tool_format=fmt.name,
+                   params=params, parse_tools=parse_tools, tool_format=fmt.name,
+                   retention=request_retention(request, body.retention, bool(body.tools)),
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
 

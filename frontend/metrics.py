@@ -114,7 +114,9 @@ class Metrics:
         self.engine_ready = Gauge("duplex_engine_ready", "1 when a worker is ready", registry=r)
         self.worker_figures = Gauge(
             "duplex_worker_figure", "Per-worker figures: cost-model coefficients (cost_*), "
-            "median relative step-time prediction error, KV hand-offs (handoff_*, intake_*)",
+            "median relative step-time prediction error, KV hand-offs (handoff_*, intake_*), "
+            "prompt tokens served per KV tier (kv_hit_tokens_*), the shared KV tier "
+            "(kv_shared_*: on, hits, misses, bytes, read latency, errors)",
             ["worker", "name"], registry=r)
         self.moe_rank_load = Gauge(
             "duplex_moe_rank_load_tokens", "MoE: (token, expert) pairs each expert-parallel "
@@ -264,7 +266,8 @@ def _renamed(family, name: str):
 
 
 _MOE_RANK = re.compile(r"moe_rank(\d+)_tokens")
-_WORKER_FIGURES = ("cost_", "handoff_", "intake_", "num_rejected_kv_frames")
+_WORKER_FIGURES = ("cost_", "handoff_", "intake_", "num_rejected_kv_frames",
+                   "kv_hit_tokens_", "kv_shared_")  # kv_shared_*: the fleet-shared tier
 
 
 def kv_usage(stats: WorkerStats) -> float:

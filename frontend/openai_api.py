@@ -17,6 +17,7 @@ from aiohttp import web
 from engine.sampling_params import SamplingParams
 from frontend import structured
 from frontend.errors import invalid
+from frontend.retention import request_retention
 from frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
                                  check_n, collect, params_from_fields, resolve_max_tokens,
                                  total_usage)
@@ -100,7 +101,7 @@ class OpenAIApi:
                   forced_text=forced,
                   params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
                   tool_format=fmt.name,
-                  retention=body.retention,
+                  retention=request_retention(request, body.retention, bool(tools)),
                   cache_salt=state.keys.tenant_salt(request, body.cache_salt))
         return job, constrained.param if constrained else ""
 
@@ -156,7 +157,8 @@ class OpenAIApi:
                                     logprobs=body.logprobs)
         params = with_constraint(params, constrained, body.logit_bias, state)
         return Job(req_id=f"cmpl-{request[REQ_ID]}-{k}", prompt_token_ids=prompt_ids,
-                   params=params, n=body.n, retention=body.retention,
+                   params=params, n=body.n,
+                   retention=request_retention(request, body.retention, False),
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
     def _completion(self, reply: _Reply, body: CompletionRequest, results: list[ChoiceResult],

@@ -39,7 +39,7 @@ class SamplingFields(msgspec.Struct, **_KW):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculate: bool = True  # Duplex: false turns speculative decoding off for this request
-    retention: Literal["chat", "agent"] = "chat"
+    retention: Literal["chat", "agent"] | None = None  # None: header, else tools decide
     cache_salt: str | None = None
 
 
@@ -368,7 +368,7 @@ class MessagesRequest(CountTokensRequest, **_KW):
     metadata: dict[str, Any] | None = None
     ignore_eos: bool = False
     speculate: bool = True  # Duplex: false turns speculative decoding off for this request
-    retention: Literal["chat", "agent"] = "chat"
+    retention: Literal["chat", "agent"] | None = None  # None: header, else tools decide
     cache_salt: str | None = None
     thinking: dict[str, Any] | None = None  # refused unless disabled: no thinking mode
 

@@ -15,6 +15,13 @@ block keys it probably holds). EngineClient feeds it events and sends what it re
   matched against the keys last sent to each worker (an LRU as large as its block pool).
   The prompt goes to the worker that would finish it first: outstanding prompt tokens plus
   the tokens it would compute after its hit.
+* Fleet-shared tier. Workers that announce the same shared store (`Ready.kv_shared`) read
+  each other's published blocks from it, so the router keeps one more picture per store:
+  the keys sent to any of its workers (an LRU of `SHARED_KEYS`). A worker's expected hit is
+  then its own hit, or the store's where that is longer, with a block loaded from the store
+  counted at `SHARED_LOAD_COST` of computing it. On a miss in every worker's picture the
+  prompt still goes to the worker that would finish it first, because any worker is as
+  warm as the store; a worker that joined late is warm for what the store holds.
 * Decode. The live decode worker with the fewest streams (the frontend's own count plus the
   requests its latest heartbeat reports waiting).
 * Health. Only workers the client reports alive are chosen; a restarted worker starts with an
@@ -37,6 +44,10 @@ DEFAULT_BUCKETS = (512, 4096)
 # repeats for any further buckets).
 DEFAULT_BUCKET_LIMITS = (16, 2, 1)
 _PROMPT_ROLES = ("prefill", "unified", "decode")
+SHARED_KEYS = 1 << 20  # block keys remembered per shared store (~16 MiB of picture)
+# Time to load a block from the shared store relative to computing it (a 16-token block of
+# a 135M model: ~0.7 MB over the network vs ~4 GFLOP); only the ordering of workers uses it.
+SHARED_LOAD_COST = 0.1
 
 
 class Route(NamedTuple):
@@ -50,10 +61,43 @@ class _Queued(NamedTuple):
     keys: list[bytes]
 
 
+class _KeyPicture:
+    """Block keys probably held somewhere, least recently sent first, bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def num_hit_blocks(self, keys: list[bytes]) -> int:
+        return sum(1 for _ in itertools.takewhile(self.keys.__contains__, keys))
+
+    def remember(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self.keys[key] = None
+            self.keys.move_to_end(key)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+
+class _Hit(NamedTuple):
+    """What a worker is expected to have of a prompt, in tokens."""
+    local: int  # in its device pool / host RAM (the router's picture of it)
+    shared: int  # further tokens its shared store holds
+
+    @property
+    def num_tokens(self) -> int:
+        return self.local + self.shared
+
+    @property
+    def saved(self) -> float:
+        """Prompt tokens of compute this hit saves, net of loading from the store."""
+        return self.local + self.shared * (1.0 - SHARED_LOAD_COST)
+
+
 class _Worker:
     def __init__(self, ready: Ready) -> None:
         self.ready = ready
-        self.keys: OrderedDict[bytes, None] = OrderedDict()  # least recently sent first
+        self.picture = _KeyPicture(ready.num_kv_blocks)  # keys last sent to it
         self.outstanding: dict[str, tuple[int, int]] = {}  # req_id -> (bucket, tokens)
         self.decoding: set[str] = set()
         self.stats: WorkerStats | None = None
@@ -71,14 +115,10 @@ class _Worker:
         return ns
 
     def num_hit_blocks(self, keys: list[bytes]) -> int:
-        return sum(1 for _ in itertools.takewhile(self.keys.__contains__, keys))
+        return self.picture.num_hit_blocks(keys)
 
     def remember(self, keys: list[bytes]) -> None:
-        for key in keys:
-            self.keys[key] = None
-            self.keys.move_to_end(key)
-        while len(self.keys) > max(1, self.ready.num_kv_blocks):
-            self.keys.popitem(last=False)
+        self.picture.remember(keys)
 
     def num_in_bucket(self, bucket: int) -> int:
         return sum(1 for b, _ in self.outstanding.values() if b == bucket)
@@ -102,6 +142,7 @@ class Router:
         self.limits = tuple(limits[min(i, len(limits) - 1)] for i in range(len(bounds) + 1))
         self._queues: list[deque[_Queued]] = [deque() for _ in range(len(bounds) + 1)]
         self._workers: dict[str, _Worker] = {}
+        self._shared: dict[str, _KeyPicture] = {}  # Ready.kv_shared -> keys in that store
         self._next_bucket = 0  # where the next draining round starts
 
     # ------------------------------------------------------------------ workers
@@ -110,6 +151,8 @@ class Router:
         old = self._workers.get(ready.worker_id)
         if old is None or old.ready.pid != ready.pid:
             self._workers[ready.worker_id] = _Worker(ready)
+        if ready.kv_shared and ready.kv_shared not in self._shared:
+            self._shared[ready.kv_shared] = _KeyPicture(SHARED_KEYS)
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -129,8 +172,8 @@ class Router:
     # ------------------------------------------------------------------ queues
     def enqueue(self, msg: AddRequest) -> None:
         keys = self._keys(msg)
-        best_hit = max((w.num_hit_blocks(keys) * w.ready.block_size
-                        for w in self._prompt_workers()), default=0)
+        best_hit = max((self._hit(w, keys).num_tokens for w in self._prompt_workers()),
+                       default=0)
         self._queues[self.bucket_of(len(msg.prompt_token_ids) - best_hit)].append(
             _Queued(msg, keys))
 
@@ -178,11 +221,14 @@ class Router:
         if not candidates:
             return None
         queue.popleft()
-        worker = min(candidates, key=lambda w: w.outstanding_tokens + len(msg.prompt_token_ids)
-                     - w.num_hit_blocks(keys) * w.ready.block_size)
-        num_cached = worker.num_hit_blocks(keys) * worker.ready.block_size
-        worker.outstanding[msg.req_id] = (bucket, len(msg.prompt_token_ids) - num_cached)
+        num_tokens = len(msg.prompt_token_ids)
+        worker = min(candidates, key=lambda w: w.outstanding_tokens + num_tokens
+                     - self._hit(w, keys).saved)
+        num_cached = self._hit(worker, keys).num_tokens
+        worker.outstanding[msg.req_id] = (bucket, num_tokens - num_cached)
         worker.remember(keys)
+        if worker.ready.kv_shared:
+            self._shared[worker.ready.kv_shared].remember(keys)
         decode_id = self.pick_decode() if worker.ready.role == "prefill" else None
         if decode_id is not None:
             self._workers[decode_id].decoding.add(msg.req_id)
@@ -221,6 +267,13 @@ class Router:
         return min(others, key=lambda w: w.decode_load + len(w.outstanding)).ready.worker_id
 
     # ------------------------------------------------------------------ helpers
+    def _hit(self, worker: _Worker, keys: list[bytes]) -> _Hit:
+        block_size = worker.ready.block_size
+        local = worker.num_hit_blocks(keys)
+        store = self._shared.get(worker.ready.kv_shared) if worker.ready.kv_shared else None
+        shared = store.num_hit_blocks(keys) if store is not None else 0
+        return _Hit(local * block_size, max(0, shared - local) * block_size)
+
     def _prompt_workers(self) -> list[_Worker]:
         for role in _PROMPT_ROLES:
             workers = [w for w in self._workers.values() if w.ready.role == role]

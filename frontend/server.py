@@ -23,6 +23,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.logs import REQUEST_ID
+from engine.messages import WorkerStats
 from frontend import anthropic_api, openai_api, openapi, ws
 from frontend.auth import ApiKeys
 from frontend.cors import setup_cors
@@ -242,9 +243,13 @@ class AppState:
             "speculation": {"mode": info.speculation if info else "off", "per_request": True,
                             "draft_proposed": proposed, "draft_accepted": accepted,
                             "acceptance_rate": accepted / proposed if proposed else 0.0},
-            "kv_tiers": _kv_tiers(stats.extra if stats else {}),
+            "kv_tiers": _kv_tiers(stats.extra if stats else {}, self._worker_stats()),
             "moe": _moe(stats.extra if stats else {}),
         }
+
+    def _worker_stats(self) -> dict[str, WorkerStats]:
+        worker_stats = getattr(self.engine, "worker_stats", None)
+        return worker_stats() if worker_stats is not None else {}
 
     def layout(self) -> dict[str, int]:
         """Worker processes by role, e.g. {"unified": 1} or {"prefill": 2, "decode": 1}."""
@@ -400,11 +405,26 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical if resource is not None else "other"
 
 
-def _kv_tiers(extra: dict[str, float]) -> dict[str, dict[str, float]]:
-    """Bytes held and prompt tokens served per KV tier (device pool, host RAM, SSD)."""
-    return {tier: {"bytes": extra.get(f"kv_bytes_{tier}", 0.0),
-                   "hit_tokens": extra.get(f"kv_hit_tokens_{tier}", 0.0)}
-            for tier in ("device", "host", "disk")}
+def _kv_tiers(extra: dict[str, float], per_worker: dict[str, WorkerStats]) -> dict:
+    """Bytes held and prompt tokens served per KV tier (device pool, host RAM, SSD, the
+    fleet-shared store), summed over workers; the shared tier adds each worker's own
+    kv_shared_* figures (on, hits, misses, bytes, read latency, errors, store size)."""
+    tiers = {tier: {"bytes": extra.get(f"kv_bytes_{tier}", 0.0),
+                    "hit_tokens": extra.get(f"kv_hit_tokens_{tier}", 0.0)}
+             for tier in ("device", "host", "disk", "shared")}
+    workers = {worker_id: _shared_figures(stats.extra) for worker_id, stats in per_worker.items()}
+    workers = {worker_id: figures for worker_id, figures in workers.items() if figures}
+    if not workers and _shared_figures(extra):  # one worker and no per-worker view
+        workers = {"worker": _shared_figures(extra)}
+    tiers["shared"]["bytes"] = max((f.get("store_bytes", 0.0) for f in workers.values()),
+                                   default=0.0)  # one store: every worker sees its size
+    tiers["shared"]["workers"] = workers
+    return tiers
+
+
+def _shared_figures(extra: dict[str, float]) -> dict[str, float]:
+    return {name.removeprefix("kv_shared_"): value for name, value in extra.items()
+            if name.startswith("kv_shared_")}
 
 
 def _moe(extra: dict[str, float]) -> dict | None:

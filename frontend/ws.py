@@ -22,6 +22,7 @@ from frontend.auth import WS_PROTOCOL
 from frontend.errors import ApiError
 from frontend.generation import Delta, Final, Job, params_from_fields, resolve_max_tokens
 from frontend.openai_api import chat_messages
+from frontend.retention import request_retention
 from frontend.protocol import (WsCancel, WsChat, WsClientFrame, WsDelta, WsDone, WsError,
                                WsPing, WsPong, WsTimings, WsUsage, REQ_ID, decode_json, encode)
 
@@ -157,7 +158,7 @@ class _Session:
         max_tokens = resolve_max_tokens(frame.max_tokens, len(prompt_ids), state.max_model_len)
         params = params_from_fields(frame, max_tokens, state.stop_token_ids)
         return Job(req_id=req_id, prompt_token_ids=prompt_ids, params=params,
-                   retention=frame.retention,
+                   retention=request_retention(self.request, frame.retention, False),
                    cache_salt=state.keys.tenant_salt(self.request, frame.cache_salt))
 
     def _frame(self, client_id: str, event: Delta | Final):

@@ -170,6 +170,35 @@ def _read_open(fd: int, ns: bytes, key: bytes, stamp_ns: int) -> ReadResult:
     return ReadResult(Status.OK, entry)
 
 
+def encode_block(ns: bytes, key: bytes, entry: BlockEntry) -> bytes:
+    """The whole file image of `entry` (header + payload) as one bytes value: what the
+    networked tier stores under a key."""
+    return encode_header(ns, key, entry) + bytes(_bytes_view(entry.payload))
+
+
+def decode_block(data: bytes | None, ns: bytes, key: bytes) -> ReadResult:
+    """Verify a file image made by `encode_block` (identity, size, checksum); the payload
+    of the entry is a zero-copy view of `data`. Expiry is the caller's to check."""
+    if data is None:
+        return ReadResult(Status.MISSING)
+    view = memoryview(data)
+    header = parse_header(bytes(view[:HEADER_BYTES]), ns, key)
+    if isinstance(header, str):
+        return ReadResult(Status.CORRUPT, reason=header)
+    if len(view) != HEADER_BYTES + header.payload_len:
+        return ReadResult(Status.CORRUPT, reason=f"size {len(view)} != header + "
+                                                 f"{header.payload_len} payload bytes")
+    payload = view[HEADER_BYTES:]
+    if zlib.crc32(payload, zlib.crc32(view[:_CRC_AT])) != header.crc:
+        return ReadResult(Status.CORRUPT, reason="checksum mismatch")
+    try:
+        entry = BlockEntry(payload, header.dtype, header.shape, header.num_tokens,
+                           header.expires_at)
+    except ValueError as exc:
+        return ReadResult(Status.CORRUPT, reason=f"invalid fields: {exc}")
+    return ReadResult(Status.OK, entry)
+
+
 def read_header(path: str, ns: bytes, key: bytes) -> Header | str | None:
     """Header-only check, no checksum (for learning expiries cheaply): the header, the
     reason it is bad, or None when the file is gone."""

@@ -1,7 +1,9 @@
-"""`KVStore`: the facade the engine talks to — host RAM in front of disk, one key space.
+"""`KVStore`: the facade the engine talks to — host RAM, then disk, then the shared store.
 
 Owns the policy between the tiers: new blocks go to host RAM; blocks the host evicts spill to
-disk (once: the disk tier deduplicates by key); disk hits are promoted back into host RAM.
+disk (once: the disk tier deduplicates by key); disk and shared hits are promoted back into
+host RAM. The shared tier (fleet-wide, `kvstore.shared`) is written behind at publish and
+read a whole prefix chain at a time; it has no local index, so `lookup` never names it.
 It owns no bytes itself. Counters are flat, ready for Prometheus.
 """
 from __future__ import annotations
@@ -13,32 +15,43 @@ from collections.abc import Callable, Sequence
 from kvstore.disk import DiskTier
 from kvstore.entry import BlockEntry
 from kvstore.host import HostTier
+from kvstore.shared import SharedTier
 
-HOST, DISK = "host", "disk"
+HOST, DISK, SHARED = "host", "disk", "shared"
 
 
 class KVStore:
     def __init__(self, host_capacity_bytes: int = 0, disk: DiskTier | None = None, *,
-                 clock: Callable[[], float] = time.time, promote: bool = True) -> None:
-        """host_capacity_bytes = 0: no host tier. `disk` is started and closed by the store."""
+                 clock: Callable[[], float] = time.time, promote: bool = True,
+                 shared: SharedTier | None = None) -> None:
+        """host_capacity_bytes = 0: no host tier. `disk` and `shared` are started and closed
+        by the store."""
         self.host = (HostTier(host_capacity_bytes, clock=clock, on_evict=self._spill)
                      if host_capacity_bytes > 0 else None)
         self.disk = disk
+        self.shared = shared
         self.promote = promote
-        self._counts = dict.fromkeys(("hits_host", "hits_disk", "misses", "spills"), 0)
+        self._counts = dict.fromkeys(("hits_host", "hits_disk", "hits_shared", "misses",
+                                      "spills"), 0)
 
     async def start(self) -> None:
         if self.disk is not None:
             await self.disk.start()
+        if self.shared is not None:
+            await self.shared.start()
 
     async def close(self) -> None:
         if self.disk is not None:
             await self.disk.close()
+        if self.shared is not None:
+            await self.shared.close()
 
     async def flush(self) -> None:
-        """Wait for queued disk writes and removals."""
+        """Wait for queued disk and shared-store writes and removals."""
         if self.disk is not None:
             await self.disk.flush()
+        if self.shared is not None:
+            await self.shared.flush()
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Tier of each leading present key ("host" or "disk"), stopping at the first miss.
@@ -63,6 +76,27 @@ class KVStore:
         self._counts["misses"] += sum(entry is None for entry in entries)
         return entries
 
+    async def get_shared(self, keys: Sequence[bytes]) -> list[BlockEntry | None]:
+        """The leading blocks of `keys` the shared store holds (None from the first miss),
+        each promoted into host RAM."""
+        if self.shared is None:
+            return [None] * len(keys)
+        entries = await self.shared.get_chain(keys)
+        for key, entry in zip(keys, entries):
+            if entry is not None:
+                self._counts["hits_shared"] += 1
+                if self.promote and self.host is not None:
+                    self.host.put(key, entry)
+        return entries
+
+    def put_behind(self, key: bytes, entry: BlockEntry) -> None:
+        """A freshly computed block: queue it for disk and the shared store (each
+        deduplicates by key)."""
+        if self.disk is not None:
+            self.disk.put(key, entry)
+        if self.shared is not None:
+            self.shared.put(key, entry)
+
     def put(self, key: bytes, entry: BlockEntry, *, write_through: bool = False) -> None:
         """Store in host RAM; straight to disk as well with `write_through`, or when there
         is no host tier or the host cannot take it."""
@@ -83,6 +117,8 @@ class KVStore:
                     write_errors=disk.get("write_errors", 0))
         flat.update({f"disk_{name}": value for name, value in disk.items()
                      if f"{name}_disk" not in flat and name not in flat})
+        if self.shared is not None:
+            flat.update({f"shared_{name}": value for name, value in self.shared.stats().items()})
         return {name: float(value) for name, value in flat.items()}
 
     def _tier_of(self, key: bytes) -> str | None:

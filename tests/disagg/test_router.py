@@ -126,3 +126,40 @@ def test_parse_buckets():
     for bad in ("4096,512", "x", "0,5", "5,5"):
         with pytest.raises(ValueError):
             parse_buckets(bad)
+
+
+def test_with_a_shared_store_a_miss_everywhere_goes_to_the_least_loaded_worker():
+    """p0 computed the prompt (it is in the shared store); p1 joined late, idle. With the
+    store, p1 is expected to hit it; without one, p1 (idle) still wins, but cold."""
+    for store, expected_worker, expected_hit in (("s1", "p1", 12 * BS), ("", "p1", 0)):
+        router = Router(bounds=(), limits=(100,))
+        router.add_worker(ready("p0", kv_shared=store))
+        router.enqueue(add("first", 200))
+        router.pop_ready()  # still outstanding on p0: it is busy
+        router.add_worker(ready("p1", kv_shared=store))  # joins late, empty picture
+        router.enqueue(add("again", 200))
+        [(_, route)] = router.pop_ready()
+        assert (route.worker_id, route.num_cached_tokens) == (expected_worker, expected_hit)
+
+
+def test_local_hit_beats_the_same_hit_from_the_shared_store_at_equal_load():
+    router = Router(bounds=(), limits=(100,))
+    router.add_worker(ready("p0", kv_shared="s1"))
+    router.add_worker(ready("p1", kv_shared="s1"))
+    router.enqueue(add("first", 200))
+    [(_, first)] = router.pop_ready()
+    router.prefill_done(first.worker_id, "first")
+    router.enqueue(add("again", 200))
+    [(_, again)] = router.pop_ready()
+    assert again.worker_id == first.worker_id, "device/RAM hit is cheaper than the store's"
+
+
+def test_workers_on_different_stores_do_not_share_a_picture():
+    router = Router(bounds=(), limits=(100,))
+    router.add_worker(ready("p0", kv_shared="s1"))
+    router.enqueue(add("first", 200))
+    router.pop_ready()  # p0 stays busy with it
+    router.add_worker(ready("p1", kv_shared="s2"))
+    router.enqueue(add("again", 200))
+    [(_, route)] = router.pop_ready()
+    assert (route.worker_id, route.num_cached_tokens) == ("p1", 0), "s2 does not hold it"

@@ -53,8 +53,8 @@ def cold(core, prompt, req_id="ref"):
     return tokens
 
 
-def hit(device=0, host=0, disk=0):
-    return {"device": device, "host": host, "disk": disk}
+def hit(device=0, host=0, disk=0, shared=0):
+    return {"device": device, "host": host, "disk": disk, "shared": shared}
 
 
 def test_device_and_host_hits_equal_cold(default_model):
@@ -147,9 +147,9 @@ def _gate_prefetch(core) -> concurrent.futures.Future:
     gate: concurrent.futures.Future = concurrent.futures.Future()
     real_prefetch = core.tiers.prefetch
 
-    def gated(keys, landed=None):
+    def gated(keys, landed=None, shared_keys=()):
         out: concurrent.futures.Future = concurrent.futures.Future()
-        real = real_prefetch(keys, landed)
+        real = real_prefetch(keys, landed, shared_keys)
         gate.add_done_callback(lambda _: out.set_result(real.result()))
         return out
 

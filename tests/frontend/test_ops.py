@@ -80,6 +80,7 @@ async def test_status_per_tier_kv_and_expert_load(make_harness):
     engine = FakeEngineClient()
     extra = {"kv_bytes_device": 4096.0, "kv_bytes_host": 2048.0, "kv_bytes_disk": 8192.0,
              "kv_hit_tokens_device": 32.0, "kv_hit_tokens_disk": 16.0,
+             "kv_hit_tokens_shared": 48.0, "kv_shared_on": 1.0, "kv_shared_read_p50_ms": 0.4,
              "moe_rank0_tokens": 30.0, "moe_rank1_tokens": 10.0, "moe_ep_ranks": 2.0,
              "moe_imbalance_mean": 1.4, "moe_imbalance_max": 1.5, "moe_rebalances": 3.0}
     base = engine.stats()
@@ -88,7 +89,9 @@ async def test_status_per_tier_kv_and_expert_load(make_harness):
     status = await (await h.client.get("/v1/status")).json()
     assert status["kv_tiers"] == {"device": {"bytes": 4096.0, "hit_tokens": 32.0},
                                   "host": {"bytes": 2048.0, "hit_tokens": 0.0},
-                                  "disk": {"bytes": 8192.0, "hit_tokens": 16.0}}
+                                  "disk": {"bytes": 8192.0, "hit_tokens": 16.0},
+                                  "shared": {"bytes": 0.0, "hit_tokens": 48.0, "workers": {
+                                      "worker": {"on": 1.0, "read_p50_ms": 0.4}}}}
     assert status["moe"] == {"ep_ranks": 2, "rank_load_tokens": [30.0, 10.0],
                              "imbalance_mean": 1.4, "imbalance_max": 1.5, "rebalances": 3}
 
