@@ -162,7 +162,7 @@ def _usage(usage: Usage) -> AnthropicUsage:
 def _tool_input(arguments: str) -> dict:
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         log.warning("tool call arguments are not JSON: %.200r", arguments)
         return {}
     return value if isinstance(value, dict) else {"value": value}

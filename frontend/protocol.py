@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from aiohttp import web
 
+from frontend.body_limits import TooDeep, check_depth
 from frontend.errors import from_validation, invalid
 
 # Integers that travel to the worker must fit msgpack's 64 bits; the rules are checked later.
@@ -494,7 +495,8 @@ REQ_ID = web.RequestKey("req_id", str)
 
 
 def decode_json(raw: bytes | str, kind: type[T]) -> T:
-    """Bytes from a client -> a struct, or an ApiError (400) naming the bad field."""
+    """Bytes from a client -> a struct, or an ApiError (400) naming the bad field. Nothing
+    in `raw` can make it raise anything else (a body too deep is refused before parsing)."""
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -503,9 +505,14 @@ def decode_json(raw: bytes | str, kind: type[T]) -> T:
     if not raw.strip():
         raise invalid("request body is empty; expected a JSON object")
     try:
+        check_depth(raw)
         return msgspec.json.decode(raw, type=kind)
+    except TooDeep as e:
+        raise invalid(f"request body: {e}", code="json_too_deep") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
+    except (RecursionError, MemoryError, ValueError, TypeError) as e:  # never a 5xx
+        raise invalid(f"request body cannot be decoded: {type(e).__name__}") from None
 
 
 async def read_json(request: web.Request, kind: type[T]) -> T:

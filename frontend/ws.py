@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import WSMsgType, web
 
 from frontend.auth import WS_PROTOCOL
+from frontend.body_limits import check_depth
 from frontend.errors import ApiError
 from frontend.generation import Delta, Final, Job, params_from_fields, resolve_max_tokens
 from frontend.openai_api import chat_messages
@@ -80,10 +81,16 @@ class _Session:
         self._num_requests = 0
 
     async def on_text(self, text: str) -> None:
+        """One client frame; whatever it holds, a bad one gets an error frame for itself
+        only, and the socket's other requests go on."""
         try:
             frame = decode_json(text, WsClientFrame)
         except ApiError as e:
             await self.send(WsError(_client_id(text), e.kind, e.message))
+            return
+        except Exception:  # noqa: BLE001 - a decoder bug must not close the socket
+            log.exception("websocket frame failed to decode")
+            await self.send(WsError(None, "invalid_request", "the frame cannot be decoded"))
             return
         if isinstance(frame, WsPing):
             await self.send(WsPong())
@@ -179,8 +186,9 @@ class _Session:
 def _client_id(text: str) -> str | None:
     """The id of a frame that failed validation, if it has one, for the error frame."""
     try:
+        check_depth(text)
         value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    except (ValueError, RecursionError, MemoryError):  # DecodeError and TooDeep included
         return None
     client_id = value.get("id") if isinstance(value, dict) else None
     return client_id if isinstance(client_id, str) else None
