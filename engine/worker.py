@@ -36,8 +36,9 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.kv_transfer import LEASE_S, KVIntake, KVSender, prefill_part
-from engine.messages import (AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
+from engine.messages import (INVALID, AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
                              RequestDelta, Shutdown, WorkerError, WorkerStats)
+from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
 from engine.step_policy import fair_prefill
 from engine.zmq_io import Channel, worker_channel
@@ -282,14 +283,17 @@ class Worker:
         is_handoff = self._sender is not None and bool(req.handoff_to)
         if self._sender is not None:
             self._sender.cancel([req.req_id])  # added again: it supersedes its old hand-off
-        error = self._admission_error(req)
+        error, kind = self._admission_error(req), ""
+        if error is None:
+            error = check_add_request(req, self._core)
+            kind = INVALID if error is not None else ""
         if error is None:
             try:
                 self._core.add_request(prefill_part(req) if is_handoff else req)
-            except ValueError as e:
-                error = str(e) or "invalid request"
+            except ValueError as e:  # the core's own checks: the request can never run
+                error, kind = str(e) or "invalid request", INVALID
         if error is not None:
-            self._outbox.append(_final_delta(req.req_id, "error", error))
+            self._outbox.append(_final_delta(req.req_id, "error", error, kind))
             return False
         self._live_req_ids.add(req.req_id)
         if req.deadline > 0:
@@ -428,8 +432,8 @@ class Worker:
             log.exception("worker %s: could not send WorkerError", self.worker_id)
 
 
-def _final_delta(req_id: str, finish_reason: str, error: str) -> RequestDelta:
-    return RequestDelta(req_id, [], finish_reason=finish_reason, error=error)
+def _final_delta(req_id: str, finish_reason: str, error: str, kind: str = "") -> RequestDelta:
+    return RequestDelta(req_id, [], finish_reason=finish_reason, error=error, error_kind=kind)
 
 
 def _describe(error: BaseException) -> str:

@@ -20,7 +20,7 @@ from typing import AsyncIterator, NamedTuple
 
 import msgspec
 
-from engine.messages import AddRequest, RequestDelta
+from engine.messages import INVALID, AddRequest, RequestDelta
 from engine.sampling_params import SamplingParams
 from frontend.errors import ApiError, from_sampling_error, invalid
 from frontend.protocol import SamplingFields
@@ -103,13 +103,17 @@ class Final:
     error: str = ""
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
+    is_invalid: bool = False  # the worker refused the request itself (RequestDelta.error_kind)
 
     @property
     def failed(self) -> bool:
         return self.finish_reason in ("error", "timeout", "abort")
 
     def api_error(self) -> ApiError:
-        """How a failed choice is reported: a lost worker or an abort is worth retrying."""
+        """How a failed choice is reported: a lost worker or an abort is worth retrying; a
+        request the worker refused as invalid (it can never run) is not."""
+        if self.is_invalid:
+            return invalid(self.error, code="invalid_request")
         kind = "timeout" if self.finish_reason == "timeout" else "unavailable"
         return ApiError(kind, self.error, code=self.finish_reason)
 
@@ -215,6 +219,20 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
+def check_fits(job: Job, ready) -> None:
+    """A prompt longer than a worker's whole KV pool can never be computed, however long the
+    client waits: a 400 naming the limit, not a retryable 503."""
+    if ready is None:
+        return
+    capacity = ready.num_kv_blocks * ready.block_size
+    num_tokens = len(job.prompt_token_ids)
+    if num_tokens + 1 > capacity:
+        raise invalid(f"the prompt has {num_tokens} tokens, but the KV cache pool holds "
+                      f"{capacity} tokens ({ready.num_kv_blocks} blocks of {ready.block_size}) "
+                      "and one more is needed to generate; no request this long can run on "
+                      "this server", param="messages", code="kv_pool_exceeded")
+
+
 def check_n(n: int, max_n: int) -> None:
     if not 1 <= n <= max_n:
         raise invalid(f"n must be between 1 and {max_n}, got {n}", param="n")
@@ -231,10 +249,17 @@ class Pipeline:
         self.request_timeout_s = request_timeout_s
         self._token_text: dict[int, str] = {}
 
-    async def run(self, jobs: Job | list[Job]) -> AsyncIterator[Event]:
+    def run(self, jobs: Job | list[Job]) -> AsyncIterator[Event]:
         """Events of every choice of every job, interleaved; choice `index` counts across
-        jobs (job k's sample j is `k * n + j`). Each choice ends with exactly one Final."""
+        jobs (job k's sample j is `k * n + j`). Each choice ends with exactly one Final.
+        A job that can never run here raises ApiError (400) now, before any response
+        starts, so a stream never opens for it."""
         jobs = [jobs] if isinstance(jobs, Job) else jobs
+        for job in jobs:
+            check_fits(job, self.engine.ready_info)
+        return self._events(jobs)
+
+    async def _events(self, jobs: list[Job]) -> AsyncIterator[Event]:
         choices = [_Choice(self, job, sample, k * job.n + sample)
                    for k, job in enumerate(jobs) for sample in range(job.n)]
         source = (self._run_choice(choices[0]) if len(choices) == 1
@@ -361,7 +386,9 @@ class _Choice:
         if stopped:
             return event, self.finish("stop", self._stop_sequence())
         if not completed:
-            return event, self.fail(self._failure(engine_finish), delta.error)
+            final = self.fail(self._failure(engine_finish), delta.error)
+            final.is_invalid = delta.error_kind == INVALID
+            return event, final
         return event, self.finish(engine_finish)
 
     def finish(self, finish_reason: str, stop_sequence: str | None = None) -> Final:
