@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest n (choices per request)")
     group.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
                        help="largest request body accepted")
+    group.add_argument("--allow-request-chat-template", action="store_true",
+                       help="accept a chat_template in request bodies (a trust decision: the "
+                            "caller then places control tokens, e.g. a fake system turn)")
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
     add_operator_arguments(group)
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
             max_queued_requests=args.max_queued_requests, max_n=args.max_n,
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
             client_max_size=args.max_body_bytes, metrics_public=args.metrics_public,
-            allowed_origins=parse_origins(args.allowed_origins))
+            allowed_origins=parse_origins(args.allowed_origins),
+            allow_request_chat_template=args.allow_request_chat_template)
         model_path = resolve_model_path(config.model)
         chat_template = read_chat_template(args.chat_template)
         ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)

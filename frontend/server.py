@@ -49,6 +49,9 @@ class ServerOptions:
     client_max_size: int = 16 * 1024 * 1024
     web_dir: Path | None = WEB_DIR
     allowed_origins: tuple[str, ...] = ()  # CORS; "*": any origin
+    # A client's own chat template decides where control tokens go (it can write a fake
+    # system turn): a trust decision, so off unless the operator turns it on.
+    allow_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -166,6 +169,10 @@ class AppState:
                     continue_final_message: bool = False) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty", param="messages")
+        if template is not None and not self.options.allow_request_chat_template:
+            raise invalid("a per-request chat_template is disabled on this server (the "
+                          "operator can allow it with --allow-request-chat-template)",
+                          param="chat_template", code="chat_template_disabled")
         try:
             if continue_final_message:  # keyword only when used: fakes need not know it
                 return self.recipe.encode_chat(messages, tools=tools, template=template,
