@@ -122,6 +122,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):
     worker_id: str
     stats: WorkerStats
     time: float = 0.0
+    pid: int = 0  # the sender's process (its Ready's pid); 0: unknown
 
 
 class WorkerError(msgspec.Struct, tag="error", **_WIRE):

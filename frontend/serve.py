@@ -23,6 +23,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.args import add_engine_arguments, engine_config_from_args
+from engine import curve
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
 from engine.kv_transfer import LEASE_S
 from engine.logs import LOG_FORMAT_ENV, setup_logging
@@ -47,6 +48,7 @@ class WorkerLayout:
     handoff_lease_s: float = LEASE_S
     fair_prefill: bool = True
     worker_bind: str | None = None  # None: a private ipc socket
+    worker_key: str | None = None  # CURVE key file (engine.curve); needed off this host
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0:
@@ -61,8 +63,9 @@ class WorkerLayout:
         return ("prefill",) * self.num_prefill + ("decode",) * self.num_decode
 
     def worker_args(self) -> list[str]:
+        key = ["--worker-key", self.worker_key] if self.worker_key else []
         return ["--handoff-lease-s", str(self.handoff_lease_s),
-                "--fair-prefill" if self.fair_prefill else "--no-fair-prefill"]
+                "--fair-prefill" if self.fair_prefill else "--no-fair-prefill", *key]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="bind the worker channel here (tcp://HOST:PORT), so that more "
                               "workers can join with `duplex worker --connect` (default: a "
                               "private ipc socket)")
+    workers.add_argument("--worker-key", default=None, metavar="FILE",
+                         help="CURVE key (`duplex keys FILE`, or a shared-secret file) that "
+                              "authenticates and encrypts the worker channel and KV doors; "
+                              "required when --worker-bind is reachable from other hosts")
     workers.add_argument("--length-buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
                          metavar="B1,B2", help="prefill queues by prompt tokens after cache "
                          "hits: <=B1, <=B2, >B2 ('none': one FIFO)")
@@ -136,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template = read_chat_template(args.chat_template)
         ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)
         layout = layout_from_args(args)
+        curve.load_keys(layout.worker_key, layout.worker_bind)  # a bad key fails here
         if config.expert_parallel > 1 and layout.num_prefill:
             raise ValueError("--expert-parallel runs with one unified worker; it cannot be "
                              "combined with --prefill-workers / --decode-workers yet")
@@ -153,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
 def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
     return WorkerLayout(args.prefill_workers, args.decode_workers,
                         parse_buckets(args.length_buckets), args.handoff_failure,
-                        args.handoff_lease_s, args.fair_prefill, args.worker_bind)
+                        args.handoff_lease_s, args.fair_prefill, args.worker_bind,
+                        args.worker_key)
 
 
 def model_name(model: str | None) -> str:
@@ -178,7 +187,8 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
                             address=layout.worker_bind)
     limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)
     engine = EngineClient(supervisor.address, handoff_failure=layout.handoff_failure,
-                          router=Router(layout.length_buckets, limits))
+                          router=Router(layout.length_buckets, limits),
+                          keys=curve.load_keys(layout.worker_key, layout.worker_bind))
     supervisor.attach(engine)
     state = AppState(engine, recipe, options, supervisor=supervisor)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
