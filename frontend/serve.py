@@ -79,6 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="accept this API key (Bearer or x-api-key); repeatable; none: open")
     group.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
                        help="requests in flight (running + waiting) before answering 429/529")
+    group.add_argument("--max-queued-sequences", type=int, default=512, metavar="N",
+                       help="sequences (prompts x n) held at once, running or waiting; past it "
+                            "429/529, and one request asking for more is a 400")
+    group.add_argument("--max-queued-prompt-tokens", type=int, default=4 * 1024 * 1024,
+                       metavar="N", help="prompt tokens held at once (same rules)")
+    group.add_argument("--max-running-sequences", type=int, default=None, metavar="N",
+                       help="sequences sent to the workers at once; the rest wait for a turn, "
+                            "round-robin by tenant then request (default: --max-num-seqs x "
+                            "decoding workers)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM, seconds to let in-flight requests finish")
     group.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
@@ -138,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
             client_max_size=args.max_body_bytes, metrics_public=args.metrics_public,
             allowed_origins=parse_origins(args.allowed_origins),
-            allow_request_chat_template=args.allow_request_chat_template)
+            allow_request_chat_template=args.allow_request_chat_template,
+            max_queued_sequences=args.max_queued_sequences,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+            max_running_sequences=args.max_running_sequences
+            or config.max_num_seqs * max(1, args.decode_workers))
         model_path = resolve_model_path(config.model)
         chat_template = read_chat_template(args.chat_template)
         ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)

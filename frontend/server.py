@@ -24,6 +24,7 @@ from aiohttp import web
 
 from engine.logs import REQUEST_ID
 from frontend import anthropic_api, openai_api, openapi, ws
+from frontend.admission import WorkAdmission
 from frontend.auth import ApiKeys
 from frontend.cors import setup_cors
 from frontend.errors import ApiError, invalid
@@ -42,6 +43,11 @@ _ANTHROPIC_PREFIX = "/v1/messages"
 class ServerOptions:
     served_model_names: tuple[str, ...] = ()  # empty: the model's own name
     max_queued_requests: int = 256
+    # Admission by work (frontend.admission): sequences (prompts x n) and prompt tokens held
+    # at once, and how many sequences run in the engine at once (the rest wait their turn).
+    max_queued_sequences: int = 512
+    max_queued_prompt_tokens: int = 4 * 1024 * 1024
+    max_running_sequences: int = 64
     max_n: int = 8
     request_timeout_s: float = 600.0  # 0: no deadline
     api_keys: tuple[str, ...] = ()
@@ -56,6 +62,10 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        for name in ("max_queued_sequences", "max_queued_prompt_tokens",
+                     "max_running_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.max_n <= 128:
             raise ValueError(f"max_n must be in [1, 128], got {self.max_n}")
         if self.request_timeout_s < 0:
@@ -117,8 +127,12 @@ class AppState:
         self.supervisor = supervisor  # frontend.supervisor.Supervisor, None in tests
         self.options = options
         self.metrics = metrics or Metrics()
+        self.work = WorkAdmission(options.max_queued_sequences,
+                                  options.max_queued_prompt_tokens,
+                                  options.max_running_sequences, self.metrics)
         self.pipeline = Pipeline(engine, recipe, self.metrics,
-                                 request_timeout_s=options.request_timeout_s)
+                                 request_timeout_s=options.request_timeout_s,
+                                 admission=self.work)
         self.admission = Admission(options.max_queued_requests, self.metrics)
         self.keys = ApiKeys(list(options.api_keys), options.metrics_public)
         self.started = int(time.time())
