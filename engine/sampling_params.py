@@ -9,6 +9,9 @@ from __future__ import annotations
 import msgspec
 
 MAX_LOGPROBS = 20
+# Every generated character is checked against each stop string: bound their number and size.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -48,8 +51,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                "must be <= max_tokens", self.min_tokens)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be non-empty strings", self.stop)
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"takes at most {MAX_STOP_STRINGS} strings", f"{len(self.stop)} strings")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+               "stop", f"must be non-empty strings of at most {MAX_STOP_CHARS} characters",
+               [s[:40] for s in self.stop])
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative", self.stop_token_ids)
         if self.seed is not None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from aiohttp import web
 
 from frontend.errors import invalid
+from frontend.offload import body_size
 from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
                                  resolve_max_tokens, sampling_params)
 from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
@@ -46,7 +47,7 @@ class AnthropicApi:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         with self.state.admit():
             body = await read_json(request, MessagesRequest)
-            job = self._job(request, body)
+            job = await self.state.cpu.run(body_size(request), self._job, request, body)
             msg_id = f"msg_{request[REQ_ID]}"
             async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
                 if body.stream:
@@ -58,7 +59,8 @@ class AnthropicApi:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await read_json(request, CountTokensRequest)
-        return json_response(CountTokensResponse(len(self._encode(body)[0])))
+        ids, _ = await self.state.cpu.run(body_size(request), self._encode, body)
+        return json_response(CountTokensResponse(len(ids)))
 
     def _encode(self, body: CountTokensRequest) -> tuple[list[int], str]:
         """(prompt ids, the forced start of the reply: a tool call for tool_choice any/tool)."""

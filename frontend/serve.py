@@ -27,6 +27,7 @@ from engine import curve
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
 from engine.kv_transfer import LEASE_S
 from engine.logs import LOG_FORMAT_ENV, setup_logging
+from frontend.offload import SWITCH_INTERVAL_S
 from frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
                                      take_positional_model, tls_context, with_chat_template)
 from frontend.router import DEFAULT_BUCKETS, parse_buckets
@@ -166,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     os.environ[LOG_FORMAT_ENV] = args.log_format  # the workers it starts log the same way
     import uvloop
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop gets the GIL back from pool threads
     return uvloop.run(serve(config, options, model_path, args.host, args.port,
                             args.shutdown_timeout, layout, ssl_context=ssl_context,
                             chat_template=chat_template))

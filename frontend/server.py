@@ -30,6 +30,8 @@ from frontend.cors import setup_cors
 from frontend.errors import ApiError, invalid
 from frontend.generation import Pipeline
 from frontend.metrics import Metrics, kv_usage
+from frontend.offload import (CPU_POOL, CpuPool, check_prompt_chars, longest_token_chars,
+                              text_chars)
 from frontend.protocol import REQ_ID, json_response
 from frontend.tool_parser import forced_call_prefix, tools_supported
 
@@ -136,6 +138,9 @@ class AppState:
         self.admission = Admission(options.max_queued_requests, self.metrics)
         self.keys = ApiKeys(list(options.api_keys), options.metrics_public)
         self.started = int(time.time())
+        # big bodies: read in steps, decoded, rendered and tokenized off the loop
+        self.cpu = CpuPool(max_body_bytes=options.client_max_size)
+        self.max_token_chars = longest_token_chars(recipe)
 
     # ------------------------------------------------------------ readiness and admission
     @property
@@ -187,6 +192,7 @@ class AppState:
             raise invalid("a per-request chat_template is disabled on this server (the "
                           "operator can allow it with --allow-request-chat-template)",
                           param="chat_template", code="chat_template_disabled")
+        self._check_chars(text_chars(messages) + text_chars(tools), "messages")
         try:
             if continue_final_message:  # keyword only when used: fakes need not know it
                 return self.recipe.encode_chat(messages, tools=tools, template=template,
@@ -209,10 +215,17 @@ class AppState:
         return prompt_ids + self.recipe.encode_reply_start(forced), forced
 
     def encode_prompt(self, text: str) -> list[int]:
+        self._check_chars(text_chars(text), "prompt")
         try:
             return self.recipe.encode_prompt(text)
         except (ValueError, TypeError) as e:
             raise invalid(f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text too long for the context in any tokenization."""
+        info = self.engine.ready_info
+        if info is not None:
+            check_prompt_chars(num_chars, info.max_model_len, self.max_token_chars, param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = _vocab_size(self.recipe)
@@ -306,9 +319,15 @@ def build_app(state: AppState) -> web.Application:
     ws_api = ws.WebSocketApi(state)
     app.router.add_routes(ws_api.routes())
     app.on_shutdown.append(ws_api.close_all)
+    app[CPU_POOL] = state.cpu
+    app.on_cleanup.append(lambda _app: _close_pool(state.cpu))
     app.router.add_routes(OpsApi(state).routes())
     _add_web_ui(app, state.options.web_dir)
     return app
+
+
+async def _close_pool(pool: CpuPool) -> None:
+    pool.close()
 
 
 class OpsApi:

@@ -84,7 +84,7 @@ class _Session:
         """One client frame; whatever it holds, a bad one gets an error frame for itself
         only, and the socket's other requests go on."""
         try:
-            frame = decode_json(text, WsClientFrame)
+            frame = await self.state.cpu.run(len(text), decode_json, text, WsClientFrame)
         except ApiError as e:
             await self.send(WsError(_client_id(text), e.kind, e.message))
             return
@@ -97,9 +97,9 @@ class _Session:
         elif isinstance(frame, WsCancel):
             await self.cancel(frame.id)
         else:
-            await self.start(frame)
+            await self.start(frame, len(text))
 
-    async def start(self, frame: WsChat) -> None:
+    async def start(self, frame: WsChat, size: int = 0) -> None:
         if frame.id in self.tasks:
             await self.send(WsError(frame.id, "invalid_request",
                                     f"a request with id {frame.id!r} is already running"))
@@ -110,7 +110,7 @@ class _Session:
             return
         self._num_requests += 1
         req_id = f"ws-{self.request[REQ_ID]}-{self._num_requests}"
-        self.tasks[frame.id] = asyncio.create_task(self._run(frame, req_id))
+        self.tasks[frame.id] = asyncio.create_task(self._run(frame, req_id, size))
 
     async def cancel(self, client_id: str) -> None:
         """Cancel a running request; an unknown id (maybe just finished) is ignored."""
@@ -136,10 +136,10 @@ class _Session:
                 await self.socket.send_frame(encode(frame), WSMsgType.TEXT)  # JSON is UTF-8
 
     # ------------------------------------------------------------ one request
-    async def _run(self, frame: WsChat, req_id: str) -> None:
+    async def _run(self, frame: WsChat, req_id: str, size: int) -> None:
         try:
             with self.state.admit():
-                job = self._job(frame, req_id)
+                job = await self.state.cpu.run(size, self._job, frame, req_id)
                 async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
                     async for event in events:
                         if isinstance(event, Final):  # terminal: a cancel can no longer race
