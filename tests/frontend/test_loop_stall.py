@@ -2,6 +2,11 @@
 100k-stop-string request are in flight against the real recipe, /health answers within
 100 ms (p99) and a concurrent stream's tokens keep coming (gap under 1 s).
 
+A timing test, so `perf` (run: pytest -m perf): on the shared 2-core box it passed when the
+load average was under ~5 and failed in about half the runs above ~7, where the pool thread,
+holding the GIL, is descheduled by the OS and the loop waits for it. The mechanism itself
+(what runs where) is checked without timing in test_offload.py, inside `make test`.
+
 The hostile clients run in another process, as they would: in this one their threads would
 contend for the GIL with the server's loop, which measures the test rather than the server."""
 from __future__ import annotations
@@ -21,8 +26,9 @@ from engine.config import DEFAULT_MODEL_PACKAGE, default_model_path
 from frontend.offload import SWITCH_INTERVAL_S
 from frontend.server import AppState, ServerOptions, build_app
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None,
-                                reason="the default model package is not installed")
+pytestmark = [pytest.mark.perf,
+              pytest.mark.skipif(importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None,
+                                 reason="the default model package is not installed")]
 
 HI = [{"role": "user", "content": "hi"}]
 BOMBS = [
