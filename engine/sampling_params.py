@@ -12,6 +12,7 @@ MAX_LOGPROBS = 20
 # Every generated character is checked against each stop string: bound their number and size.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
@@ -42,7 +43,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]",
                self.frequency_penalty)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
+        # Far from 1 it divides or multiplies logits into inf and NaN (a fuzzed 1e-128 took
+        # a worker down): bounded where it still means something.
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
                self.repetition_penalty)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
                self.max_tokens)
