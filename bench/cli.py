@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                    "time per step, tokens/s with and without constraints"),
     "anchor": ("bench.anchor", "Duplex beside llama.cpp's llama-server and llama-bench "
                "on the same GGUF"),
+    "fuzz": ("bench.fuzz", "hypothesis bodies on every JSON endpoint of a real server: no 5xx"),
 }
 
 

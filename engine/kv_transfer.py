@@ -44,6 +44,7 @@ import zmq.asyncio
 
 from engine.messages import (AddRequest, BadFrame, HandoffFailed, KvAck, KvBlocks, KvCancel,
                              KvDone, KvNeed, KvOffer, KvReject, RequestDelta)
+from engine.curve import CurveKeys
 from engine.zmq_io import Channel, kv_client_channel, kv_server_channel
 from kvstore import keys as kvkeys
 from kvstore.entry import BlockEntry
@@ -132,9 +133,11 @@ class KVSender:
     (same thread, before the next), `pump` between steps, `cancel` on aborts."""
 
     def __init__(self, core, ctx: zmq.asyncio.Context, worker_id: str, *,
-                 wakeup: Callable[[], None], lease_s: float = LEASE_S) -> None:
+                 wakeup: Callable[[], None], lease_s: float = LEASE_S,
+                 keys: CurveKeys | None = None) -> None:
         self._core = core
         self._ctx = ctx
+        self._keys = keys  # CURVE keys of the deployment (engine.curve), None: plain
         self._worker_id = worker_id
         self._wakeup = wakeup
         self._lease_s = lease_s
@@ -308,7 +311,7 @@ class KVSender:
     def _link(self, address: str) -> _Link:
         link = self._links.get(address)
         if link is None:
-            channel = kv_client_channel(self._ctx, address, self._worker_id)
+            channel = kv_client_channel(self._ctx, address, self._worker_id, self._keys)
             link = _Link(channel, asyncio.ensure_future(self._receive_forever(address,
                                                                               channel)))
             self._links[address] = link
@@ -366,12 +369,13 @@ class KVIntake:
 
     def __init__(self, core, ctx: zmq.asyncio.Context, address: str, *,
                  deliver: Callable[[AddRequest], None],
-                 is_live: Callable[[str], bool]) -> None:
+                 is_live: Callable[[str], bool], keys: CurveKeys | None = None) -> None:
         self._core = core
         self._deliver = deliver
         self._is_live = is_live
         self._layout = BlockLayout.of(core.runner.kv)
-        self._channel = kv_server_channel(ctx, address, max_raw_frames=MAX_BLOCKS_PER_MESSAGE)
+        self._channel = kv_server_channel(ctx, address, max_raw_frames=MAX_BLOCKS_PER_MESSAGE,
+                                          keys=keys)
         self.address = self._channel.address
         self._incoming: dict[str, _Incoming] = {}
         self._delivered: dict[str, bytes] = {}  # req_id -> peer awaiting KvAck

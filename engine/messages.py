@@ -73,6 +73,10 @@ class RequestDelta(msgspec.Struct, **_WIRE):
     accepted_draft_mask: list[bool] = []  # per new token: came from an accepted draft
     error: str = ""
     queue_s: float = 0.0  # arrival (AddRequest.arrival_time) -> first scheduled; 0: not yet
+    error_kind: str = ""  # INVALID: the request itself is bad and can never run (no retry)
+
+
+INVALID = "invalid"  # RequestDelta.error_kind of a request a worker refuses as invalid
 
 
 class Outputs(msgspec.Struct, tag="outputs", **_WIRE):
@@ -119,6 +123,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", **_WIRE):
     worker_id: str
     stats: WorkerStats
     time: float = 0.0
+    pid: int = 0  # the sender's process (its Ready's pid); 0: unknown
 
 
 class WorkerError(msgspec.Struct, tag="error", **_WIRE):

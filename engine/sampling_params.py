@@ -29,6 +29,12 @@ class Constraint(msgspec.Struct, frozen=True, omit_defaults=True, array_like=Tru
                f"must be one of {', '.join(CONSTRAINT_KINDS)}", self.kind)
 
 
+# Every generated character is checked against each stop string: bound their number and size.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
@@ -59,7 +65,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]",
                self.frequency_penalty)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
+        # Far from 1 it divides or multiplies logits into inf and NaN (a fuzzed 1e-128 took
+        # a worker down): bounded where it still means something.
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
                self.repetition_penalty)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
                self.max_tokens)
@@ -68,8 +78,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=Tr
                "must be <= max_tokens", self.min_tokens)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be non-empty strings", self.stop)
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"takes at most {MAX_STOP_STRINGS} strings", f"{len(self.stop)} strings")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+               "stop", f"must be non-empty strings of at most {MAX_STOP_CHARS} characters",
+               [s[:40] for s in self.stop])
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative", self.stop_token_ids)
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",

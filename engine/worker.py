@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import heapq
+import itertools
 import logging
 import os
 import time
@@ -35,9 +36,11 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
+from engine.curve import CurveKeys
 from engine.kv_transfer import LEASE_S, KVIntake, KVSender, prefill_part
-from engine.messages import (AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
+from engine.messages import (INVALID, AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
                              RequestDelta, Shutdown, WorkerError, WorkerStats)
+from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
 from engine.step_policy import fair_prefill
 from engine.zmq_io import Channel, worker_channel
@@ -51,6 +54,7 @@ SHUTDOWN_ERROR = "worker shutting down"
 DEFAULT_KV_BIND = "tcp://127.0.0.1:*"
 _HANDOFF_TICK_S = 0.25  # how often leases are checked while hand-offs are in flight
 _STATS_REFRESH_S = 0.1  # most age of the stats snapshot heartbeats carry while stepping
+_REANNOUNCE_EVERY = 4  # heartbeats between repeated Ready messages
 
 
 def role_config(config: EngineConfig, role: str) -> EngineConfig:
@@ -87,7 +91,8 @@ class Worker:
     def __init__(self, config: EngineConfig, core_factory: CoreFactory, *, address: str,
                  worker_id: str, role: str = "unified", heartbeat_s: float = 0.5,
                  step_in_thread: bool = True, kv_bind: str = DEFAULT_KV_BIND,
-                 lease_s: float = LEASE_S, fair_prefill: bool = True) -> None:
+                 lease_s: float = LEASE_S, fair_prefill: bool = True,
+                 keys: CurveKeys | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.config = config
@@ -102,6 +107,7 @@ class Worker:
         self._kv_bind = kv_bind
         self._lease_s = lease_s
         self._fair_prefill = fair_prefill
+        self._keys = keys  # CURVE on the worker channel and the KV door (engine.curve)
         self._ctx: zmq.asyncio.Context | None = None
         self._sender: KVSender | None = None  # prefill role, real core
         self._intake: KVIntake | None = None  # decode role, real core
@@ -121,7 +127,7 @@ class Worker:
     async def run(self) -> int:
         """Serve until Shutdown (returns 0) or a fatal error (sends WorkerError, returns 1)."""
         ctx = self._ctx = zmq.asyncio.Context()
-        self._channel = worker_channel(ctx, self._address, self.worker_id)
+        self._channel = worker_channel(ctx, self._address, self.worker_id, self._keys)
         try:
             await self._start_core()
             await self._serve_with_background_tasks()
@@ -169,11 +175,11 @@ class Worker:
             return
         if self.role == "prefill":
             self._sender = KVSender(core, self._ctx, self.worker_id, wakeup=self._wakeup.set,
-                                    lease_s=self._lease_s)
+                                    lease_s=self._lease_s, keys=self._keys)
         elif self.role == "decode":
             self._intake = KVIntake(core, self._ctx, self._kv_bind,
                                     deliver=self._deliver_handed_over,
-                                    is_live=self._live_req_ids.__contains__)
+                                    is_live=self._live_req_ids.__contains__, keys=self._keys)
 
     async def _close_core(self) -> None:
         """Let the core flush and release what it holds (KV writes, an EP group), in its own
@@ -283,14 +289,17 @@ class Worker:
         is_handoff = self._sender is not None and bool(req.handoff_to)
         if self._sender is not None:
             self._sender.cancel([req.req_id])  # added again: it supersedes its old hand-off
-        error = self._admission_error(req)
+        error, kind = self._admission_error(req), ""
+        if error is None:
+            error = check_add_request(req, self._core)
+            kind = INVALID if error is not None else ""
         if error is None:
             try:
                 self._core.add_request(prefill_part(req) if is_handoff else req)
-            except ValueError as e:
-                error = str(e) or "invalid request"
+            except ValueError as e:  # the core's own checks: the request can never run
+                error, kind = str(e) or "invalid request", INVALID
         if error is not None:
-            self._outbox.append(_final_delta(req.req_id, "error", error))
+            self._outbox.append(_final_delta(req.req_id, "error", error, kind))
             return False
         self._live_req_ids.add(req.req_id)
         if req.deadline > 0:
@@ -378,8 +387,13 @@ class Worker:
                 self._wakeup.set()
 
     async def _heartbeat_forever(self) -> None:
-        while True:
-            await self._send(Heartbeat(self.worker_id, self._current_stats(), time.time()))
+        """Heartbeats, and Ready again every few of them: a frontend that refused our Ready
+        while a predecessor with our id still looked alive accepts it once that one is gone."""
+        pid = os.getpid()
+        for num_sent in itertools.count(1):
+            await self._send(Heartbeat(self.worker_id, self._current_stats(), time.time(), pid))
+            if num_sent % _REANNOUNCE_EVERY == 0:
+                await self._send(self._ready_message())
             await asyncio.sleep(self._heartbeat_s)
 
     def _refresh_stats(self) -> None:
@@ -430,8 +444,8 @@ class Worker:
             log.exception("worker %s: could not send WorkerError", self.worker_id)
 
 
-def _final_delta(req_id: str, finish_reason: str, error: str) -> RequestDelta:
-    return RequestDelta(req_id, [], finish_reason=finish_reason, error=error)
+def _final_delta(req_id: str, finish_reason: str, error: str, kind: str = "") -> RequestDelta:
+    return RequestDelta(req_id, [], finish_reason=finish_reason, error=error, error_kind=kind)
 
 
 def _describe(error: BaseException) -> str:

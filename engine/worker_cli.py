@@ -29,6 +29,7 @@ import msgspec
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine.config import EngineConfig
 from engine.kv_tiers import private_kv_dir
+from engine.curve import load_keys
 from engine.kv_transfer import LEASE_S
 from engine.logs import setup_logging_from_env
 from engine.worker import DEFAULT_KV_BIND, ROLES, CoreFactory, Worker, role_config
@@ -66,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="a long prompt's chunks leave part of each step to waiting "
                              "requests and running streams")
+    parser.add_argument("--worker-key", default=None, metavar="FILE",
+                        help="CURVE key of the deployment (`duplex keys`, or a shared-secret "
+                             "file): authenticates and encrypts the worker channel and the KV "
+                             "door; required for addresses off this host")
     parser.add_argument("--core", default=DEFAULT_CORE, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     add_engine_arguments(parser)
@@ -83,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
     if args.connect is None:
         print("duplex worker: --connect is required", file=sys.stderr)
         return 2
+    try:
+        keys = load_keys(args.worker_key, args.connect, args.kv_bind if args.role == "decode"
+                         else None)
+    except (OSError, ValueError) as e:
+        print(f"duplex worker: {e}", file=sys.stderr)
+        return 2
     factory = resolve_core_factory(args.core)
     if config.expert_parallel > 1 and args.core == DEFAULT_CORE:
         if args.role != "unified":
@@ -93,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(private_kv_dir(role_config(config, args.role), worker_id), factory,
                     address=args.connect, worker_id=worker_id, role=args.role,
                     heartbeat_s=args.heartbeat_s, kv_bind=args.kv_bind,
-                    lease_s=args.handoff_lease_s, fair_prefill=args.fair_prefill)
+                    lease_s=args.handoff_lease_s, fair_prefill=args.fair_prefill, keys=keys)
     code = _run_on_uvloop(worker)
     if args.cost_model_out:
         _save_cost_model(worker, args.cost_model_out)

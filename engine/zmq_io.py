@@ -13,6 +13,12 @@ A message on the wire is a list of frames:
 A frame that is not one of our messages (oversized, garbled, pickle, unknown tag, wrong field
 types, unexpected extra frames) is rejected with a log line and a counter; receiving never
 raises on bad input, so a hostile peer cannot crash the loop that reads from it.
+
+With `keys` (engine.curve: `--worker-key`), every channel speaks CURVE: the bound side admits
+only peers holding the deployment's key (a ZAP handler per context), and its ROUTER keeps a
+routing id with the first connection that holds it (no ROUTER_HANDOVER; a dead peer's pipe is
+closed by ZMQ heartbeats instead), so no peer can take over a live worker's id. Without keys
+the sockets are plain, as on the default private IPC path.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from engine import curve
 from engine.messages import (MAX_FRAME_BYTES, BadFrame, decode_from_decode_kv,
                              decode_from_worker, decode_to_decode_kv, decode_to_worker, encode)
 
@@ -36,6 +43,9 @@ RawFrame = bytes | memoryview | zmq.Frame
 # Log the first rejections in full, then one line per this many, so a flood cannot fill disks.
 _LOG_EVERY = 1000
 _LOG_FIRST = 20
+# With CURVE (no handover): a silent peer's pipe closes after this, freeing its routing id.
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 5000
 
 
 class Received(NamedTuple):
@@ -106,10 +116,12 @@ class Channel:
     """One socket with its typed sender and receiver."""
 
     def __init__(self, socket: zmq.asyncio.Socket, decode: Decode, *,
-                 watch_handshakes: bool = False, **limits: int) -> None:
+                 watch_handshakes: bool = False, zap: "_Zap | None" = None,
+                 **limits: int) -> None:
         self.socket = socket
         self.sender = MessageSender(socket)
         self.receiver = MessageReceiver(socket, decode, **limits)
+        self._zap = zap
         # Made before the socket connects, so that the first handshake is seen too.
         self._monitor = (socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
                          if watch_handshakes else None)
@@ -133,48 +145,104 @@ class Channel:
             self.socket.disable_monitor()
             self._monitor.close(linger=0)
         self.socket.close(linger=linger_ms)
+        if self._zap is not None:
+            self._zap.release()
+            self._zap = None
+
+
+class _Zap:
+    """The ZAP handler of one context, shared by its CURVE server sockets (ZeroMQ allows
+    one per context); stopped when the last of them closes."""
+
+    _by_context: dict[int, "_Zap"] = {}
+
+    def __init__(self, ctx: zmq.Context, keys: curve.CurveKeys) -> None:
+        self._ctx_id, self.keys, self.num_users = id(ctx.underlying), keys, 0
+        self._auth = curve.authenticator(ctx, keys)
+
+    @classmethod
+    def acquire(cls, ctx: zmq.Context, keys: curve.CurveKeys) -> "_Zap":
+        zap = cls._by_context.get(id(ctx.underlying))
+        if zap is None:
+            zap = cls._by_context[id(ctx.underlying)] = cls(ctx, keys)
+        if zap.keys != keys:
+            raise ValueError("one ZeroMQ context serves one deployment key")
+        zap.num_users += 1
+        return zap
+
+    def release(self) -> None:
+        self.num_users -= 1
+        if self.num_users == 0:
+            self._by_context.pop(self._ctx_id, None)
+            self._auth.stop()
+
+
+def _secure_router(ctx: zmq.asyncio.Context, socket: zmq.asyncio.Socket,
+                   keys: curve.CurveKeys | None) -> "_Zap | None":
+    """ROUTER options before bind: plain (handover on, for fast restarts on the local path),
+    or CURVE with the ZAP handler and no handover."""
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if keys is None:
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        return None
+    socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+    zap = _Zap.acquire(ctx, keys)
+    curve.make_server(socket, keys)
+    return zap
+
+
+def _secure_dealer(socket: zmq.asyncio.Socket, keys: curve.CurveKeys | None) -> None:
+    if keys is not None:
+        socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        curve.make_client(socket, keys)
 
 
 def worker_channel(ctx: zmq.asyncio.Context, address: str, worker_id: str,
-                   **limits: int) -> Channel:
+                   keys: curve.CurveKeys | None = None, **limits: int) -> Channel:
     """The worker's side: a DEALER that connects to the frontend and reconnects on its own
     (`handshakes()` tells when). Messages sent while disconnected wait in its queue."""
     socket = ctx.socket(zmq.DEALER)
     socket.setsockopt(zmq.ROUTING_ID, worker_id.encode())
+    _secure_dealer(socket, keys)
     channel = Channel(socket, decode_to_worker, watch_handshakes=True, **limits)
     socket.connect(address)
     return channel
 
 
-def frontend_channel(ctx: zmq.asyncio.Context, address: str, **limits: int) -> Channel:
+def frontend_channel(ctx: zmq.asyncio.Context, address: str,
+                     keys: curve.CurveKeys | None = None, **limits: int) -> Channel:
     """The frontend's side: a ROUTER bound at `address`, to which workers connect.
 
-    ROUTER_MANDATORY makes a send to an absent worker fail loudly; ROUTER_HANDOVER lets a
-    restarted worker take over its routing id from a connection not yet seen as closed."""
+    ROUTER_MANDATORY makes a send to an absent worker fail loudly; without keys,
+    ROUTER_HANDOVER lets a restarted worker take over its routing id from a connection not
+    yet seen as closed."""
     socket = ctx.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    zap = _secure_router(ctx, socket, keys)
     socket.bind(address)
-    return Channel(socket, decode_from_worker, **limits)
+    return Channel(socket, decode_from_worker, zap=zap, **limits)
 
 
 def kv_server_channel(ctx: zmq.asyncio.Context, address: str, *, max_raw_frames: int,
-                      **limits: int) -> Channel:
+                      keys: curve.CurveKeys | None = None, **limits: int) -> Channel:
     """A decode worker's KV door: a ROUTER bound at `address` (`tcp://127.0.0.1:*` picks a
     free port; `address` of the channel tells which), to which prefill workers connect."""
     socket = ctx.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    zap = _secure_router(ctx, socket, keys)
     socket.bind(address)
-    return Channel(socket, decode_to_decode_kv, max_raw_frames=max_raw_frames, **limits)
+    return Channel(socket, decode_to_decode_kv, zap=zap, max_raw_frames=max_raw_frames,
+                   **limits)
 
 
-def kv_client_channel(ctx: zmq.asyncio.Context, address: str, worker_id: str) -> Channel:
+def kv_client_channel(ctx: zmq.asyncio.Context, address: str, worker_id: str,
+                      keys: curve.CurveKeys | None = None) -> Channel:
     """A prefill worker's link to one decode worker's KV door (a DEALER, routing id =
     the prefill worker's id, so the decode worker can answer it)."""
     socket = ctx.socket(zmq.DEALER)
     socket.setsockopt(zmq.ROUTING_ID, worker_id.encode())
     socket.setsockopt(zmq.LINGER, 0)
+    _secure_dealer(socket, keys)
     channel = Channel(socket, decode_from_decode_kv)
     socket.connect(address)
     return channel

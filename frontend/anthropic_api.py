@@ -20,6 +20,7 @@ from aiohttp import web
 from frontend import structured
 from frontend.errors import invalid
 from frontend.retention import request_retention
+from frontend.offload import body_size
 from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
                                  resolve_max_tokens, sampling_params)
 from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
@@ -50,7 +51,7 @@ class AnthropicApi:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         with self.state.admit():
             body = await read_json(request, MessagesRequest)
-            job = self._job(request, body)
+            job = await self.state.cpu.run(body_size(request), self._job, request, body)
             await structured.check(job.params.constraint, "tool_choice")
             msg_id = f"msg_{request[REQ_ID]}"
             async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
@@ -63,7 +64,8 @@ class AnthropicApi:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await read_json(request, CountTokensRequest)
-        return json_response(CountTokensResponse(len(self._encode(body)[0])))
+        ids, _ = await self.state.cpu.run(body_size(request), self._encode, body)
+        return json_response(CountTokensResponse(len(ids)))
 
     def _encode(self, body: CountTokensRequest) -> tuple[list[int], str]:
         """(prompt ids, the forced start of the reply: a tool call for tool_choice any/tool)."""
@@ -201,7 +203,7 @@ def _usage(usage: Usage) -> AnthropicUsage:
 def _tool_input(arguments: str) -> dict:
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         log.warning("tool call arguments are not JSON: %.200r", arguments)
         return {}
     return value if isinstance(value, dict) else {"value": value}

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench.cli", "benchmarks of serving, the engine and its parts (`duplex bench "
               "--help` lists them)"),
     "plan": ("engine.plan_cli", "recommend a prefill:decode worker ratio for a workload"),
+    "keys": ("engine.keys_cli", "write a CURVE key that authenticates workers across hosts"),
 }
 # Subcommands whose flags may also come from DUPLEX_* variables and --config (cli_config).
 SOURCED = ("serve", "worker")

@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from engine.messages import (AbortRequests, AddRequest, HandoffFailed, Heartbeat, Outputs, Ready,
                              RequestDelta, WorkerError, WorkerStats)
+from engine.curve import CurveKeys
 from engine.zmq_io import Channel, frontend_channel
 from frontend.router import Router
 
@@ -89,7 +90,7 @@ class _WorkerState:
 class EngineClient:
     def __init__(self, address: str, *, heartbeat_timeout_s: float = 5.0,
                  on_worker_dead: OnWorkerDead | None = None, router: Router | None = None,
-                 handoff_failure: str = "recompute") -> None:
+                 handoff_failure: str = "recompute", keys: CurveKeys | None = None) -> None:
         if handoff_failure not in POLICIES:
             raise ValueError(f"handoff_failure must be one of {POLICIES}, got "
                              f"{handoff_failure!r}")
@@ -98,6 +99,8 @@ class EngineClient:
         self.router = router or Router()
         self.handoff_failure = handoff_failure
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._keys = keys  # CURVE keys of the deployment (engine.curve); None: plain sockets
+        self.num_refused_ready = 0  # Ready frames claiming a live worker's id
         self._ctx: zmq.asyncio.Context | None = None
         self._channel: Channel | None = None
         self._tasks: list[asyncio.Task] = []
@@ -115,7 +118,7 @@ class EngineClient:
     async def start(self) -> None:
         """Bind the channel (a `tcp://host:*` address resolves to a free port) and listen."""
         self._ctx = zmq.asyncio.Context()
-        self._channel = frontend_channel(self._ctx, self.address)
+        self._channel = frontend_channel(self._ctx, self.address, self._keys)
         self.address = self._channel.address
         self._tasks = [asyncio.create_task(coro) for coro in
                        (self._receive_forever(), self._send_aborts_forever(),
@@ -338,14 +341,20 @@ class EngineClient:
 
     # ------------------------------------------------------------------ worker liveness
     def _on_ready(self, msg: Ready, peer: bytes) -> None:
+        """A worker announces itself. A live worker's id is never taken over: a Ready for it
+        from another connection or process is refused and logged (the impostor gets no
+        request, the real worker is not touched). The same worker announcing again (each
+        reconnect, and every few heartbeats) changes nothing. A restarted process is
+        accepted once its predecessor is dead (exit seen, WorkerError, or silence: its
+        heartbeats carry its pid, so the new process cannot keep the old one alive)."""
         known = self._workers.get(msg.worker_id)
-        if known is not None and _same_worker(known.ready, msg):  # it reconnected
-            self._by_peer.pop(known.peer, None)
-            known.peer, known.last_seen = peer, time.monotonic()
-            self._by_peer[peer] = msg.worker_id
+        if known is not None:
+            if known.peer != peer or not _same_worker(known.ready, msg):
+                self._refuse_ready(msg, peer, known)
             return
-        if known is not None:  # a new Ready without a death notice: the old one is gone
-            self._worker_died(msg.worker_id, f"worker {msg.worker_id} restarted")
+        if self._by_peer.get(peer) not in (None, msg.worker_id):
+            self._refuse_ready(msg, peer, self._workers[self._by_peer[peer]])
+            return
         log.info("engine worker %s ready (role %s, model %s, pid %d)", msg.worker_id, msg.role,
                  msg.model_name, msg.pid)
         self._workers[msg.worker_id] = _WorkerState(msg, peer)
@@ -354,6 +363,14 @@ class EngineClient:
         self._update_ready_info()
         self._ready_event.set()
         self._dispatch_wakeup.set()
+
+    def _refuse_ready(self, msg: Ready, peer: bytes, live: _WorkerState) -> None:
+        self.num_refused_ready += 1
+        if self.num_refused_ready <= 20 or self.num_refused_ready % 1000 == 0:
+            log.warning("refused Ready #%d claiming worker %s (pid %d) from connection %r: "
+                        "worker %s (pid %d) is live on connection %r", self.num_refused_ready,
+                        msg.worker_id, msg.pid, peer, live.ready.worker_id, live.ready.pid,
+                        live.peer)
 
     def _worker_died(self, worker_id: str, reason: str) -> None:
         state = self._workers.pop(worker_id, None)
@@ -400,6 +417,8 @@ class EngineClient:
 
     def _dispatch_msg(self, worker_id: str, state: _WorkerState,
                       msg: Outputs | Heartbeat | WorkerError | HandoffFailed) -> None:
+        if isinstance(msg, Heartbeat) and msg.pid and msg.pid != state.ready.pid:
+            return  # another process on this routing id: it must not keep this one alive
         state.last_seen = time.monotonic()
         match msg:
             case Outputs(deltas=deltas):

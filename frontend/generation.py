@@ -20,8 +20,9 @@ from typing import AsyncIterator, NamedTuple
 
 import msgspec
 
-from engine.messages import AddRequest, RequestDelta
+from engine.messages import INVALID, AddRequest, RequestDelta
 from engine.sampling_params import SamplingParams
+from frontend.admission import Reservation, Work, WorkAdmission
 from frontend.errors import ApiError, from_sampling_error, invalid
 from frontend.protocol import SamplingFields
 from frontend.stop import StopChecker
@@ -105,13 +106,17 @@ class Final:
     error: str = ""
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
+    is_invalid: bool = False  # the worker refused the request itself (RequestDelta.error_kind)
 
     @property
     def failed(self) -> bool:
         return self.finish_reason in ("error", "timeout", "abort")
 
     def api_error(self) -> ApiError:
-        """How a failed choice is reported: a lost worker or an abort is worth retrying."""
+        """How a failed choice is reported: a lost worker or an abort is worth retrying; a
+        request the worker refused as invalid (it can never run) is not."""
+        if self.is_invalid:
+            return invalid(self.error, code="invalid_request")
         kind = "timeout" if self.finish_reason == "timeout" else "unavailable"
         return ApiError(kind, self.error, code=self.finish_reason)
 
@@ -217,6 +222,67 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
+def check_fits(job: Job, ready) -> None:
+    """A prompt longer than a worker's whole KV pool can never be computed, however long the
+    client waits: a 400 naming the limit, not a retryable 503."""
+    if ready is None:
+        return
+    capacity = ready.num_kv_blocks * ready.block_size
+    num_tokens = len(job.prompt_token_ids)
+    if num_tokens + 1 > capacity:
+        raise invalid(f"the prompt has {num_tokens} tokens, but the KV cache pool holds "
+                      f"{capacity} tokens ({ready.num_kv_blocks} blocks of {ready.block_size}) "
+                      "and one more is needed to generate; no request this long can run on "
+                      "this server", param="messages", code="kv_pool_exceeded")
+
+
+def work_of(jobs: list[Job]) -> Work:
+    """Sequences (prompts x n) and prompt tokens (each prompt once) of an API request."""
+    return Work(sum(job.n for job in jobs), sum(len(job.prompt_token_ids) for job in jobs))
+
+
+class _Events:
+    """The event stream of one `Pipeline.run`: closing it (the callers use `aclosing`) ends
+    every choice and frees the request's reserved work, even if it was never iterated."""
+
+    def __init__(self, source: AsyncIterator[Event], reservation: Reservation | None) -> None:
+        self._source = source
+        self._reservation = reservation
+
+    def __aiter__(self) -> "_Events":
+        return self
+
+    async def __anext__(self) -> Event:
+        try:
+            return await anext(self._source)
+        except StopAsyncIteration:
+            self._release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._source.aclose()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._reservation is not None:
+            self._reservation.release()
+
+
+async def _take_turn(reservation: Reservation | None, tenant: str,
+                     cutoff: float | None) -> bool:
+    """Wait for the sequence's fair turn in the engine; False if the deadline came first."""
+    if reservation is None:
+        return True
+    try:
+        async with asyncio.timeout(_seconds_until(cutoff)):
+            await reservation.begin_turn(tenant)
+        return True
+    except TimeoutError:
+        return False
+
+
 def check_n(n: int, max_n: int) -> None:
     if not 1 <= n <= max_n:
         raise invalid(f"n must be between 1 and {max_n}, got {n}", param="n")
@@ -226,30 +292,42 @@ def check_n(n: int, max_n: int) -> None:
 class Pipeline:
     """Owns the path from an engine's token deltas to API-neutral output events."""
 
-    def __init__(self, engine, recipe, metrics, *, request_timeout_s: float = 0.0) -> None:
+    def __init__(self, engine, recipe, metrics, *, request_timeout_s: float = 0.0,
+                 admission: WorkAdmission | None = None) -> None:
         self.engine = engine
         self.recipe = recipe
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
+        self.admission = admission  # None: no work bound, no fair gate (offline tests)
         self._token_text: dict[int, str] = {}
 
-    async def run(self, jobs: Job | list[Job]) -> AsyncIterator[Event]:
+    def run(self, jobs: Job | list[Job]) -> AsyncIterator[Event]:
         """Events of every choice of every job, interleaved; choice `index` counts across
-        jobs (job k's sample j is `k * n + j`). Each choice ends with exactly one Final."""
+        jobs (job k's sample j is `k * n + j`). Each choice ends with exactly one Final.
+        A job that can never run here raises ApiError (400) now, before any response
+        starts, so a stream never opens for it."""
         jobs = [jobs] if isinstance(jobs, Job) else jobs
+        for job in jobs:
+            check_fits(job, self.engine.ready_info)
+        reservation = self.admission.reserve(work_of(jobs)) if self.admission else None
+        return _Events(self._events(jobs, reservation), reservation)
+
+    async def _events(self, jobs: list[Job],
+                      reservation: Reservation | None) -> AsyncIterator[Event]:
         choices = [_Choice(self, job, sample, k * job.n + sample)
                    for k, job in enumerate(jobs) for sample in range(job.n)]
-        source = (self._run_choice(choices[0]) if len(choices) == 1
-                  else self._fan_out(choices))
+        source = (self._run_choice(choices[0], reservation) if len(choices) == 1
+                  else self._fan_out(choices, reservation))
         async with contextlib.aclosing(source) as events:
             async for event in events:
                 yield event
 
-    async def _fan_out(self, choices: list[_Choice]) -> AsyncIterator[Event]:
+    async def _fan_out(self, choices: list[_Choice],
+                       reservation: Reservation | None) -> AsyncIterator[Event]:
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
-            async with contextlib.aclosing(self._run_choice(choice)) as events:
+            async with contextlib.aclosing(self._run_choice(choice, reservation)) as events:
                 async for event in events:
                     queue.put_nowait(event)
 
@@ -265,28 +343,38 @@ class Pipeline:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_choice(self, choice: _Choice) -> AsyncIterator[Event]:
+    async def _run_choice(self, choice: _Choice,
+                          reservation: Reservation | None = None) -> AsyncIterator[Event]:
         msg = choice.add_request()
         cutoff = msg.deadline + DEADLINE_GRACE_S if msg.deadline else None
         final = None
-        async with contextlib.aclosing(self.engine.generate(msg)) as deltas:
-            while final is None:
-                try:
-                    async with asyncio.timeout(_seconds_until(cutoff)):
-                        delta = await anext(deltas)
-                except StopAsyncIteration:
-                    final = choice.fail("error", "the engine stream ended without a result")
-                    break
-                except TimeoutError:
-                    final = choice.fail("timeout", "request timed out")
-                    break
-                except Exception as e:  # noqa: BLE001 - the engine failed: end this stream
-                    log.exception("engine stream failed req_id=%s", msg.req_id)
-                    final = choice.fail("error", f"engine error: {e}")
-                    break
-                event, final = choice.on_delta(delta)
-                if event is not None:
-                    yield event
+        has_turn = await _take_turn(reservation, choice.job.cache_salt, cutoff)
+        if not has_turn:
+            final = choice.fail("timeout", "request timed out waiting for its turn to run")
+        try:
+            if final is None:
+                async with contextlib.aclosing(self.engine.generate(msg)) as deltas:
+                    while final is None:
+                        try:
+                            async with asyncio.timeout(_seconds_until(cutoff)):
+                                delta = await anext(deltas)
+                        except StopAsyncIteration:
+                            final = choice.fail("error",
+                                                "the engine stream ended without a result")
+                            break
+                        except TimeoutError:
+                            final = choice.fail("timeout", "request timed out")
+                            break
+                        except Exception as e:  # noqa: BLE001 - the engine failed: end it
+                            log.exception("engine stream failed req_id=%s", msg.req_id)
+                            final = choice.fail("error", f"engine error: {e}")
+                            break
+                        event, final = choice.on_delta(delta)
+                        if event is not None:
+                            yield event
+        finally:
+            if has_turn and reservation is not None:
+                reservation.end_turn()
         self.metrics.observe_final(final)
         _log_final(msg.req_id, final)
         yield final
@@ -363,7 +451,9 @@ class _Choice:
         if stopped:
             return event, self.finish("stop", self._stop_sequence())
         if not completed:
-            return event, self.fail(self._failure(engine_finish), delta.error)
+            final = self.fail(self._failure(engine_finish), delta.error)
+            final.is_invalid = delta.error_kind == INVALID
+            return event, final
         return event, self.finish(engine_finish)
 
     def finish(self, finish_reason: str, stop_sequence: str | None = None) -> Final:

@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from frontend import structured
 from frontend.errors import invalid
 from frontend.retention import request_retention
+from frontend.offload import body_size
 from frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
                                  check_n, collect, params_from_fields, resolve_max_tokens,
                                  total_usage)
@@ -56,7 +57,8 @@ class OpenAIApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         with self.state.admit():
             body = await read_json(request, ChatCompletionRequest)
-            job, param = self._chat_job(request, body)
+            job, param = await self.state.cpu.run(body_size(request, body.chat_template),
+                                                  self._chat_job, request, body)
             await structured.check(job.params.constraint, param)
             reply = _Reply(f"chatcmpl-{request[REQ_ID]}", self.state.model_name, body.n)
             async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
@@ -109,7 +111,8 @@ class OpenAIApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         with self.state.admit():
             body = await read_json(request, CompletionRequest)
-            prompts = self._completion_prompts(body)
+            prompts = await self.state.cpu.run(body_size(request), self._completion_prompts,
+                                               body)
             constrained = structured.from_openai(body)
             jobs = [self._completion_job(request, body, p.token_ids, k, constrained)
                     for k, p in enumerate(prompts)]
@@ -195,6 +198,10 @@ class OpenAIApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request, TokenizeRequest)
+        ids = await self.state.cpu.run(body_size(request), self._tokenize, body)
+        return json_response(TokenizeResponse(ids, len(ids)))
+
+    def _tokenize(self, body: TokenizeRequest) -> list[int]:
         if (body.messages is None) == (body.prompt is None):
             raise invalid("give exactly one of 'messages' or 'prompt'", param="messages")
         if body.prompt is not None:
@@ -203,7 +210,7 @@ class OpenAIApi:
             tools = [tool_dict(t) for t in body.tools] if body.tools else None
             ids = self.state.encode_chat(chat_messages(body.messages), tools,
                                          body.add_generation_prompt)
-        return json_response(TokenizeResponse(ids, len(ids)))
+        return ids
 
 
 # ================================================================ request conversion

@@ -13,7 +13,9 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from aiohttp import web
 
+from frontend.body_limits import TooDeep, check_depth
 from frontend.errors import from_validation, invalid
+from frontend.offload import CPU_POOL
 
 # Integers that travel to the worker must fit msgpack's 64 bits; the rules are checked later.
 Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -529,23 +531,30 @@ REQ_ID = web.RequestKey("req_id", str)
 
 
 def decode_json(raw: bytes | str, kind: type[T]) -> T:
-    """Bytes from a client -> a struct, or an ApiError (400) naming the bad field."""
-    if isinstance(raw, bytes):
-        try:
-            raw = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise invalid("request body is not valid UTF-8") from None
-    if not raw.strip():
+    """Bytes from a client -> a struct, or an ApiError (400) naming the bad field. Nothing
+    in `raw` can make it raise anything else (a body too deep is refused before parsing).
+    Bytes are decoded as they are (msgspec checks the UTF-8), without a copy as text."""
+    if not raw or raw.isspace():
         raise invalid("request body is empty; expected a JSON object")
     try:
+        check_depth(raw)
         return msgspec.json.decode(raw, type=kind)
+    except TooDeep as e:
+        raise invalid(f"request body: {e}", code="json_too_deep") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
+    except (RecursionError, MemoryError, ValueError, TypeError) as e:  # never a 5xx
+        raise invalid(f"request body cannot be decoded: {type(e).__name__}") from None
 
 
 async def read_json(request: web.Request, kind: type[T]) -> T:
-    """Read and decode a request body; an oversized body raises aiohttp's 413 first."""
-    return decode_json(await request.read(), kind)
+    """Read and decode a request body; an oversized body raises aiohttp's 413 first, and a
+    large one is decoded off the event loop (frontend.offload)."""
+    pool = request.app.get(CPU_POOL)
+    if pool is None:
+        return decode_json(await request.read(), kind)
+    raw = await pool.read_body(request)
+    return await pool.run(len(raw), decode_json, raw, kind)
 
 
 def encode(obj: Any) -> bytes:

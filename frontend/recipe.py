@@ -170,7 +170,7 @@ def _arguments(where: str, arguments: Any) -> Any:
     arguments = _string(where, arguments)
     try:
         parsed = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: keep the text
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 

@@ -23,9 +23,11 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.args import add_engine_arguments, engine_config_from_args
+from engine import curve
 from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
 from engine.kv_transfer import LEASE_S
 from engine.logs import LOG_FORMAT_ENV, setup_logging
+from frontend.offload import SWITCH_INTERVAL_S
 from frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
                                      take_positional_model, tls_context, with_chat_template)
 from frontend.router import DEFAULT_BUCKETS, parse_buckets
@@ -48,6 +50,7 @@ class WorkerLayout:
     handoff_lease_s: float = LEASE_S
     fair_prefill: bool = True
     worker_bind: str | None = None  # None: a private ipc socket
+    worker_key: str | None = None  # CURVE key file (engine.curve); needed off this host
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0:
@@ -62,8 +65,9 @@ class WorkerLayout:
         return ("prefill",) * self.num_prefill + ("decode",) * self.num_decode
 
     def worker_args(self) -> list[str]:
+        key = ["--worker-key", self.worker_key] if self.worker_key else []
         return ["--handoff-lease-s", str(self.handoff_lease_s),
-                "--fair-prefill" if self.fair_prefill else "--no-fair-prefill"]
+                "--fair-prefill" if self.fair_prefill else "--no-fair-prefill", *key]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="accept this API key (Bearer or x-api-key); repeatable; none: open")
     group.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
                        help="requests in flight (running + waiting) before answering 429/529")
+    group.add_argument("--max-queued-sequences", type=int, default=512, metavar="N",
+                       help="sequences (prompts x n) held at once, running or waiting; past it "
+                            "429/529, and one request asking for more is a 400")
+    group.add_argument("--max-queued-prompt-tokens", type=int, default=4 * 1024 * 1024,
+                       metavar="N", help="prompt tokens held at once (same rules)")
+    group.add_argument("--max-running-sequences", type=int, default=None, metavar="N",
+                       help="sequences sent to the workers at once; the rest wait for a turn, "
+                            "round-robin by tenant then request (default: --max-num-seqs x "
+                            "decoding workers)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM, seconds to let in-flight requests finish")
     group.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
@@ -92,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        choices=["hermes", "llama3_json", "mistral", "pythonic"],
                        help="how the model writes tool calls: parsed from its output and, "
                             "except pythonic, constrained for tool_choice (default: hermes)")
+    group.add_argument("--allow-request-chat-template", action="store_true",
+                       help="accept a chat_template in request bodies (a trust decision: the "
+                            "caller then places control tokens, e.g. a fake system turn)")
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
     add_operator_arguments(group)
@@ -105,6 +121,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="bind the worker channel here (tcp://HOST:PORT), so that more "
                               "workers can join with `duplex worker --connect` (default: a "
                               "private ipc socket)")
+    workers.add_argument("--worker-key", default=None, metavar="FILE",
+                         help="CURVE key (`duplex keys FILE`, or a shared-secret file) that "
+                              "authenticates and encrypts the worker channel and KV doors; "
+                              "required when --worker-bind is reachable from other hosts")
     workers.add_argument("--length-buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
                          metavar="B1,B2", help="prefill queues by prompt tokens after cache "
                          "hits: <=B1, <=B2, >B2 ('none': one FIFO)")
@@ -134,11 +154,17 @@ def run(args: argparse.Namespace) -> int:
             client_max_size=args.max_body_bytes, metrics_public=args.metrics_public,
             allowed_origins=parse_origins(args.allowed_origins),
             chat_template=read_chat_template(args.chat_template),
-            tool_call_parser=args.tool_call_parser)
+            tool_call_parser=args.tool_call_parser,
+            allow_request_chat_template=args.allow_request_chat_template,
+            max_queued_sequences=args.max_queued_sequences,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+            max_running_sequences=args.max_running_sequences
+            or config.max_num_seqs * max(1, args.decode_workers))
         model_path = resolve_model_path(config.model)
         chat_template = options.chat_template
         ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)
         layout = layout_from_args(args)
+        curve.load_keys(layout.worker_key, layout.worker_bind)  # a bad key fails here
         if config.expert_parallel > 1 and layout.num_prefill:
             raise ValueError("--expert-parallel runs with one unified worker; it cannot be "
                              "combined with --prefill-workers / --decode-workers yet")
@@ -148,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     os.environ[LOG_FORMAT_ENV] = args.log_format  # the workers it starts log the same way
     import uvloop
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop gets the GIL back from pool threads
     return uvloop.run(serve(config, options, model_path, args.host, args.port,
                             args.shutdown_timeout, layout, ssl_context=ssl_context,
                             chat_template=chat_template))
@@ -156,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
 def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
     return WorkerLayout(args.prefill_workers, args.decode_workers,
                         parse_buckets(args.length_buckets), args.handoff_failure,
-                        args.handoff_lease_s, args.fair_prefill, args.worker_bind)
+                        args.handoff_lease_s, args.fair_prefill, args.worker_bind,
+                        args.worker_key)
 
 
 def model_name(model: str | None) -> str:
@@ -181,7 +209,8 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
                             address=layout.worker_bind)
     limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)
     engine = EngineClient(supervisor.address, handoff_failure=layout.handoff_failure,
-                          router=Router(layout.length_buckets, limits))
+                          router=Router(layout.length_buckets, limits),
+                          keys=curve.load_keys(layout.worker_key, layout.worker_bind))
     supervisor.attach(engine)
     state = AppState(engine, recipe, options, supervisor=supervisor)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)

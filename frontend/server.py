@@ -25,11 +25,14 @@ from aiohttp import web
 from engine.logs import REQUEST_ID
 from engine.messages import WorkerStats
 from frontend import anthropic_api, openai_api, openapi, ws
+from frontend.admission import WorkAdmission
 from frontend.auth import ApiKeys
 from frontend.cors import setup_cors
 from frontend.errors import ApiError, invalid
 from frontend.generation import Pipeline
 from frontend.metrics import Metrics, kv_usage
+from frontend.offload import (CPU_POOL, CpuPool, check_prompt_chars, longest_token_chars,
+                              text_chars)
 from frontend.protocol import REQ_ID, json_response
 from frontend.tool_formats import TOOL_FORMATS
 from frontend.tool_parser import forced_call_prefix, tools_supported
@@ -44,6 +47,11 @@ _ANTHROPIC_PREFIX = "/v1/messages"
 class ServerOptions:
     served_model_names: tuple[str, ...] = ()  # empty: the model's own name
     max_queued_requests: int = 256
+    # Admission by work (frontend.admission): sequences (prompts x n) and prompt tokens held
+    # at once, and how many sequences run in the engine at once (the rest wait their turn).
+    max_queued_sequences: int = 512
+    max_queued_prompt_tokens: int = 4 * 1024 * 1024
+    max_running_sequences: int = 64
     max_n: int = 8
     request_timeout_s: float = 600.0  # 0: no deadline
     api_keys: tuple[str, ...] = ()
@@ -53,10 +61,17 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS; "*": any origin
     chat_template: str | None = None  # --chat-template: replaces the model's own template
     tool_call_parser: str = "hermes"  # --tool-call-parser (frontend/tool_formats.py)
+    # A client's own chat template decides where control tokens go (it can write a fake
+    # system turn): a trust decision, so off unless the operator turns it on.
+    allow_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        for name in ("max_queued_sequences", "max_queued_prompt_tokens",
+                     "max_running_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.max_n <= 128:
             raise ValueError(f"max_n must be in [1, 128], got {self.max_n}")
         if self.tool_call_parser not in TOOL_FORMATS:
@@ -121,11 +136,18 @@ class AppState:
         self.supervisor = supervisor  # frontend.supervisor.Supervisor, None in tests
         self.options = options
         self.metrics = metrics or Metrics()
+        self.work = WorkAdmission(options.max_queued_sequences,
+                                  options.max_queued_prompt_tokens,
+                                  options.max_running_sequences, self.metrics)
         self.pipeline = Pipeline(engine, recipe, self.metrics,
-                                 request_timeout_s=options.request_timeout_s)
+                                 request_timeout_s=options.request_timeout_s,
+                                 admission=self.work)
         self.admission = Admission(options.max_queued_requests, self.metrics)
         self.keys = ApiKeys(list(options.api_keys), options.metrics_public)
         self.started = int(time.time())
+        # big bodies: read in steps, decoded, rendered and tokenized off the loop
+        self.cpu = CpuPool(max_body_bytes=options.client_max_size)
+        self.max_token_chars = longest_token_chars(recipe)
 
     # ------------------------------------------------------------ readiness and admission
     @property
@@ -173,6 +195,11 @@ class AppState:
                     continue_final_message: bool = False) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty", param="messages")
+        if template is not None and not self.options.allow_request_chat_template:
+            raise invalid("a per-request chat_template is disabled on this server (the "
+                          "operator can allow it with --allow-request-chat-template)",
+                          param="chat_template", code="chat_template_disabled")
+        self._check_chars(text_chars(messages) + text_chars(tools), "messages")
         template = template if template is not None else self.options.chat_template
         try:
             if continue_final_message:  # keyword only when used: fakes need not know it
@@ -197,10 +224,17 @@ class AppState:
         return prompt_ids + self.recipe.encode_reply_start(forced), forced
 
     def encode_prompt(self, text: str) -> list[int]:
+        self._check_chars(text_chars(text), "prompt")
         try:
             return self.recipe.encode_prompt(text)
         except (ValueError, TypeError) as e:
             raise invalid(f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text too long for the context in any tokenization."""
+        info = self.engine.ready_info
+        if info is not None:
+            check_prompt_chars(num_chars, info.max_model_len, self.max_token_chars, param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = _vocab_size(self.recipe)
@@ -298,9 +332,15 @@ def build_app(state: AppState) -> web.Application:
     ws_api = ws.WebSocketApi(state)
     app.router.add_routes(ws_api.routes())
     app.on_shutdown.append(ws_api.close_all)
+    app[CPU_POOL] = state.cpu
+    app.on_cleanup.append(lambda _app: _close_pool(state.cpu))
     app.router.add_routes(OpsApi(state).routes())
     _add_web_ui(app, state.options.web_dir)
     return app
+
+
+async def _close_pool(pool: CpuPool) -> None:
+    pool.close()
 
 
 class OpsApi:

@@ -219,7 +219,7 @@ def _final_args(text: str) -> str:
     `}` follow it (the outer brace may be missing), else the stripped text as it is."""
     try:
         _, end = _DECODER.raw_decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return _strip_outer_close(text)
     return text[:end] if _strip_outer_close(text[end:]) == "" else _strip_outer_close(text)
 
@@ -227,7 +227,7 @@ def _final_args(text: str) -> str:
 def _json_string(escaped: str) -> str | None:
     try:
         return json.loads('"' + escaped + '"')
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -235,7 +235,7 @@ def _whole_call(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of a complete body, or None when it is not a call."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # model text nested past the parser's depth
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None

@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import WSMsgType, web
 
 from frontend.auth import WS_PROTOCOL
+from frontend.body_limits import check_depth
 from frontend.errors import ApiError
 from frontend.generation import Delta, Final, Job, params_from_fields, resolve_max_tokens
 from frontend.openai_api import chat_messages
@@ -81,19 +82,25 @@ class _Session:
         self._num_requests = 0
 
     async def on_text(self, text: str) -> None:
+        """One client frame; whatever it holds, a bad one gets an error frame for itself
+        only, and the socket's other requests go on."""
         try:
-            frame = decode_json(text, WsClientFrame)
+            frame = await self.state.cpu.run(len(text), decode_json, text, WsClientFrame)
         except ApiError as e:
             await self.send(WsError(_client_id(text), e.kind, e.message))
+            return
+        except Exception:  # noqa: BLE001 - a decoder bug must not close the socket
+            log.exception("websocket frame failed to decode")
+            await self.send(WsError(None, "invalid_request", "the frame cannot be decoded"))
             return
         if isinstance(frame, WsPing):
             await self.send(WsPong())
         elif isinstance(frame, WsCancel):
             await self.cancel(frame.id)
         else:
-            await self.start(frame)
+            await self.start(frame, len(text))
 
-    async def start(self, frame: WsChat) -> None:
+    async def start(self, frame: WsChat, size: int = 0) -> None:
         if frame.id in self.tasks:
             await self.send(WsError(frame.id, "invalid_request",
                                     f"a request with id {frame.id!r} is already running"))
@@ -104,7 +111,7 @@ class _Session:
             return
         self._num_requests += 1
         req_id = f"ws-{self.request[REQ_ID]}-{self._num_requests}"
-        self.tasks[frame.id] = asyncio.create_task(self._run(frame, req_id))
+        self.tasks[frame.id] = asyncio.create_task(self._run(frame, req_id, size))
 
     async def cancel(self, client_id: str) -> None:
         """Cancel a running request; an unknown id (maybe just finished) is ignored."""
@@ -130,10 +137,10 @@ class _Session:
                 await self.socket.send_frame(encode(frame), WSMsgType.TEXT)  # JSON is UTF-8
 
     # ------------------------------------------------------------ one request
-    async def _run(self, frame: WsChat, req_id: str) -> None:
+    async def _run(self, frame: WsChat, req_id: str, size: int) -> None:
         try:
             with self.state.admit():
-                job = self._job(frame, req_id)
+                job = await self.state.cpu.run(size, self._job, frame, req_id)
                 async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
                     async for event in events:
                         if isinstance(event, Final):  # terminal: a cancel can no longer race
@@ -180,8 +187,9 @@ class _Session:
 def _client_id(text: str) -> str | None:
     """The id of a frame that failed validation, if it has one, for the error frame."""
     try:
+        check_depth(text)
         value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
+    except (ValueError, RecursionError, MemoryError):  # DecodeError and TooDeep included
         return None
     client_id = value.get("id") if isinstance(value, dict) else None
     return client_id if isinstance(client_id, str) else None

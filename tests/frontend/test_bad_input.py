@@ -50,9 +50,9 @@ CHAT_CASES = [
     ("tool_choice names unknown tool", {"messages": HI, "tools": [
         {"type": "function", "function": {"name": "f"}}],
         "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
-    ("hostile jinja template", {"messages": HI, "chat_template":
-                                "{{ ''.__class__.__mro__[1].__subclasses__() }}"}, 400,
-     "messages"),
+    ("chat_template off by default", {"messages": HI, "chat_template":
+                                      "{{ ''.__class__.__mro__[1].__subclasses__() }}"}, 400,
+     "chat_template"),
 ]
 
 COMPLETION_CASES = [
@@ -172,3 +172,18 @@ async def test_bad_input_is_never_logged_as_unhandled(harness, caplog):
         await _send(harness, "/v1/chat/completions", body)
     assert not [r for r in caplog.records if "unhandled" in r.getMessage()]
     assert json.dumps(body)  # the table is plain JSON-able data
+
+
+async def test_request_chat_template_only_when_the_operator_allows_it(make_harness):
+    body = {"messages": HI, "chat_template": "plain {{ messages }}"}
+    closed = await make_harness()
+    response = await closed.post("/v1/chat/completions", body)
+    assert response.status == 400
+    assert (await response.json())["error"]["code"] == "chat_template_disabled"
+    assert not closed.recipe.chat_calls  # refused before rendering anything
+    opened = await make_harness(allow_request_chat_template=True)
+    assert (await opened.post("/v1/chat/completions", body)).status == 200
+    assert opened.recipe.chat_calls[-1]["template"] == "plain {{ messages }}"
+    hostile = {"messages": HI, "chat_template": "{{ ''.__class__.__mro__ }}"}
+    response = await opened.post("/v1/chat/completions", hostile)
+    assert response.status == 400 and (await response.json())["error"]["param"] == "messages"

@@ -33,7 +33,7 @@ async def real(tmp_path):
     from frontend.recipe import Recipe
     recipe = Recipe.from_model(default_model_path())
     state = AppState(FakeEngineClient(max_model_len=8192), recipe,
-                     ServerOptions(web_dir=tmp_path))
+                     ServerOptions(web_dir=tmp_path, allow_request_chat_template=True))
     client = TestClient(TestServer(build_app(state), host="127.0.0.1"))
     await client.start_server()
     yield state, client

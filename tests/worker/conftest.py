@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.messages import AddRequest, Heartbeat, Outputs, RequestDelta
+from engine.messages import AddRequest, Heartbeat, Outputs, Ready, RequestDelta
 from engine.sampling_params import SamplingParams
 from engine.zmq_io import Channel, frontend_channel
 from frontend.engine_client import EngineClient
@@ -112,13 +112,16 @@ class RawFrontend:
         await self.channel.socket.send_multipart([self.peer, *frames])
 
     async def next(self, kind: type, timeout_s: float = 10.0, skip_heartbeats: bool = True):
-        """The next message of type `kind` (heartbeats are skipped unless asked for)."""
+        """The next message of type `kind` (heartbeats are skipped unless asked for, and so
+        are the Ready messages a worker repeats every few heartbeats unless `kind` is Ready)."""
         async with asyncio.timeout(timeout_s):
             while True:
                 msg, _, peer = await self.channel.receiver.get()
                 self.peer = peer
                 if isinstance(msg, kind):
                     return msg
+                if isinstance(msg, Ready):
+                    continue
                 if not (skip_heartbeats and isinstance(msg, Heartbeat)):
                     raise AssertionError(f"expected {kind.__name__}, got {msg!r}")
 
