@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# test files run on this many processes (a file stays on one, so its fixtures load once)
+TEST_WORKERS ?= 2
 
 .PHONY: serve test install clean bench
 
@@ -38,7 +40,7 @@ $(VENV)/.redis: | $(STAMP)
 	touch $@
 
 test: $(STAMP) $(VENV)/.browser $(VENV)/.redis
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)
