@@ -48,6 +48,12 @@ class Packed:
     zero: torch.Tensor | None  # fp32 int4 [n/16, k/32, 16]
 
     @property
+    def pointers(self) -> tuple[int, int, int, int]:
+        """(bits, weight, scale, zero) as the kernel takes them (the tensors never move)."""
+        return (self.bits, self.weight.data_ptr(), self.scale.data_ptr(),
+                0 if self.zero is None else self.zero.data_ptr())
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.zero)
                    if t is not None)
@@ -89,14 +95,15 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Packed:
                   scale.float().contiguous(), None)
 
 
-def linear(p: Packed, x: torch.Tensor) -> torch.Tensor:
-    """x `[M, K]` fp32 (rows may be strided, last dim contiguous) -> `[M, N]` fp32."""
+def linear(p: Packed, x: torch.Tensor, pointers: tuple[int, int, int, int] | None = None
+           ) -> torch.Tensor:
+    """x `[M, K]` fp32 (rows may be strided, last dim contiguous) -> `[M, N]` fp32.
+    `pointers`: `p.pointers`, kept by a caller that calls often (it costs a few µs)."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == p.k and x.stride(1) == 1
-    out = torch.empty(x.shape[0], p.n, dtype=torch.float32)
-    zero = 0 if p.zero is None else p.zero.data_ptr()
-    rc = _load().qg_linear(p.bits, p.weight.data_ptr(), p.scale.data_ptr(), zero,
-                           x.data_ptr(), x.stride(0), out.data_ptr(), p.n, x.shape[0], p.n,
-                           p.k, torch.get_num_threads())
+    m = x.shape[0]
+    out = torch.empty(m, p.n, dtype=torch.float32)
+    rc = _load().qg_linear(*(pointers or p.pointers), x.data_ptr(), x.stride(0), out.data_ptr(),
+                           p.n, m, p.n, p.k, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"qg_linear refused int{p.bits} [{p.n}, {p.k}] x {tuple(x.shape)}")
     return out

@@ -71,6 +71,7 @@ class QuantWeight:
         self.shape = torch.Size(q.shape)
         self._packed: torch.Tensor | None = None
         self._vnni: cpu_qgemv.Packed | None = None  # the VNNI kernel's layout, where it runs
+        self._vnni_pointers: tuple[int, int, int, int] | None = None
         self._qparams: torch.Tensor | None = None  # int4: [K / G, N, 2] (scale, zero)
         self._dtype: torch.dtype | None = None
 
@@ -124,7 +125,7 @@ class QuantWeight:
         if cpu_qgemv.available() and cpu_qgemv.fits(*self.shape):
             self._vnni = cpu_qgemv.pack_int4(self.q, self.scale, self.zero) if self.bits == 4 \
                 else cpu_qgemv.pack_int8(self.q, self.scale)
-            self._packed = self._vnni.weight
+            self._packed, self._vnni_pointers = self._vnni.weight, self._vnni.pointers
         elif self.bits == 4:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 self.q.to(torch.int32), _INNER_K_TILES)
@@ -144,6 +145,14 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x [..., K] @ w.T + bias -> [..., N]` with the quantized kernel."""
+        vnni = self._vnni
+        if vnni is not None and bias is None and x.dtype == torch.float32 \
+                and not (self.dense is not None and _prompt_step):  # the decode fast path
+            rows = x.reshape(-1, vnni.k)
+            if self.dense is None or rows.shape[0] <= MAX_VNNI_ROWS:
+                rows = rows if rows.stride(1) == 1 else rows.contiguous()
+                out = cpu_qgemv.linear(vnni, rows, self._vnni_pointers)
+                return out if x.dim() == 2 else out.view(*x.shape[:-1], vnni.n)
         if self._packed is None:
             self.pack()
         assert x.shape[-1] == self.shape[1], f"x [..., {self.shape[1]}] expected, got {tuple(x.shape)}"

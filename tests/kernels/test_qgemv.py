@@ -87,7 +87,7 @@ def test_quant_weight_runs_it_and_keeps_the_dense_copy_for_big_batches(monkeypat
     assert w._vnni is not None
     calls = []
     real = cpu_qgemv.linear
-    monkeypatch.setattr(cpu_qgemv, "linear", lambda p, x: calls.append(x.shape[0]) or real(p, x))
+    monkeypatch.setattr(cpu_qgemv, "linear", lambda p, x, *a: calls.append(x.shape[0]) or real(p, x, *a))
     w.linear(torch.randn(2, 128))
     w.linear(torch.randn(64, 128))  # over MAX_VNNI_ROWS: the bf16 copy
     assert calls == [2]
