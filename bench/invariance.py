@@ -43,16 +43,19 @@ def run_jobs(core, jobs) -> dict:
     return out
 
 
-def experiment(make_core, batch_invariant: bool, seed: int = 0, rounds: int = 2) -> dict:
-    """Solo vs busy runs of NUM_TARGETS targets; `make_core(**engine_kwargs)` builds an engine.
+def experiment(make_core, batch_invariant: bool, seed: int = 0, rounds: int = 2,
+               num_targets: int = NUM_TARGETS, num_new: int = NUM_NEW,
+               max_companions: int = 32) -> dict:
+    """Solo vs busy runs of `num_targets` targets of `num_new` tokens each, beside up to
+    `max_companions` other requests; `make_core(**engine_kwargs)` builds an engine.
     Returns counts of differing runs plus the solo and busy outputs."""
     from engine.sampling_params import SamplingParams
 
     shared = random_prompts(99, 1)[0] * 2  # a prefix some prompts share: prefix-cache hits
-    targets = random_prompts(seed, NUM_TARGETS, shared)
+    targets = random_prompts(seed, num_targets, shared)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=1000 + i,
-                             max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
-              for i in range(NUM_TARGETS)]
+                             max_tokens=num_new, ignore_eos=True, logprobs=0)
+              for i in range(num_targets)]
     solo_core = make_core(batch_invariant=batch_invariant, enable_prefix_caching=False)
     solo = {f"t{i}": run_jobs(solo_core, [(f"t{i}", p, sp, 0)])[f"t{i}"]
             for i, (p, sp) in enumerate(zip(targets, params))}
@@ -63,7 +66,7 @@ def experiment(make_core, batch_invariant: bool, seed: int = 0, rounds: int = 2)
     for rnd in range(rounds):  # the second round hits the prefix cache the first one filled
         jobs = [(f"t{i}", p, sp, rng.randint(0, 12))
                 for i, (p, sp) in enumerate(zip(targets, params))]
-        companions = random_prompts(seed + 10 + rnd, rng.randint(1, 32), shared)
+        companions = random_prompts(seed + 10 + rnd, rng.randint(1, max_companions), shared)
         jobs += [(f"c{rnd}-{j}", p, SamplingParams(temperature=0.7, max_tokens=rng.randint(1, 40),
                                                    ignore_eos=True), rng.randint(0, 20))
                  for j, p in enumerate(companions)]
@@ -71,7 +74,7 @@ def experiment(make_core, batch_invariant: bool, seed: int = 0, rounds: int = 2)
         busy.append({k: v for k, v in got.items() if k.startswith("t")})
         differing_tokens += sum(got[k][0] != solo[k][0] for k in solo)
         differing_any += sum(got[k] != solo[k] for k in solo)
-    return {"runs": rounds * NUM_TARGETS, "differing_tokens": differing_tokens,
+    return {"runs": rounds * num_targets, "differing_tokens": differing_tokens,
             "differing_tokens_or_logprobs": differing_any, "solo": solo, "busy": busy}
 
 
