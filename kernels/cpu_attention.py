@@ -13,16 +13,12 @@ exact float32 mode or under batch invariance. fp32 caches, no soft cap, head_dim
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_fused import build_library
-
-log = logging.getLogger("duplex.kernels")
+from kernels.cpu_fused import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _lib: ctypes.CDLL | None | bool = None
@@ -63,14 +59,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _load():
     global _lib
     if _lib is None:
-        try:
-            lib = ctypes.CDLL(str(build_library(_SOURCE, ["-fopenmp"], ("-lmvec",))))
-            lib.attn_available.restype = ctypes.c_int
-            lib.decode_attention_f32.restype = ctypes.c_int
-            lib.decode_attention_f32.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I,
-                                                 _I, ctypes.c_float, _P, ctypes.c_int]
-            _lib = lib if lib.attn_available() else False
-        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            log.warning("CPU decode attention kernel unavailable, using torch's: %s", e)
-            _lib = False
+        _lib = load_library(_SOURCE, ["-fopenmp"], ("-lmvec",), _declare,
+                            "CPU decode attention kernel")
     return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
+    lib.attn_available.restype = ctypes.c_int
+    lib.decode_attention_f32.restype = ctypes.c_int
+    lib.decode_attention_f32.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I,
+                                         ctypes.c_float, _P, ctypes.c_int]
+    return lib if lib.attn_available() else False

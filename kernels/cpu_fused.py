@@ -91,16 +91,19 @@ def fits(*tensors: torch.Tensor) -> bool:
 def _load():
     global _lib
     if _lib is None:
-        try:
-            _lib = _declare(ctypes.CDLL(str(_build())))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            log.warning("fused CPU kernels unavailable, using torch references: %s", e)
-            _lib = False
+        _lib = load_library(_SOURCE, ["-ffp-contract=off"], (), _declare, "fused CPU kernels")
     return _lib
 
 
-def _build() -> Path:
-    return build_library(_SOURCE, ["-ffp-contract=off"])
+def load_library(source_path: Path, flags: list[str], libs: tuple[str, ...], declare,
+                 what: str) -> ctypes.CDLL | bool:
+    """`declare(CDLL)` of the built library (it returns the library, or False when the
+    library says it cannot run here), or False when it cannot be built or loaded."""
+    try:
+        return declare(ctypes.CDLL(str(build_library(source_path, flags, libs))))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.warning("%s unavailable, using torch's: %s", what, e)
+        return False
 
 
 def build_library(source_path: Path, flags: list[str], libs: tuple[str, ...] = ()) -> Path:

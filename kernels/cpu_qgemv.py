@@ -20,13 +20,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_fused import build_library
+from kernels.cpu_fused import load_library
 
 log = logging.getLogger("duplex.kernels")
 
@@ -112,16 +111,16 @@ def linear(p: Packed, x: torch.Tensor, pointers: tuple[int, int, int, int] | Non
 def _load():
     global _lib
     if _lib is None:
-        try:
-            lib = ctypes.CDLL(str(build_library(_SOURCE, ["-fopenmp"])))
-            lib.qg_available.restype = ctypes.c_int
-            lib.qg_linear.restype = ctypes.c_int
-            lib.qg_linear.argtypes = [ctypes.c_int, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I,
-                                      ctypes.c_int]
-            _lib = lib if lib.qg_available() else False
-            if _lib is False:
-                log.info("CPU without AVX512-VNNI: quantized matmuls use torch's kernels")
-        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            log.warning("quantized CPU kernel unavailable, using torch's: %s", e)
-            _lib = False
+        _lib = load_library(_SOURCE, ["-fopenmp"], (), _declare, "quantized CPU kernel")
     return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
+    lib.qg_available.restype = ctypes.c_int
+    lib.qg_linear.restype = ctypes.c_int
+    lib.qg_linear.argtypes = [ctypes.c_int, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I,
+                              ctypes.c_int]
+    if not lib.qg_available():
+        log.info("CPU without AVX512-VNNI: quantized matmuls use torch's kernels")
+        return False
+    return lib
