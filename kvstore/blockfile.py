@@ -159,15 +159,10 @@ def _read_open(fd: int, ns: bytes, key: bytes, stamp_ns: int) -> ReadResult:
     payload = _read_exact(fd, header.payload_len)
     if len(payload) != header.payload_len:
         return ReadResult(Status.CORRUPT, reason="payload truncated while reading")
-    if zlib.crc32(payload, zlib.crc32(head[:_CRC_AT])) != header.crc:
-        return ReadResult(Status.CORRUPT, reason="checksum mismatch")
-    try:
-        entry = BlockEntry(payload, header.dtype, header.shape, header.num_tokens,
-                           header.expires_at)
-    except ValueError as exc:
-        return ReadResult(Status.CORRUPT, reason=f"invalid fields: {exc}")
-    _touch(fd, stamp_ns)
-    return ReadResult(Status.OK, entry)
+    result = _checked_entry(header, head[:_CRC_AT], payload)
+    if result.status is Status.OK:
+        _touch(fd, stamp_ns)
+    return result
 
 
 def encode_block(ns: bytes, key: bytes, entry: BlockEntry) -> bytes:
@@ -188,8 +183,12 @@ def decode_block(data: bytes | None, ns: bytes, key: bytes) -> ReadResult:
     if len(view) != HEADER_BYTES + header.payload_len:
         return ReadResult(Status.CORRUPT, reason=f"size {len(view)} != header + "
                                                  f"{header.payload_len} payload bytes")
-    payload = view[HEADER_BYTES:]
-    if zlib.crc32(payload, zlib.crc32(view[:_CRC_AT])) != header.crc:
+    return _checked_entry(header, view[:_CRC_AT], view[HEADER_BYTES:])
+
+
+def _checked_entry(header, head_before_crc, payload) -> ReadResult:
+    """The entry of a verified header and payload, or CORRUPT (checksum, field values)."""
+    if zlib.crc32(payload, zlib.crc32(head_before_crc)) != header.crc:
         return ReadResult(Status.CORRUPT, reason="checksum mismatch")
     try:
         entry = BlockEntry(payload, header.dtype, header.shape, header.num_tokens,
