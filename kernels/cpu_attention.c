@@ -26,16 +26,16 @@ int attn_available(void) {
 
 __m512 _ZGVeN16v_expf(__m512);  /* glibc libmvec */
 
-static __thread float *scratch;
-static __thread size_t scratch_len;
+static __thread float *score_scratch;
+static __thread size_t score_scratch_len;
 
 static float *scores_for(size_t n) {
-    if (n > scratch_len) {
-        free(scratch);
-        scratch = malloc(n * sizeof(float));
-        scratch_len = scratch ? n : 0;
+    if (n > score_scratch_len) {
+        free(score_scratch);
+        score_scratch = malloc(n * sizeof(float));
+        score_scratch_len = score_scratch ? n : 0;
     }
-    return scratch;
+    return score_scratch;
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {

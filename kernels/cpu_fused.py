@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -110,6 +111,8 @@ def build_library(source_path: Path, flags: list[str], libs: tuple[str, ...] = (
     """Compile one C file into a shared library in the cache directory (once per source,
     flags and CPU) and return its path; raises RuntimeError / SubprocessError on failure."""
     source = source_path.read_bytes()
+    for name in re.findall(rb'^#include "([^"]+)"', source, re.M):  # local includes count too
+        source += (source_path.parent / name.decode()).read_bytes()
     # -march=native: a library built on one CPU may not run on another, so the CPU is keyed
     key = source + " ".join([*flags, *libs]).encode() + os.uname().machine.encode() + _cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:16]

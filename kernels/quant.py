@@ -37,6 +37,10 @@ MAX_VNNI_ROWS = 12  # kernels.cpu_qgemv: the bf16 GEMM wins from ~16 rows (measu
 _prompt_step = False
 
 
+def in_prompt_step() -> bool:
+    return _prompt_step
+
+
 @contextlib.contextmanager
 def prompt_step(enabled: bool = True):
     """Inside, weights with a dense copy use it whatever the number of rows: a step that
@@ -134,6 +138,13 @@ class QuantWeight:
             self._packed, self.scale = self.q.contiguous(), self.scale.to(dtype)
         self.q = self.zero = None  # the packed form is all that the kernel reads
         return self
+
+    def vnni_layout(self) -> cpu_qgemv.Packed | None:
+        """The VNNI kernel's layout of this weight (packing it first), None where that kernel
+        does not run (kernels.cpu_decode reads the weights through it)."""
+        if self._packed is None:
+            self.pack()
+        return self._vnni
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,8 @@ import dataclasses
 import torch
 
 from engine.models.loader import ModelArgs
-from kernels import ops
+from kernels import cpu_decode, cpu_fused, ops, quant
+from kernels.batch_invariant import is_batch_invariant
 from kernels.quant import QuantWeight
 from kernels.attention import AttentionPlan, plan_attention
 from kernels.rotary import RopeTables, rope_cos_sin_cache, rope_tables
@@ -183,6 +184,7 @@ class LlamaForCausalLM:
         tied = (args.tie_word_embeddings or lm_head is None) and not isinstance(lm_head, QuantWeight)
         self.lm_head = self.embed if tied else lm_head  # a quantized head is its own copy
         self.cos_sin = self.rope_cache(args)
+        self._decode_stack: cpu_decode.DecodeStack | None | bool = None  # None: not built yet
         unused = [k for k in state if "rotary_emb" not in k]
         if unused:
             raise ValueError(f"weights not used by {args.arch}: {unused[:5]}")
@@ -194,12 +196,59 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
         h = ops.embedding(input_ids, self.embed)
+        stack = self._fused_decode(h, ctx)
+        if stack is not None:
+            return stack.forward(h, ctx.kv_caches, ctx.positions, ctx.slot_mapping,
+                                 ctx.block_tables, ctx.seq_lens, ctx.block_size)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer.forward(h, residual, ctx, i, self.cos_sin)
         h, _ = ops.rms_norm(h, self.norm, self.args.rms_norm_eps, residual)
         return h
 
+    def _fused_decode(self, h: torch.Tensor, ctx: ForwardContext) -> cpu_decode.DecodeStack | None:
+        """The one-call decode stack (kernels.cpu_decode) when this step can take it: every
+        row decodes, few enough rows for the VNNI matmuls, the fused CPU kernels on."""
+        if self._decode_stack is False or ctx.query_lens is None or h.is_cuda \
+                or len(ctx.query_lens) != h.shape[0] or h.shape[0] > quant.MAX_VNNI_ROWS \
+                or ctx.slots_valid is not True or ctx.swa_block_tables is not None \
+                or not cpu_fused.is_enabled() or is_batch_invariant() or quant.in_prompt_step():
+            return None
+        if not (cpu_decode.available() and cpu_decode.step_fits(
+                h, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens)):
+            return None
+        if self._decode_stack is None:
+            self._decode_stack = decode_stack(self) or False
+        return self._decode_stack or None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
         return ops.linear(hidden, self.lm_head).float()
+
+
+def decode_stack(model: LlamaForCausalLM) -> cpu_decode.DecodeStack | None:
+    """The model's weights for kernels.cpu_decode, or None when a layer is not the plain
+    Llama one (per-head norms, MoE, biases, windows) or a weight is not in the VNNI layout."""
+    args, layers = model.args, []
+    if args.head_dim % 16 or args.num_heads // args.num_kv_heads > 16 \
+            or model.cos_sin.shape[-1] != args.head_dim:
+        return None
+    for layer in model.layers:
+        a, mlp = layer.attn, layer.mlp
+        if (type(layer), type(a), type(mlp)) != (DecoderLayer, Attention, MLP) \
+                or a.qkv_bias is not None or a.sliding_window is not None:
+            return None
+        weights = [a.qkv_weight, a.o_weight, mlp.gate_up_weight, mlp.down_weight]
+        packed = [w.vnni_layout() if isinstance(w, QuantWeight) else None for w in weights]
+        if any(p is None for p in packed) or not _fp32(layer.input_norm, layer.post_norm):
+            return None
+        layers.append(cpu_decode.LayerWeights(layer.input_norm, layer.post_norm, *packed))
+    if not _fp32(model.norm, model.cos_sin):
+        return None
+    dims = cpu_decode.Dims(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                           layers[0].gate_up.n // 2, args.rms_norm_eps)
+    return cpu_decode.DecodeStack(layers, dims, model.norm, model.cos_sin)
+
+
+def _fp32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)

@@ -1,0 +1,120 @@
+/* A whole Llama decode step's layers in one call (kernels/cpu_decode.py builds and calls it).
+ *
+ * A batch-1 decode step of a small model is set by the number of ops, not by arithmetic:
+ * the per-op path calls ~12 kernels a layer from Python, each with its dispatch, argument
+ * checks and an output allocation. This file runs the same kernels, in the same order and
+ * with the same arithmetic, from C: per layer RMSNorm (+ residual), the fused q/k/v matmul,
+ * neox rotary of q and k in place, the KV cache write, decode attention read from the paged
+ * cache, the output projection, RMSNorm (+ residual), the fused gate/up matmul, SiLU-and-mul
+ * and the down projection; then the final RMSNorm. The results are therefore bitwise those
+ * of the per-op path with the fused CPU kernels on (the tests hold it to that).
+ *
+ * Scope: every row a one-token decode of its own sequence, quantized weights in the VNNI
+ * layout without biases, fp32 KV caches, full attention (no window, no soft cap). The
+ * Python side checks that and keeps the per-op path for everything else.
+ */
+#include "cpu_fused.c"
+#include "cpu_qgemv.c"
+#include "cpu_attention.c"
+
+typedef struct {
+    int64_t bits;
+    const uint8_t *w;
+    const float *scale, *zero;
+    int64_t n, k;
+} dec_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    dec_weight qkv, o, gate_up, down;
+} dec_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *final_norm;
+    const float *rope_cache;  /* [max_positions, head_dim] = cat(cos, sin) */
+} dec_model;
+
+static __thread float *work;
+static __thread size_t work_len;
+
+static float *work_for(size_t n) {
+    if (n > work_len) {
+        free(work);
+        work = malloc(n * sizeof(float));
+        work_len = work ? n : 0;
+    }
+    return work;
+}
+
+static int matmul(const dec_weight *w, const float *x, float *out, int64_t m, int threads) {
+    return qg_linear((int)w->bits, w->w, w->scale, w->zero, x, w->k, out, w->n, m, w->n, w->k,
+                     threads);
+}
+
+/* cache slots of every key each sequence sees: keys [m, max_len] */
+static void key_slots(const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                      int64_t m, int64_t max_len, int64_t block_size, int64_t *keys,
+                      int64_t *counts) {
+    for (int64_t b = 0; b < m; b++) {
+        counts[b] = seq_lens[b];
+        for (int64_t p = 0; p < seq_lens[b]; p++)
+            keys[b * max_len + p] =
+                (int64_t)block_tables[b * table_stride + p / block_size] * block_size + p % block_size;
+    }
+}
+
+static void store_kv(const float *qkv, int64_t width, int64_t q_size, int64_t kv_size,
+                     const int64_t *slots, int64_t m, float *k_cache, float *v_cache) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = qkv + r * width + q_size;
+        memcpy(k_cache + slots[r] * kv_size, row, (size_t)kv_size * sizeof(float));
+        memcpy(v_cache + slots[r] * kv_size, row + kv_size, (size_t)kv_size * sizeof(float));
+    }
+}
+
+/* h [m, hidden]: the embeddings in, the final normed hidden states out. caches: per layer
+ * (k, v), each [num_slots, kv_heads, head_dim]. positions / slots: per row; block_tables
+ * [m, table_stride] int32; seq_lens [m] int32 (context including the new token).
+ * Returns 0, or -1 when a kernel refuses the shapes or memory runs out. */
+int decode_forward(const dec_model *md, const dec_layer *layers, float *const *caches, float *h,
+                   int64_t m, const int64_t *positions, const int64_t *slots,
+                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                   int64_t block_size, int threads) {
+    int64_t hidden = md->hidden, d = md->head_dim;
+    int64_t q_size = md->heads * d, kv_size = md->kv_heads * d, width = q_size + 2 * kv_size;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < m; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    size_t floats = (size_t)(m * (2 * hidden + width + q_size + 3 * md->intermediate));
+    float *buf = work_for(floats + (size_t)(m * max_len + m) * 2);  /* int64 keys: 2 floats */
+    if (!buf) return -1;
+    float *residual = buf, *x = residual + m * hidden, *qkv = x + m * hidden;
+    float *attn = qkv + m * width, *gate_up = attn + m * q_size;
+    float *act = gate_up + 2 * m * md->intermediate;
+    int64_t *keys = (int64_t *)(act + m * md->intermediate), *counts = keys + m * max_len;
+    key_slots(block_tables, table_stride, seq_lens, m, max_len, block_size, keys, counts);
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        const dec_layer *ly = layers + l;
+        if (l == 0) {
+            rms_norm_f32(h, NULL, ly->input_norm, x, NULL, m, hidden, md->eps);
+            memcpy(residual, h, (size_t)(m * hidden) * sizeof(float));
+        } else {
+            rms_norm_f32(h, residual, ly->input_norm, x, residual, m, hidden, md->eps);
+        }
+        if (matmul(&ly->qkv, x, qkv, m, threads)) return -1;
+        rope_neox_f32(qkv, width, m, md->heads + md->kv_heads, d, md->rope_cache, positions);
+        store_kv(qkv, width, q_size, kv_size, slots, m, caches[2 * l], caches[2 * l + 1]);
+        if (decode_attention_f32(qkv, NULL, width, caches[2 * l], caches[2 * l + 1], keys, counts,
+                                 m, max_len, md->heads, md->kv_heads, d, md->scale, attn, threads))
+            return -1;
+        if (matmul(&ly->o, attn, h, m, threads)) return -1;
+        rms_norm_f32(h, residual, ly->post_norm, x, residual, m, hidden, md->eps);
+        if (matmul(&ly->gate_up, x, gate_up, m, threads)) return -1;
+        silu_mul_f32(gate_up, act, m, md->intermediate);
+        if (matmul(&ly->down, act, h, m, threads)) return -1;
+    }
+    rms_norm_f32(h, residual, md->final_norm, x, residual, m, hidden, md->eps);
+    memcpy(h, x, (size_t)(m * hidden) * sizeof(float));
+    return 0;
+}

@@ -1,0 +1,143 @@
+"""A Llama decode step's layers in one C call (kernels/cpu_decode.c).
+
+    stack = DecodeStack(layers, dims, final_norm, rope_cache)   once, from the model's weights
+    h = stack.forward(h, kv_caches, positions, slots, block_tables, seq_lens, block_size)
+
+The per-op path runs ~12 kernels a layer from Python; at batch 1 on a small model their
+dispatch costs more than their arithmetic (docs/BENCHMARKS.md). `decode_forward` runs the
+same kernels (kernels/cpu_fused.c, cpu_qgemv.c, cpu_attention.c, included into one library)
+in the same order, so its output is bitwise that of the per-op path with the fused kernels
+on, for the steps it takes: every row a one-token decode, quantized weights in the VNNI
+layout without biases, fp32 caches, full attention. The model decides when it applies
+(engine/models/llama.py); `DUPLEX_FUSED_DECODE=0` turns it off, for comparisons.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_fused import load_library
+from kernels.cpu_qgemv import Packed
+
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_lib: ctypes.CDLL | None | bool = None
+_I, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("bits", _I), ("w", _P), ("scale", _P), ("zero", _P), ("n", _I), ("k", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
+                ("head_dim", _I), ("intermediate", _I), ("eps", _F), ("scale", _F),
+                ("final_norm", _P), ("rope_cache", _P)]
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # fp32 [hidden]
+    post_norm: torch.Tensor
+    qkv: Packed  # [heads * D + 2 * kv_heads * D, hidden]
+    o: Packed  # [hidden, heads * D]
+    gate_up: Packed  # [2 * intermediate, hidden]
+    down: Packed  # [hidden, intermediate]
+
+
+def available() -> bool:
+    return os.environ.get("DUPLEX_FUSED_DECODE", "1") != "0" and _load() is not False
+
+
+class DecodeStack:
+    """The weights' addresses as `decode_forward` takes them (the tensors never move; the
+    stack keeps references so they cannot be freed under it)."""
+
+    def __init__(self, layers: list[LayerWeights], dims: Dims, final_norm: torch.Tensor,
+                 rope_cache: torch.Tensor) -> None:
+        for t in (final_norm, rope_cache, *(w for ly in layers for w in (ly.input_norm, ly.post_norm))):
+            assert t.dtype == torch.float32 and t.is_contiguous(), "norms and rope: fp32 contiguous"
+        assert rope_cache.shape[-1] == dims.head_dim, "rotary over the full head only"
+        self._keep = (layers, final_norm, rope_cache)
+        self.dims = dims
+        self._model = _Model(len(layers), dims.hidden, dims.heads, dims.kv_heads, dims.head_dim,
+                             dims.intermediate, dims.eps, dims.head_dim ** -0.5,
+                             final_norm.data_ptr(), rope_cache.data_ptr())
+        self._layers = (_Layer * len(layers))(*(_layer(ly) for ly in layers))
+        self._caches: tuple[int, object, ctypes.Array] | None = None
+
+    def forward(self, h: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+        """h `[m, hidden]` fp32 embeddings (one decode token per sequence), overwritten with
+        the final normed hidden states and returned; the step's k and v go to the caches."""
+        assert h.is_contiguous() and h.shape[1] == self.dims.hidden
+        rc = _load().decode_forward(
+            ctypes.byref(self._model), self._layers, self._cache_pointers(kv_caches),
+            h.data_ptr(), h.shape[0], positions.data_ptr(), slots.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), block_size,
+            torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"decode_forward refused a step of {h.shape[0]} rows")
+        return h
+
+    def _cache_pointers(self, kv_caches) -> ctypes.Array:
+        if self._caches is None or self._caches[0] != id(kv_caches):
+            for k, v in kv_caches:
+                assert k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+            pointers = (_P * (2 * len(kv_caches)))(*(t.data_ptr() for kv in kv_caches for t in kv))
+            self._caches = (id(kv_caches), kv_caches, pointers)
+        return self._caches[2]
+
+
+def step_fits(h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
+    """The dtypes and layouts `forward` reads (the caller checks that every row decodes)."""
+    return (h.dtype == torch.float32 and positions.dtype == slots.dtype == torch.int64
+            and block_tables.dtype == seq_lens.dtype == torch.int32
+            and block_tables.stride(1) == 1 and positions.is_contiguous()
+            and slots.is_contiguous() and seq_lens.is_contiguous())
+
+
+def _weight(p: Packed) -> _Weight:
+    bits, w, scale, zero = p.pointers
+    return _Weight(bits, w, scale, zero, p.n, p.k)
+
+
+def _layer(ly: LayerWeights) -> _Layer:
+    return _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(), _weight(ly.qkv),
+                  _weight(ly.o), _weight(ly.gate_up), _weight(ly.down))
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        _lib = load_library(_SOURCE, ["-fopenmp", "-ffp-contract=off"], ("-lmvec",), _declare,
+                            "fused CPU decode step")
+    return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
+    if not (lib.qg_available() and lib.attn_available()):
+        return False
+    lib.decode_forward.restype = ctypes.c_int
+    lib.decode_forward.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int]
+    return lib

@@ -1,0 +1,43 @@
+"""The one-call decode step (kernels/cpu_decode.c) against the per-op path it replaces: the
+same kernels in the same order, so greedy tokens and their logprobs must be bitwise equal,
+on the default GGUF in `auto` mode, for decode-only steps of 1..3 rows and mixed steps
+(which keep the per-op path)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from kernels import cpu_decode
+from kernels.cpu_decode import DecodeStack
+from tests.engine.conftest import make_core, run_engine
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(),
+                                reason="no C compiler or no AVX512-VNNI on this CPU")
+
+
+def _run(core, monkeypatch, flag: str):
+    monkeypatch.setenv("DUPLEX_FUSED_DECODE", flag)
+    prompts = [list(range(100, 140)), list(range(200, 213)), list(range(300, 370))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    return run_engine(core, prompts, params, arrivals=[0, 3, 5])
+
+
+def test_fused_decode_equals_the_per_op_path(default_model, monkeypatch):
+    calls = []
+    forward = DecodeStack.forward
+    monkeypatch.setattr(DecodeStack, "forward",
+                        lambda self, h, *a: calls.append(h.shape[0]) or forward(self, h, *a))
+    core = make_core(default_model, weights_dtype="auto", num_kv_blocks=128)
+    per_op = _run(core, monkeypatch, "0")
+    assert calls == [] and core.model._decode_stack is None
+    core = make_core(default_model, weights_dtype="auto", num_kv_blocks=128)  # no prefix hits
+    fused = _run(core, monkeypatch, "1")
+    assert isinstance(core.model._decode_stack, DecodeStack)
+    assert set(calls) == {1, 2, 3}  # batch 1 before the second arrival, then 2 and 3
+    assert fused == per_op  # tokens and logprobs, bitwise
+
+
+def test_float32_mode_never_takes_it(default_model, monkeypatch):
+    core = make_core(default_model, num_kv_blocks=64)  # exact mode: no fused kernels
+    _run(core, monkeypatch, "1")
+    assert core.model._decode_stack is None
