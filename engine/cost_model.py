@@ -62,28 +62,48 @@ def step_features(scheduled: Sequence) -> StepFeatures:
     return StepFeatures(num_prefill, pairs / 1000.0, num_decode)
 
 
+REFIT_EVERY = 16  # observed steps between fits when nobody asks (a fit is ~0.3 ms)
+
+
 class CostModel:
     def __init__(self, window: int = 256, coef: Sequence[float] | None = None) -> None:
         self._xs: deque[list[float]] = deque(maxlen=window)
         self._ys: deque[float] = deque(maxlen=window)
         self._errors: deque[float] = deque(maxlen=window)
-        self.coef = np.zeros(len(NAMES)) if coef is None else np.asarray(coef, dtype=float)
+        self._coef = np.zeros(len(NAMES)) if coef is None else np.asarray(coef, dtype=float)
         self.is_fitted = coef is not None
         self.num_samples = 0
+        self._unfitted = 0  # samples observed since the last fit
+
+    @property
+    def coef(self) -> np.ndarray:
+        """The coefficients over the latest window, refitted when read after new samples
+        (a decode-only step asks nothing of the model, so it pays for no fit)."""
+        if self._unfitted:
+            self._refit()
+        return self._coef
+
+    def _refit(self) -> None:
+        self._coef = _fit_non_negative(np.array(self._xs), np.array(self._ys))
+        self._unfitted = 0
 
     # ------------------------------------------------------------------ learning
     def observe(self, features: StepFeatures, seconds: float) -> None:
-        """Record one measured step: score the prediction made without it, then refit."""
+        """Record one measured step: score the prediction of the last fit made before it.
+        Refitting waits for the next reader of `coef`, or for REFIT_EVERY new samples."""
         if seconds <= 0:
             return
-        predicted = self.predict(features)
-        if predicted is not None:
+        vector = features.vector()
+        if self._unfitted >= REFIT_EVERY:
+            self._refit()
+        if self.is_fitted:
+            predicted = float(np.dot(self._coef, vector))
             self._errors.append(abs(predicted - seconds) / seconds)
-        self._xs.append(features.vector())
+        self._xs.append(vector)
         self._ys.append(seconds)
         self.num_samples += 1
         if len(self._ys) >= MIN_SAMPLES:
-            self.coef = _fit_non_negative(np.array(self._xs), np.array(self._ys))
+            self._unfitted += 1
             self.is_fitted = True
 
     # ------------------------------------------------------------------ asking
