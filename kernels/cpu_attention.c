@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #define MAX_GROUP 16
+#define MAX_HEADS 1024  /* query heads one unit of work may hold */
 
 int attn_available(void) {
 #if defined(__AVX512F__)
@@ -66,35 +67,40 @@ static inline float exp_shifted(float *p, int64_t n) {
     return _mm512_reduce_add_ps(vsum);
 }
 
-static void one_pair(const float *q, int64_t q_stride, const float *k, const float *v,
-                     const int64_t *keys, int64_t n, int64_t kvh, int64_t kv_heads,
-                     int64_t group, int64_t d, float scale, float *out, int64_t o_stride) {
-    float *p = scores_for((size_t)(group * n));
+/* Query heads of kv heads [kv0, kv0 + nkv) of one sequence over its n keys. Keys are read
+ * key by key for all those kv heads at once: with every kv head (nkv == kv_heads) a key's
+ * row is one contiguous read, and a block's keys stream in order. */
+static void attend(const float *q, const float *k, const float *v, const int64_t *keys, int64_t n,
+                   int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group, int64_t d,
+                   float scale, float *out) {
+    int64_t heads = nkv * group;
+    float *p = scores_for((size_t)(heads * n));
+    const float *qh = q + kv0 * group * d;
     for (int64_t l = 0; l < n; l++) {
-        const float *kr = k + (keys[l] * kv_heads + kvh) * d;
-        for (int64_t g = 0; g < group; g++)
-            p[g * n + l] = dot(q + (kvh * group + g) * q_stride, kr, d) * scale;
+        const float *kr = k + (keys[l] * kv_heads + kv0) * d;
+        for (int64_t h = 0; h < heads; h++)
+            p[h * n + l] = dot(qh + h * d, kr + (h / group) * d, d) * scale;
     }
-    float inv[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) inv[g] = 1.0f / exp_shifted(p + g * n, n);
-    for (int64_t g = 0; g < group; g++) {
-        float *o = out + (kvh * group + g) * o_stride;
-        for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, _mm512_setzero_ps());
-    }
+    float inv[MAX_HEADS];
+    for (int64_t h = 0; h < heads; h++) inv[h] = 1.0f / exp_shifted(p + h * n, n);
+    float *oh = out + kv0 * group * d;
+    for (int64_t i = 0; i < heads * d; i += 16) _mm512_storeu_ps(oh + i, _mm512_setzero_ps());
     for (int64_t l = 0; l < n; l++) {
-        const float *vr = v + (keys[l] * kv_heads + kvh) * d;
-        for (int64_t i = 0; i < d; i += 16) {
-            __m512 vv = _mm512_loadu_ps(vr + i);
-            for (int64_t g = 0; g < group; g++) {
-                float *o = out + (kvh * group + g) * o_stride + i;
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(p[g * n + l]), vv,
-                                                    _mm512_loadu_ps(o)));
+        const float *vr = v + (keys[l] * kv_heads + kv0) * d;
+        for (int64_t j = 0; j < nkv; j++)
+            for (int64_t i = 0; i < d; i += 16) {
+                __m512 vv = _mm512_loadu_ps(vr + j * d + i);
+                for (int64_t g = 0; g < group; g++) {
+                    int64_t h = j * group + g;
+                    float *o = oh + h * d + i;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(p[h * n + l]), vv,
+                                                        _mm512_loadu_ps(o)));
+                }
             }
-        }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *o = out + (kvh * group + g) * o_stride;
-        __m512 s = _mm512_set1_ps(inv[g]);
+    for (int64_t h = 0; h < heads; h++) {
+        float *o = oh + h * d;
+        __m512 s = _mm512_set1_ps(inv[h]);
         for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(o + i), s));
     }
 }
@@ -110,12 +116,15 @@ int decode_attention_f32(const float *q, const int64_t *rows, int64_t q_row_stri
 #if defined(__AVX512F__)
     if (d % 16 || H % kv_heads || H / kv_heads > MAX_GROUP) return -1;
     int64_t group = H / kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && B * kv_heads > 1)
-    for (int64_t pair = 0; pair < B * kv_heads; pair++) {
-        int64_t b = pair / kv_heads, kvh = pair % kv_heads;
+    /* whole sequences when there are enough to share out, else (sequence, kv head) pairs */
+    int64_t split = B >= 2 * threads && H <= MAX_HEADS ? 1 : kv_heads;
+    int64_t nkv = kv_heads / split;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && B * split > 1)
+    for (int64_t unit = 0; unit < B * split; unit++) {
+        int64_t b = unit / split, kv0 = (unit % split) * nkv;
         const float *qb = q + (rows ? rows[b] : b) * q_row_stride;
-        one_pair(qb, d, k, v, keys + b * L, counts[b], kvh, kv_heads, group, d, scale,
-                 out + b * H * d, d);
+        attend(qb, k, v, keys + b * L, counts[b], kv0, nkv, kv_heads, group, d, scale,
+               out + b * H * d);
     }
     return 0;
 #else

@@ -92,7 +92,8 @@ def fits(*tensors: torch.Tensor) -> bool:
 def _load():
     global _lib
     if _lib is None:
-        _lib = load_library(_SOURCE, ["-ffp-contract=off"], (), _declare, "fused CPU kernels")
+        _lib = load_library(_SOURCE, ["-ffp-contract=off"], ("-lmvec",), _declare,
+                            "fused CPU kernels")
     return _lib
 
 
