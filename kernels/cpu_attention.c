@@ -67,6 +67,12 @@ static inline float exp_shifted(float *p, int64_t n) {
     return _mm512_reduce_add_ps(vsum);
 }
 
+#define PREFETCH_AHEAD 4  /* keys */
+
+static inline void prefetch_row(const float *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
 /* Query heads of kv heads [kv0, kv0 + nkv) of one sequence over its n keys. Keys are read
  * key by key for all those kv heads at once: with every kv head (nkv == kv_heads) a key's
  * row is one contiguous read, and a block's keys stream in order. */
@@ -76,8 +82,12 @@ static void attend(const float *q, const float *k, const float *v, const int64_t
     int64_t heads = nkv * group;
     float *p = scores_for((size_t)(heads * n));
     const float *qh = q + kv0 * group * d;
+    int64_t row_bytes = nkv * d * (int64_t)sizeof(float);
     for (int64_t l = 0; l < n; l++) {
         const float *kr = k + (keys[l] * kv_heads + kv0) * d;
+        if (l + PREFETCH_AHEAD < n)  /* the key ahead, and this key's value for the next pass */
+            prefetch_row(k + (keys[l + PREFETCH_AHEAD] * kv_heads + kv0) * d, row_bytes);
+        prefetch_row(v + (keys[l] * kv_heads + kv0) * d, row_bytes);
         for (int64_t h = 0; h < heads; h++)
             p[h * n + l] = dot(qh + h * d, kr + (h / group) * d, d) * scale;
     }
