@@ -18,9 +18,10 @@
 #include "cpu_attention.c"
 
 typedef struct {
-    int64_t bits;
+    int64_t kind;  /* QG_INT4, QG_INT8 or QG_INT4_HALF (cpu_qgemv.c) */
     const uint8_t *w;
-    const float *scale, *zero;
+    const void *scale;
+    const float *zero;
     int64_t n, k;
 } dec_weight;
 
@@ -49,7 +50,7 @@ static float *work_for(size_t n) {
 }
 
 static int matmul(const dec_weight *w, const float *x, float *out, int64_t m, int threads) {
-    return qg_linear((int)w->bits, w->w, w->scale, w->zero, x, w->k, out, w->n, m, w->n, w->k,
+    return qg_linear((int)w->kind, w->w, w->scale, w->zero, x, w->k, out, w->n, m, w->n, w->k,
                      threads);
 }
 

@@ -29,7 +29,7 @@ _I, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("bits", _I), ("w", _P), ("scale", _P), ("zero", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("kind", _I), ("w", _P), ("scale", _P), ("zero", _P), ("n", _I), ("k", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -118,8 +118,8 @@ def step_fits(h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
 
 
 def _weight(p: Packed) -> _Weight:
-    bits, w, scale, zero = p.pointers
-    return _Weight(bits, w, scale, zero, p.n, p.k)
+    kind, w, scale, zero = p.pointers
+    return _Weight(kind, w, scale, zero, p.n, p.k)
 
 
 def _layer(ly: LayerWeights) -> _Layer:

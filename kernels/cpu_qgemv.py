@@ -31,6 +31,7 @@ log = logging.getLogger("duplex.kernels")
 
 GROUP = 32
 BLOCK_ROWS = 16
+INT4, INT8, INT4_HALF = 4, 8, 14  # the kernel's weight kinds (cpu_qgemv.c)
 _SOURCE = Path(__file__).with_name("cpu_qgemv.c")
 _lib: ctypes.CDLL | None | bool = None
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -38,18 +39,23 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight in the kernel's layout; `bits` 4 or 8, logical shape `[n, k]`."""
-    bits: int
+    """A weight in the kernel's layout; `kind` INT4, INT4_HALF or INT8, logical shape `[n, k]`."""
+    kind: int
     n: int
     k: int
     weight: torch.Tensor  # uint8, blocks of 16 rows (see cpu_qgemv.c)
-    scale: torch.Tensor  # fp32: int4 [n/16, k/32, 16]; int8 [n]
-    zero: torch.Tensor | None  # fp32 int4 [n/16, k/32, 16]
+    scale: torch.Tensor  # INT4 fp32 [n/16, k/32, 16]; INT4_HALF fp16 [n/16, k/32, 2, 16]
+    #                      (scales, then mins); INT8 fp32 [n]
+    zero: torch.Tensor | None  # INT4 fp32 [n/16, k/32, 16]
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.kind == INT8 else 4
 
     @property
     def pointers(self) -> tuple[int, int, int, int]:
-        """(bits, weight, scale, zero) as the kernel takes them (the tensors never move)."""
-        return (self.bits, self.weight.data_ptr(), self.scale.data_ptr(),
+        """(kind, weight, scale, zero) as the kernel takes them (the tensors never move)."""
+        return (self.kind, self.weight.data_ptr(), self.scale.data_ptr(),
                 0 if self.zero is None else self.zero.data_ptr())
 
     @property
@@ -81,16 +87,31 @@ def _per_block(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Packed:
+    """int4 with w = (q - 8) * scale + zero. Where every scale and every min = zero - 8 *
+    scale is exactly an IEEE half and min + 8 * scale gives zero back in fp32 (a GGUF Q4_0 /
+    Q4_1 file's own d and m do), the kernel reads them as halves (INT4_HALF: 20 bytes per 32
+    weights instead of 24, bitwise the same results)."""
     assert q.dtype == torch.uint8 and fits(*q.shape), f"int4 q [16a, 32b] uint8, got {q.shape}"
     s = _steps(q)
     nibbles = (s[:, :, :4] | (s[:, :, 4:] << 4)).contiguous()  # low: steps 0-3, high: 4-7
-    return Packed(4, q.shape[0], q.shape[1], nibbles, _per_block(scale), _per_block(zero))
+    scale, zero = scale.float(), zero.float()
+    low = zero - 8 * scale
+    if _is_half(scale) and _is_half(low) and bool((low + 8 * scale == zero).all()):
+        pairs = torch.stack([_per_block(scale), _per_block(low)], 2)  # [n/16, k/32, 2, 16]
+        return Packed(INT4_HALF, q.shape[0], q.shape[1], nibbles, pairs.half().contiguous(), None)
+    return Packed(INT4, q.shape[0], q.shape[1], nibbles, _per_block(scale), _per_block(zero))
+
+
+def _is_half(t: torch.Tensor) -> bool:
+    """Every value exactly an IEEE half (finite)."""
+    h = t.half()
+    return bool(torch.isfinite(h).all()) and bool((h.float() == t).all())
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Packed:
     assert q.dtype == torch.int8 and fits(*q.shape), f"int8 q [16a, 32b] int8, got {q.shape}"
     unsigned = (q.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd takes unsigned weights
-    return Packed(8, q.shape[0], q.shape[1], _steps(unsigned).contiguous(),
+    return Packed(INT8, q.shape[0], q.shape[1], _steps(unsigned).contiguous(),
                   scale.float().contiguous(), None)
 
 

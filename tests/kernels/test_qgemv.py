@@ -98,3 +98,32 @@ def test_refuses_shapes_it_cannot_tile():
     with pytest.raises(AssertionError):
         cpu_qgemv.pack_int4(torch.zeros(20, 64, dtype=torch.uint8), torch.ones(20, 2),
                             torch.zeros(20, 2))
+
+
+def half_exact(w: QuantWeight) -> QuantWeight:
+    """w with its scales and mins (zero - 8 * scale) rounded to IEEE halves and zero = min +
+    8 * scale in fp32, as the loader builds a GGUF Q4_1 file's: such weights pack as
+    INT4_HALF, which must give bitwise what the fp32-scale layout gives."""
+    scale = w.scale.half().float()
+    low = (w.zero - 8 * w.scale).half().float()
+    return QuantWeight(4, w.q, scale, low + 8 * scale, w.group_size)
+
+
+@pytest.mark.parametrize("m", [1, 5, 13])
+def test_half_scales_match_the_same_arithmetic(m):
+    torch.manual_seed(m)
+    w = half_exact(weights(4, 96, 192))
+    packed = pack(w)
+    assert packed.kind == cpu_qgemv.INT4_HALF and packed.scale.dtype == torch.float16
+    x = torch.randn(m, 192)
+    ref = reference(w, x)
+    got = cpu_qgemv.linear(packed, x)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    fp32_layout = cpu_qgemv.Packed(cpu_qgemv.INT4, 96, 192, packed.weight,
+                                   cpu_qgemv._per_block(w.scale), cpu_qgemv._per_block(w.zero))
+    assert torch.equal(got, cpu_qgemv.linear(fp32_layout, x))
+
+
+def test_scales_that_are_not_halves_stay_fp32():
+    w = weights(4, 32, 64)  # min-max scales of random weights: not halves
+    assert pack(w).kind == cpu_qgemv.INT4 and pack(w).scale.dtype == torch.float32
