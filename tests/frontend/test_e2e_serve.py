@@ -33,7 +33,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class Server:
-    def __init__(self, tmp_dir: Path) -> None:
+    def __init__(self, tmp_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_dir / "serve.log"
@@ -42,7 +42,8 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port),
              "--num-kv-blocks", "256", "--max-model-len", "2048", "--shutdown-timeout", "150",
-             "--request-timeout", "300", "--log-level", "info", "--log-format", "json"],
+             "--request-timeout", "300", "--log-level", "info", "--log-format", "json",
+             *extra_args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),
             text=True, start_new_session=True)
         threading.Thread(target=self._read_stdout, daemon=True).start()
