@@ -19,11 +19,12 @@ import logging
 import time
 import uuid
 from pathlib import Path
+from typing import AsyncIterator, Protocol
 
 from aiohttp import web
 
 from engine.logs import REQUEST_ID
-from engine.messages import WorkerStats
+from engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
 from frontend import anthropic_api, openai_api, openapi, ws
 from frontend.admission import WorkAdmission
 from frontend.auth import ApiKeys
@@ -125,11 +126,23 @@ class Admission:
             self._idle.clear()
 
 
+class Engine(Protocol):
+    """What the server needs of its engine: `frontend.engine_client.EngineClient` (fakes in
+    tests implement the same)."""
+    ready: bool  # a worker is ready
+    ready_info: Ready | None  # a live worker's Ready (the latest known if none)
+
+    def generate(self, msg: AddRequest) -> AsyncIterator[RequestDelta]: ...
+    def stats(self) -> WorkerStats | None: ...  # summed over the live workers
+    def worker_stats(self) -> dict[str, WorkerStats]: ...  # each live worker's own
+    def workers(self) -> dict[str, Ready]: ...  # the live workers
+
+
 class AppState:
     """What every handler shares. The engine client and recipe are built by `serve`
     (or fakes in tests); everything else is derived from them here."""
 
-    def __init__(self, engine, recipe, options: ServerOptions = ServerOptions(),
+    def __init__(self, engine: Engine, recipe, options: ServerOptions = ServerOptions(),
                  metrics: Metrics | None = None, supervisor=None) -> None:
         self.engine = engine
         self.recipe = recipe
@@ -247,9 +260,7 @@ class AppState:
         """Copy the engine's latest stats and the worker layout into the gauges."""
         self.metrics.update_engine(self.engine.stats(), self.engine.ready_info,
                                    bool(self.engine.ready), self.layout())
-        worker_stats = getattr(self.engine, "worker_stats", None)
-        if worker_stats is not None:
-            self.metrics.update_workers(worker_stats())
+        self.metrics.update_workers(self.engine.worker_stats())
 
     def status(self) -> dict:
         self.refresh_metrics()
@@ -277,13 +288,9 @@ class AppState:
             "speculation": {"mode": info.speculation if info else "off", "per_request": True,
                             "draft_proposed": proposed, "draft_accepted": accepted,
                             "acceptance_rate": accepted / proposed if proposed else 0.0},
-            "kv_tiers": _kv_tiers(stats.extra if stats else {}, self._worker_stats()),
+            "kv_tiers": _kv_tiers(stats.extra if stats else {}, self.engine.worker_stats()),
             "moe": _moe(stats.extra if stats else {}),
         }
-
-    def _worker_stats(self) -> dict[str, WorkerStats]:
-        worker_stats = getattr(self.engine, "worker_stats", None)
-        return worker_stats() if worker_stats is not None else {}
 
     def layout(self) -> dict[str, int]:
         """Worker processes by role, e.g. {"unified": 1} or {"prefill": 2, "decode": 1}."""
@@ -311,7 +318,7 @@ class AppState:
 
     def num_workers(self) -> tuple[int, int]:
         """(workers alive and announced, worker slots); (1, 1) without a supervisor."""
-        if self.supervisor is None or not hasattr(self.engine, "workers"):
+        if self.supervisor is None:
             return 1, 1
         return len(self.engine.workers()), len(self.supervisor.status())
 

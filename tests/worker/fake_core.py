@@ -32,6 +32,9 @@ class FakeCore:
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or 64
+        self.model_identity = self.kv_layout = ""  # no content-addressed KV
+        self.num_threads, self.weights_label = 0, ""
+        self.layout = self.scheduler = self.runner = None  # no KV to hand over, no chunking
         self.requests: dict[str, tuple[AddRequest, int]] = {}  # req_id -> (msg, num generated)
         self.aborted_req_ids: list[str] = []
         self.num_added = 0
@@ -73,6 +76,9 @@ class FakeCore:
                            num_generated_tokens=self.num_generated_tokens,
                            extra={"num_aborted": float(len(self.aborted_req_ids)),
                                   "num_added": float(self.num_added)})
+
+    def close(self) -> None:
+        self.requests.clear()
 
     def _advance(self, req_id: str) -> RequestDelta:
         msg, num_generated = self.requests[req_id]
