@@ -45,6 +45,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.expert_parallel import free_port
 from engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
+from engine.stats import MoEStats
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +218,11 @@ class LeaderCore:
 
     def stats(self) -> WorkerStats:
         stats = self._core.stats()
-        ep = self._ep
-        extra = dict(stats.extra, moe_ep_ranks=float(self._group.size),
-                     moe_rebalances=float(ep.num_rebalances),
-                     moe_experts_received_rank0=float(ep.num_experts_received))
-        return msgspec.structs.replace(stats, extra=extra)
+        moe = msgspec.structs.replace(
+            stats.moe or MoEStats(), ep_ranks=float(self._group.size),
+            rebalances=float(self._ep.num_rebalances),
+            experts_received_rank0=float(self._ep.num_experts_received))
+        return msgspec.structs.replace(stats, moe=moe)
 
     def close(self) -> None:
         """Tell the followers to leave, then leave. Idempotent."""

@@ -42,6 +42,7 @@ from engine.messages import (INVALID, AbortRequests, AddRequest, Heartbeat, Outp
                              RequestDelta, Shutdown, WorkerError, WorkerStats)
 from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
+from engine.stats import HandoffStats, IntakeStats
 from engine.step_policy import fair_prefill
 from engine.zmq_io import Channel, worker_channel
 from kvstore.shared import store_identity
@@ -421,14 +422,16 @@ class Worker:
         """The core's stats, read only between steps (the last snapshot while one runs)."""
         if not self._is_stepping:
             self._refresh_stats()
-        extra = dict(self._stats.extra, num_rejected_frames=self._channel.receiver.num_rejected)
+        handoff = intake = None
         if self._sender is not None:
-            extra.update({f"handoff_{k}": float(v) for k, v in self._sender.counters.items()})
-            extra["handoff_blocks_pinned"] = float(self._sender.num_pinned_blocks)
+            handoff = HandoffStats(**self._sender.counters,
+                                   blocks_pinned=self._sender.num_pinned_blocks)
         if self._intake is not None:
-            extra.update({f"intake_{k}": float(v) for k, v in self._intake.counters.items()})
-            extra["num_rejected_kv_frames"] = float(self._intake.num_rejected)
-        return msgspec.structs.replace(self._stats, extra=extra)
+            intake = IntakeStats(**self._intake.counters,
+                                 rejected_kv_frames=self._intake.num_rejected)
+        return msgspec.structs.replace(
+            self._stats, num_rejected_frames=self._channel.receiver.num_rejected,
+            handoff=handoff, intake=intake)
 
     # ------------------------------------------------------------------ plumbing
     def _ready_message(self) -> Ready:
