@@ -1,8 +1,8 @@
 """Every message that crosses a process boundary, as msgspec structs (no pickle anywhere).
 
 Frontend -> worker: AddRequest, AbortRequests, Shutdown.
-Worker -> frontend: Ready, Heartbeat, Outputs (a batch of RequestDelta), WorkerError,
-    HandoffFailed.
+Worker -> frontend: Ready, Heartbeat (its typed stats: engine/stats.py), Outputs (a batch of
+    RequestDelta), WorkerError, HandoffFailed.
 Prefill worker -> decode worker (KV hand-off, see engine/kv_transfer.py): KvOffer, KvBlocks
     (+ one raw frame per block), KvDone, KvCancel.
 Decode worker -> prefill worker: KvNeed, KvAck, KvReject.
