@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "anchor": ("bench.anchor", "Duplex beside llama.cpp's llama-server and llama-bench "
                "on the same GGUF"),
     "fuzz": ("bench.fuzz", "hypothesis bodies on every JSON endpoint of a real server: no 5xx"),
+    "kernels": ("bench.kernels", "each triton kernel against torch eager (CUDA only)"),
 }
 
 

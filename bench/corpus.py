@@ -168,8 +168,3 @@ PARAGRAPHS: tuple[str, ...] = (
     "as the sea floor cools and sinks, the island subsides until only a ring of coral remains "
     "around a shallow lagoon, marking where a mountain once stood.",
 )
-
-
-def corpus_text() -> str:
-    """The whole corpus as one string, paragraphs separated by blank lines."""
-    return "\n\n".join(PARAGRAPHS)

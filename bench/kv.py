@@ -6,8 +6,8 @@
               N sessions with 3+ requests) against a small device pool + RAM tier, then the
               same with the SSD tier added.
   ttft        cold vs device / host / disk-hit time to first token of a 2,000-token prompt
-              (offline, `engine.kv_tiers_bench`).
-  disk        the SSD tier's read MB/s next to plain file reads (`kvstore.diskbench`).
+              (offline, `bench.kv_tiers`).
+  disk        the SSD tier's read MB/s next to plain file reads (`bench.kv_disk`).
   fleet       2 prefill + 1 decode workers on the Mooncake trace: per-worker SSD tiers vs
               one shared tier (Redis, shared directory) vs the trace's bound (`bench.kv_fleet`).
 """
@@ -133,7 +133,7 @@ def mooncake(args) -> dict:
 def ttft(args) -> dict:
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from engine.kv_tiers_bench import bench_cached_ttft
+    from bench.kv_tiers import bench_cached_ttft
 
     def factory(**fields):
         return EngineCore(EngineConfig(**fields), progress=False)
@@ -148,7 +148,7 @@ def fleet(args) -> dict:
 
 
 def disk(args) -> dict:
-    from kvstore.diskbench import measure_read_mb_s
+    from bench.kv_disk import measure_read_mb_s
 
     with tempfile.TemporaryDirectory(prefix="duplex-bench-disk-") as root:
         # one SmolLM2 block of 16 tokens: 30 layers x 2 x 16 x 3 heads x 64 x 4 bytes

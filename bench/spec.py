@@ -89,11 +89,11 @@ def workloads(concurrency: int) -> dict[str, list[list[dict]]]:
 
 
 def _spec_counters(llm) -> dict[str, float]:
-    extra = llm.engine.stats().extra
-    rounds = extra.get("spec_num_rounds", 0.0)
-    return dict(proposed=extra.get("spec_num_draft_proposed", 0.0),
-                accepted=extra.get("spec_num_draft_accepted", 0.0), rounds=rounds,
-                emitted=extra.get("spec_mean_acceptance_length", 0.0) * rounds)
+    spec = llm.engine.stats().spec
+    if spec is None:
+        return dict(proposed=0.0, accepted=0.0, rounds=0.0, emitted=0.0)
+    return dict(proposed=spec.num_draft_proposed, accepted=spec.num_draft_accepted,
+                rounds=spec.num_rounds, emitted=spec.num_emitted)
 
 
 def measure(llm, conversations: list[list[dict]], params, concurrent: bool) -> dict:

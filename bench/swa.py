@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import AddRequest
 from engine.sampling_params import SamplingParams
+from engine.stats import HybridKVStats
 
 MODES = {"a_no_cache": dict(enable_prefix_caching=False),
          "b_all_layer_kv": dict(hybrid_kv=False),
@@ -108,15 +109,15 @@ def run_mode(path: str, args, fields: dict) -> dict:
             ttfts.append(ttft)
             outputs.append(out)
             histories[c] = prompt + out
-    extra = core.stats().extra
-    cached_tokens = extra["kv_blocks_cached"] * args.block_size
-    stored = extra.get("kv_bytes_stored", extra["kv_bytes_device"])
+    kv = core.stats().kv
+    hybrid = kv.hybrid or HybridKVStats()
+    cached_tokens = kv.blocks_cached * args.block_size
+    stored = hybrid.bytes_stored if kv.hybrid is not None else kv.device.bytes
     core.close()
     return dict(prefill_gflops=flops / 1e9, ttft_median_ms=1e3 * statistics.median(ttfts),
                 ttft_mean_ms=1e3 * statistics.mean(ttfts),
                 kv_bytes_per_cached_token=stored / cached_tokens if cached_tokens else 0.0,
-                tokens_replayed=extra.get("kv_tokens_replayed", 0.0),
-                tokens_restored=extra.get("kv_tokens_restored", 0.0),
+                tokens_replayed=hybrid.tokens_replayed, tokens_restored=hybrid.tokens_restored,
                 outputs=outputs)
 
 

@@ -1,7 +1,8 @@
 """Frozen engine configuration, validated at construction.
 
-Values measured at start-up (KV capacity) live in their own object, `CacheBudget`, never
-patched into a config after the fact.
+A config is never patched after the fact: what start-up derives from it (the number of KV
+blocks when `num_kv_blocks` is 0, the hybrid layout) lives on `EngineCore`, which computes it
+once from the config and the model.
 """
 from __future__ import annotations
 

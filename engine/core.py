@@ -29,7 +29,7 @@ from engine.cost_model import CostModel, step_features
 from engine.grammar import Grammars
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
 from engine.kv_manager import KVCacheManager
-from engine.kv_tiers import BlockCodec, KVTiers, TierLink
+from engine.kv_tiers import DEVICE, DISK, HOST, SHARED, BlockCodec, KVTiers, TierLink
 from engine.messages import AddRequest, RequestDelta, WorkerStats
 from engine.model_runner import ModelRunner
 from engine.models import build_model, load
@@ -37,6 +37,7 @@ from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import SpecOptions, Speculator
+from engine.stats import KVStats, KVTierStats, MoEStats
 from engine.step_policy import time_budget
 from kernels.batch_invariant import set_batch_invariant_mode
 from kernels.cpu_fused import use_fused
@@ -130,7 +131,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
         self._stats = WorkerStats()
-        self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0)
+        self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0,
+                              requests=0, aborted=0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, msg: AddRequest) -> None:
@@ -145,6 +147,7 @@ class EngineCore:
             req.append_output(token_id)
         self.requests[req.req_id] = req
         self._counters["prompt"] += req.num_prompt_tokens
+        self._counters["requests"] += 1
         if msg.params.constraint is not None:
             self.grammar.submit(req)  # scheduled once its grammar is compiled
             return
@@ -156,6 +159,7 @@ class EngineCore:
             req = self.requests.pop(req_id, None)
             if req is None:
                 continue
+            self._counters["aborted"] += 1
             self.grammar.free(req_id)
             self.scheduler.remove(req)
             if self.spec is not None:
@@ -374,34 +378,28 @@ class EngineCore:
             num_prompt_tokens=c["prompt"], num_computed_prompt_tokens=c["computed"],
             num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
-            extra={**self._kv_metrics(), **self.cost_model.metrics(), **self._model_metrics(),
-                   **self.grammar.metrics(),
-                   **(self.spec.metrics() if self.spec is not None else {})})
+            num_requests_added=c["requests"], num_requests_aborted=c["aborted"],
+            kv=self._kv_stats(), cost=self.cost_model.stats(), grammar=self.grammar.stats(),
+            spec=self.spec.report() if self.spec is not None else None, moe=self._moe_stats())
 
-    def _model_metrics(self) -> dict[str, float]:
-        """Model-specific gauges: expert load per rank and imbalance for MoE models."""
+    def _moe_stats(self) -> MoEStats | None:
+        """Expert load per rank and imbalance for MoE models; None for dense ones."""
         expert_load = getattr(self.model, "expert_load", None)
-        return expert_load().metrics() if expert_load is not None else {}
+        return expert_load().stats() if expert_load is not None else None
 
-    def _kv_metrics(self) -> dict[str, float]:
-        """Prefix-cache metrics of every tier, flat, for WorkerStats.extra."""
-        hits, queried = self.kv.num_hit_tokens, self.kv.num_queried_tokens
+    def _kv_stats(self) -> KVStats:
+        """The prefix cache: the device pool's figures, then every tier below it."""
+        served = {tier: KVTierStats(hit_tokens=float(num))
+                  for tier, num in self.kv.num_hit_tokens.items()}
         block_bytes = ModelRunner.bytes_per_block(self.args, self.block_size, self.dtype)
-        metrics = {f"kv_hit_tokens_{tier}": float(num) for tier, num in hits.items()}
-        metrics.update(
-            kv_queried_tokens=float(queried),
-            kv_hit_rate=sum(hits.values()) / queried if queried else 0.0,
-            kv_blocks_cached=float(len(self.pool.key_to_block)),
-            kv_bytes_device=float(len(self.pool.key_to_block) * block_bytes),
-            kv_evictions=float(self.pool.num_evictions),
-            kv_evictions_device=float(self.pool.num_evictions))
-        metrics.update(self.kv.extra_metrics())
-        if self.tiers is not None:
-            store = self.tiers.stats()
-            metrics.update({f"kv_{name}": store[name] for name in _STORE_METRICS})
-            metrics.update({f"kv_{name}": v for name, v in store.items()
-                            if name.startswith("shared_") or name == "hits_shared"})
-        return metrics
+        num_cached = len(self.pool.key_to_block)
+        device = KVTierStats(hit_tokens=served[DEVICE].hit_tokens, entries=float(num_cached),
+                             bytes=float(num_cached * block_bytes),
+                             evictions=float(self.pool.num_evictions))
+        kv = KVStats(queried_tokens=float(self.kv.num_queried_tokens),
+                     blocks_cached=float(num_cached), device=device, host=served[HOST],
+                     disk=served[DISK], shared=served[SHARED], hybrid=self.kv.hybrid_stats())
+        return kv if self.tiers is None else self.tiers.kv_stats(kv)
 
 
 class _Sampled(NamedTuple):
@@ -410,11 +408,6 @@ class _Sampled(NamedTuple):
     logprobs: list
     num_proposed: int  # drafts verified
     num_accepted: int  # of which accepted (they lead token_ids)
-
-
-_STORE_METRICS = ("bytes_host", "bytes_disk", "entries_host", "entries_disk", "evictions_host",
-                  "evictions_disk", "expirations", "corrupt_dropped", "write_errors", "spills",
-                  "hits_host", "hits_disk", "misses")
 
 
 def _is_hybrid(config: EngineConfig, args) -> bool:

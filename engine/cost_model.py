@@ -25,6 +25,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from engine.stats import CostStats
+
 NAMES = ("prefill_token_s", "attended_ktoken_s", "decode_seq_s", "step_s")
 MIN_SAMPLES = 8  # fewer measured steps: the model abstains (predict -> None)
 RIDGE = 0.01  # weight of the tie-breaking penalty, relative to the number of samples
@@ -142,12 +144,11 @@ class CostModel:
         return statistics.median(self._errors) if self._errors else 0.0
 
     # ------------------------------------------------------------------ reporting
-    def metrics(self) -> dict[str, float]:
-        """Flat figures for WorkerStats.extra (and /metrics)."""
-        out = {f"cost_{name}": float(c) for name, c in zip(NAMES, self.coef)}
-        out.update(cost_median_rel_error=self.median_rel_error,
-                   cost_num_samples=float(self.num_samples))
-        return out
+    def stats(self) -> CostStats:
+        """The coefficients and fit quality, for WorkerStats (and /metrics)."""
+        return CostStats(**dict(zip(NAMES, map(float, self.coef))),
+                         median_rel_error=float(self.median_rel_error),
+                         num_samples=float(self.num_samples))
 
     def to_dict(self) -> dict:
         return {"coef": dict(zip(NAMES, map(float, self.coef))),
@@ -156,7 +157,7 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         """A fitted model from `to_dict` output (or {"coef": {...}} with NAMES as keys), or
-        from WorkerStats.extra-style keys ("cost_prefill_token_s", ...)."""
+        from /metrics-style names ("cost_prefill_token_s", ...: `duplex_worker_figure`)."""
         coef = data.get("coef", data)
         values = [float(coef.get(name, coef.get(f"cost_{name}", 0.0))) for name in NAMES]
         if not any(values):

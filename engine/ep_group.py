@@ -45,6 +45,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.expert_parallel import free_port
 from engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
+from engine.stats import MoEStats
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,8 @@ def _rank_config(config: EngineConfig) -> EngineConfig:
 
 # ---------------------------------------------------------------------------- rank 0
 class LeaderCore:
-    """The Core a worker drives (engine.worker.Core) for a whole EP group. Nothing here
-    exposes the scheduler or runner, so the worker treats the group as one unified worker."""
+    """The Core a worker drives (engine.worker.Core) for a whole EP group. It exposes no
+    scheduler or runner (None), so the worker treats the group as one unified worker."""
 
     def __init__(self, core, ep, group: RankGroup, followers: list[subprocess.Popen]) -> None:
         self._core, self._ep, self._group, self._followers = core, ep, group, followers
@@ -183,6 +184,8 @@ class LeaderCore:
         self.num_kv_blocks = core.num_kv_blocks
         self.model_identity = core.model_identity
         self.kv_layout = core.kv_layout
+        self.num_threads, self.weights_label = core.num_threads, core.weights_label
+        self.layout = self.scheduler = self.runner = None
         self._closed = False
 
     def add_request(self, msg: AddRequest) -> None:
@@ -215,11 +218,11 @@ class LeaderCore:
 
     def stats(self) -> WorkerStats:
         stats = self._core.stats()
-        ep = self._ep
-        extra = dict(stats.extra, moe_ep_ranks=float(self._group.size),
-                     moe_rebalances=float(ep.num_rebalances),
-                     moe_experts_received_rank0=float(ep.num_experts_received))
-        return msgspec.structs.replace(stats, extra=extra)
+        moe = msgspec.structs.replace(
+            stats.moe or MoEStats(), ep_ranks=float(self._group.size),
+            rebalances=float(self._ep.num_rebalances),
+            experts_received_rank0=float(self._ep.num_experts_received))
+        return msgspec.structs.replace(stats, moe=moe)
 
     def close(self) -> None:
         """Tell the followers to leave, then leave. Idempotent."""

@@ -37,10 +37,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
 from engine.sampling_params import Constraint
+from engine.stats import GrammarStats
 
 log = logging.getLogger("duplex.grammar")
 
@@ -355,19 +357,18 @@ class Grammars:
         self._matchers.pop(req_id, None)
         self._waiting.pop(req_id, None)
 
-    def metrics(self) -> dict[str, float]:
+    def stats(self) -> GrammarStats:
         with self._lock:
             times = sorted(self._compile_times)
-        out = dict(grammar_mask_seconds=self.mask_seconds,
-                   grammar_masked_rows=float(self.num_masked_rows),
-                   grammar_waiting=float(len(self._waiting)),
-                   grammar_cached=float(len(self._compiled)))
-        if times:
-            out.update(grammar_compile_p50_s=times[len(times) // 2],
-                       grammar_compile_p99_s=times[min(len(times) - 1,
-                                                       int(0.99 * len(times)))],
-                       grammar_compiles=float(len(times)))
-        return out
+        out = GrammarStats(mask_seconds=self.mask_seconds,
+                           masked_rows=float(self.num_masked_rows),
+                           waiting=float(len(self._waiting)), cached=float(len(self._compiled)))
+        if not times:
+            return out
+        return msgspec.structs.replace(
+            out, compile_p50_s=times[len(times) // 2],
+            compile_p99_s=times[min(len(times) - 1, int(0.99 * len(times)))],
+            compiles=float(len(times)))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

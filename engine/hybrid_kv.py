@@ -43,6 +43,7 @@ from engine.block_pool import BlockPool
 from engine.kv_manager import KVCacheManager, cdiv
 from engine.kv_tiers import TierHit, TierLink
 from engine.request import Request
+from engine.stats import HybridKVStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,12 +312,11 @@ class HybridKVCacheManager(KVCacheManager):
         full_bytes, swa_bytes = self.block_bytes
         return len(self.pool.key_to_block) * full_bytes + len(swa_blocks) * swa_bytes
 
-    def extra_metrics(self) -> dict[str, float]:
-        num_cached = len(self.pool.key_to_block) * self.block_size
-        stored = self.stored_bytes()
-        return {"kv_bytes_stored": float(stored),
-                "kv_bytes_per_cached_token": stored / num_cached if num_cached else 0.0,"kv_tokens_restored": float(self.totals["restored"]),
-                "kv_tokens_replayed": float(self.totals["replayed"]),
-                "kv_tokens_prefilled": float(self.totals["prefilled"]),
-                "kv_bonds": float(len(self.bonds)),
-                "kv_swa_blocks_used": float(self.swa_pool.num_used_blocks)}
+    def hybrid_stats(self) -> HybridKVStats:
+        return HybridKVStats(bytes_stored=float(self.stored_bytes()),
+                             cached_tokens=float(len(self.pool.key_to_block) * self.block_size),
+                             tokens_restored=float(self.totals["restored"]),
+                             tokens_replayed=float(self.totals["replayed"]),
+                             tokens_prefilled=float(self.totals["prefilled"]),
+                             bonds=float(len(self.bonds)),
+                             swa_blocks_used=float(self.swa_pool.num_used_blocks))

@@ -17,6 +17,7 @@ from typing import Callable
 
 from engine.block_pool import BlockPool
 from engine.kv_tiers import DEVICE, TIERS, TierHit, TierLink
+from engine.stats import HybridKVStats
 from engine.request import Request
 from kvstore import keys as kvkeys
 
@@ -67,9 +68,9 @@ class KVCacheManager:
         (engine.hybrid_kv may start lower, to rebuild sliding-window state)."""
         return (num_hit_blocks + num_loaded) * self.block_size
 
-    def extra_metrics(self) -> dict[str, float]:
-        """Manager-specific gauges for WorkerStats.extra (engine.hybrid_kv adds some)."""
-        return {}
+    def hybrid_stats(self) -> HybridKVStats | None:
+        """Hybrid KV's figures (engine.hybrid_kv); None for this manager."""
+        return None
 
     def _num_hittable_blocks(self, req: Request) -> int:
         """Full blocks a hit may cover: all but the last token (it must be computed)."""

@@ -31,9 +31,11 @@ import time
 import warnings
 from typing import Callable, NamedTuple, Sequence
 
+import msgspec
 import torch
 
 from engine.config import EngineConfig
+from engine.stats import KVStats, KVTierStats, SharedTierStats
 from kvstore.disk import DiskConfig, DiskTier
 from kvstore.entry import BlockEntry
 from kvstore.errors import KVStoreError
@@ -181,6 +183,10 @@ class KVTiers:
     def stats(self) -> dict[str, float]:
         """`KVStore.stats()`: flat counters and byte totals of both tiers."""
         return self._call_sync(self._store.stats)
+
+    def kv_stats(self, kv: KVStats) -> KVStats:
+        """kv (the device's figures) with the host, disk and shared tiers' added."""
+        return store_stats(kv, self.stats())
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
@@ -352,3 +358,24 @@ class TierLink:
         """Drop a request's load state (reads still running just fill host RAM)."""
         self._loads.pop(req_id, None)
 
+
+def store_stats(kv: KVStats, store: dict[str, float]) -> KVStats:
+    """kv with the tier figures of `kvstore.store.KVStore.stats()` (its flat names) filled
+    in: the one place those names are read."""
+    def tier(name: str, hit_tokens: float) -> KVTierStats:
+        return KVTierStats(hit_tokens=hit_tokens, hits=store.get(f"hits_{name}", 0.0),
+                           bytes=store.get(f"bytes_{name}", 0.0),
+                           entries=store.get(f"entries_{name}", 0.0),
+                           evictions=store.get(f"evictions_{name}", 0.0))
+
+    shared = None
+    if "shared_on" in store:
+        shared = SharedTierStats(**{name: store[f"shared_{name}"]
+                                    for name in SharedTierStats.__struct_fields__
+                                    if f"shared_{name}" in store})
+    return msgspec.structs.replace(
+        kv, host=tier(HOST, kv.host.hit_tokens), disk=tier(DISK, kv.disk.hit_tokens),
+        shared=tier(SHARED, kv.shared.hit_tokens), misses=store.get("misses", 0.0),
+        spills=store.get("spills", 0.0), expirations=store.get("expirations", 0.0),
+        corrupt_dropped=store.get("corrupt_dropped", 0.0),
+        write_errors=store.get("write_errors", 0.0), shared_tier=shared)

@@ -1,8 +1,8 @@
 """Every message that crosses a process boundary, as msgspec structs (no pickle anywhere).
 
 Frontend -> worker: AddRequest, AbortRequests, Shutdown.
-Worker -> frontend: Ready, Heartbeat, Outputs (a batch of RequestDelta), WorkerError,
-    HandoffFailed.
+Worker -> frontend: Ready, Heartbeat (its typed stats: engine/stats.py), Outputs (a batch of
+    RequestDelta), WorkerError, HandoffFailed.
 Prefill worker -> decode worker (KV hand-off, see engine/kv_transfer.py): KvOffer, KvBlocks
     (+ one raw frame per block), KvDone, KvCancel.
 Decode worker -> prefill worker: KvNeed, KvAck, KvReject.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from engine.stats import WorkerStats  # noqa: F401 - a wire type too (Heartbeat.stats)
 
 _WIRE = dict(frozen=True, array_like=True, omit_defaults=True, gc=False)
 
@@ -82,20 +83,6 @@ INVALID = "invalid"  # RequestDelta.error_kind of a request a worker refuses as 
 class Outputs(msgspec.Struct, tag="outputs", **_WIRE):
     worker_id: str
     deltas: list[RequestDelta]
-
-
-class WorkerStats(msgspec.Struct, **_WIRE):
-    num_running: int = 0
-    num_waiting: int = 0
-    num_kv_blocks_total: int = 0
-    num_kv_blocks_used: int = 0
-    num_prompt_tokens: int = 0
-    num_computed_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    extra: dict[str, float] = {}  # tier bytes, hit rates, cost-model coefficients, ...
 
 
 class Ready(msgspec.Struct, tag="ready", **_WIRE):

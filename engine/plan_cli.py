@@ -9,7 +9,7 @@ Inputs
               hash_ids: 512-token blocks, equal ids = equal prefixes) or a `duplex bench serve`
               result JSON (its records: send time, prompt / cached / completion tokens)
   cost model  `engine.cost_model` coefficients: JSON saved by a worker (`duplex worker
-              --cost-model-out`), its WorkerStats.extra (cost_* keys), or `--calibrate`: a short
+              --cost-model-out`), its /metrics figures (cost_* names), or `--calibrate`: a short
               run of an in-process engine on the model, fitted the same way. One model serves
               both roles unless two are given (prefill first).
 
@@ -186,7 +186,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------- cost models
 def load_cost_model(path: str) -> CostModel:
-    """A worker's saved model (`CostModel.to_dict`), or its WorkerStats.extra (cost_* keys),
+    """A worker's saved model (`CostModel.to_dict`), or its /metrics figures (cost_* names),
     optionally under a "cost_model" key."""
     data = json.loads(Path(path).read_text())
     return CostModel.from_dict(data.get("cost_model", data))

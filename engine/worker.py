@@ -29,7 +29,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 import msgspec
 import zmq
@@ -42,9 +42,14 @@ from engine.messages import (INVALID, AbortRequests, AddRequest, Heartbeat, Outp
                              RequestDelta, Shutdown, WorkerError, WorkerStats)
 from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
+from engine.stats import HandoffStats, IntakeStats
 from engine.step_policy import fair_prefill
 from engine.zmq_io import Channel, worker_channel
 from kvstore.shared import store_identity
+
+if TYPE_CHECKING:  # torch stays unloaded in workers on fake cores
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +76,28 @@ class _HandedOver(NamedTuple):
 
 
 class Core(Protocol):
-    """What the worker needs of `engine.core.EngineCore` (a fake in tests)."""
+    """What the worker needs of an engine: `engine.core.EngineCore`, the expert-parallel
+    group's `engine.ep_group.LeaderCore`, a fake in tests. A core without a `scheduler` or
+    `runner` of its own (None: the EP group) gets no fair prefill share and no KV hand-off
+    sides, so it serves every request itself."""
     model_name: str
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    model_identity: str  # what its KV block keys are made of (kvstore.keys.namespace)
+    kv_layout: str
+    num_threads: int
+    weights_label: str
+    layout: object | None  # a hybrid (sliding-window) KV layout: its KV cannot be handed over
+    scheduler: Scheduler | None
+    runner: ModelRunner | None  # whose KV cache the hand-off sides read and write
 
     def add_request(self, msg: AddRequest) -> None: ...
     def abort_requests(self, req_ids: list[str]) -> None: ...
     def step(self) -> list[RequestDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> WorkerStats: ...
+    def close(self) -> None: ...
 
 
 CoreFactory = Callable[[EngineConfig], Core]
@@ -162,13 +178,13 @@ class Worker:
         self._attach_role()
 
     def _attach_role(self) -> None:
-        """Hand-off sides and the fair prefill share need a real engine (fakes have none)."""
+        """Hand-off sides and the fair prefill share need a core's own scheduler and runner."""
         core = self._core
-        if self._fair_prefill and hasattr(core, "scheduler"):
+        if self._fair_prefill and core.scheduler is not None:
             core.scheduler.prefill_chunk_fn = fair_prefill(core.scheduler)
-        if not hasattr(core, "runner"):
+        if core.runner is None:
             return
-        if getattr(core, "layout", None) is not None and self.role != "unified":
+        if core.layout is not None and self.role != "unified":
             log.warning("worker %s: hybrid (sliding-window) KV cannot be handed over; it "
                         "serves as a unified worker", self.worker_id)
             self.role = "unified"  # what Ready announces, so the router plans with it
@@ -184,11 +200,10 @@ class Worker:
     async def _close_core(self) -> None:
         """Let the core flush and release what it holds (KV writes, an EP group), in its own
         thread; skipped while a step is still in flight there."""
-        close = getattr(self._core, "close", None)
-        if close is None or self._is_stepping:
+        if self._core is None or self._is_stepping:
             return
         try:
-            await asyncio.wait_for(self._in_core_thread(close), 10.0)
+            await asyncio.wait_for(self._in_core_thread(self._core.close), 10.0)
         except Exception:  # noqa: BLE001 - exiting anyway
             log.exception("worker %s: closing the core failed", self.worker_id)
 
@@ -407,14 +422,16 @@ class Worker:
         """The core's stats, read only between steps (the last snapshot while one runs)."""
         if not self._is_stepping:
             self._refresh_stats()
-        extra = dict(self._stats.extra, num_rejected_frames=self._channel.receiver.num_rejected)
+        handoff = intake = None
         if self._sender is not None:
-            extra.update({f"handoff_{k}": float(v) for k, v in self._sender.counters.items()})
-            extra["handoff_blocks_pinned"] = float(self._sender.num_pinned_blocks)
+            handoff = HandoffStats(**self._sender.counters,
+                                   blocks_pinned=self._sender.num_pinned_blocks)
         if self._intake is not None:
-            extra.update({f"intake_{k}": float(v) for k, v in self._intake.counters.items()})
-            extra["num_rejected_kv_frames"] = float(self._intake.num_rejected)
-        return msgspec.structs.replace(self._stats, extra=extra)
+            intake = IntakeStats(**self._intake.counters,
+                                 rejected_kv_frames=self._intake.num_rejected)
+        return msgspec.structs.replace(
+            self._stats, num_rejected_frames=self._channel.receiver.num_rejected,
+            handoff=handoff, intake=intake)
 
     # ------------------------------------------------------------------ plumbing
     def _ready_message(self) -> Ready:
@@ -424,11 +441,10 @@ class Worker:
                      batch_invariant=self.config.batch_invariant,
                      speculation=self.config.speculation, pid=os.getpid(),
                      kv_address=self._intake.address if self._intake else "",
-                     model_identity=getattr(core, "model_identity", ""),
-                     kv_dtype=self.config.weights_dtype if hasattr(core, "runner") else "",
-                     kv_layout=getattr(core, "kv_layout", ""),
-                     num_threads=getattr(core, "num_threads", 0),
-                     weights=getattr(core, "weights_label", ""),
+                     model_identity=core.model_identity,
+                     kv_dtype=self.config.weights_dtype if core.model_identity else "",
+                     kv_layout=core.kv_layout, num_threads=core.num_threads,
+                     weights=core.weights_label,
                      kv_shared=store_identity(self.config.kv_remote))
 
     async def _in_core_thread(self, fn: Callable[..., Any], *args: Any) -> Any:

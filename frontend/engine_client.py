@@ -149,7 +149,7 @@ class EngineClient:
         all_stats = list(self.worker_stats().values())
         if len(all_stats) <= 1:
             return all_stats[0] if all_stats else None
-        return _sum_stats(all_stats)
+        return WorkerStats.merge(all_stats)  # counts summed, rates re-weighted
 
     async def generate(self, msg: AddRequest) -> AsyncIterator[RequestDelta]:
         """Submit one request and yield its deltas; the last one has a finish_reason.
@@ -478,15 +478,3 @@ class EngineClient:
 
 def _same_worker(old: Ready, new: Ready) -> bool:
     return (old.worker_id, old.pid) == (new.worker_id, new.pid)
-
-
-def _sum_stats(all_stats: list[WorkerStats]) -> WorkerStats:
-    """Counts summed over workers; extra figures summed key by key (per-worker values, such
-    as cost-model coefficients, are read from `worker_stats()`)."""
-    fields = {f: sum(getattr(s, f) for s in all_stats)
-              for f in WorkerStats.__struct_fields__ if f != "extra"}
-    extra: dict[str, float] = {}
-    for stats in all_stats:
-        for key, value in stats.extra.items():
-            extra[key] = extra.get(key, 0.0) + value
-    return WorkerStats(**fields, extra=extra)

@@ -12,13 +12,13 @@ dashboards built for vLLM can be pointed at Duplex. docs/metrics.md has the mapp
 from __future__ import annotations
 
 import collections
-import re
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from engine.messages import Ready, WorkerStats
+from engine.stats import MoEStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0)
@@ -197,15 +197,17 @@ class Metrics:
 
     def update_workers(self, worker_stats: dict[str, WorkerStats]) -> None:
         for worker_id, stats in worker_stats.items():
-            for name, value in stats.extra.items():
-                if name.startswith(_WORKER_FIGURES):
-                    self.worker_figures.labels(worker_id, name).set(value)
-                elif match := _MOE_RANK.fullmatch(name):
-                    self.moe_rank_load.labels(worker_id, match.group(1)).set(value)
-                elif name in ("moe_imbalance_mean", "moe_imbalance_max"):
-                    self.moe_imbalance.labels(worker_id, name.rsplit("_", 1)[1]).set(value)
-                elif name == "moe_rebalances":
-                    self.moe_rebalances.labels(worker_id).set(value)
+            for name, value in worker_figures(stats).items():
+                self.worker_figures.labels(worker_id, name).set(value)
+            if stats.moe is not None:
+                self._update_moe(worker_id, stats.moe)
+
+    def _update_moe(self, worker_id: str, moe: MoEStats) -> None:
+        for rank, num_tokens in enumerate(moe.rank_tokens):
+            self.moe_rank_load.labels(worker_id, str(rank)).set(num_tokens)
+        self.moe_imbalance.labels(worker_id, "mean").set(moe.imbalance_mean)
+        self.moe_imbalance.labels(worker_id, "max").set(moe.imbalance_max)
+        self.moe_rebalances.labels(worker_id).set(moe.rebalances)
 
     def render(self, model_name: str | None = None) -> bytes:
         """Prometheus text: every sample labelled model_name, vLLM's names repeated."""
@@ -265,9 +267,25 @@ def _renamed(family, name: str):
     return copy
 
 
-_MOE_RANK = re.compile(r"moe_rank(\d+)_tokens")
-_WORKER_FIGURES = ("cost_", "handoff_", "intake_", "num_rejected_kv_frames",
-                   "kv_hit_tokens_", "kv_shared_")  # kv_shared_*: the fleet-shared tier
+def worker_figures(stats: WorkerStats) -> dict[str, float]:
+    """One worker's `duplex_worker_figure` samples, by name: cost-model coefficients
+    (cost_*), KV hand-off (handoff_*, intake_*, num_rejected_kv_frames), prompt tokens
+    served per KV tier (kv_hit_tokens_*), the fleet-shared tier (kv_shared_*)."""
+    out: dict[str, float] = {}
+    if stats.cost is not None:
+        out.update(stats.cost.figures("cost_"))
+    if stats.handoff is not None:
+        out.update(stats.handoff.figures("handoff_"))
+    if stats.intake is not None:
+        intake = stats.intake.figures("intake_")
+        out["num_rejected_kv_frames"] = intake.pop("intake_rejected_kv_frames")
+        out.update(intake)
+    if stats.kv is not None:
+        out.update({f"kv_hit_tokens_{name}": tier.hit_tokens
+                    for name, tier in stats.kv.tiers.items()})
+        if stats.kv.shared_tier is not None:
+            out.update(stats.kv.shared_tier.figures("kv_shared_"))
+    return out
 
 
 def kv_usage(stats: WorkerStats) -> float:

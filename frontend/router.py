@@ -162,13 +162,6 @@ class Router:
         if worker is not None:
             worker.stats = stats
 
-    def has_worker(self, worker_id: str) -> bool:
-        return worker_id in self._workers
-
-    def ready_of(self, worker_id: str) -> Ready | None:
-        worker = self._workers.get(worker_id)
-        return worker.ready if worker is not None else None
-
     # ------------------------------------------------------------------ queues
     def enqueue(self, msg: AddRequest) -> None:
         keys = self._keys(msg)
@@ -189,10 +182,6 @@ class Router:
                     queue.remove(item)
                     return True
         return False
-
-    @property
-    def num_queued(self) -> int:
-        return sum(len(queue) for queue in self._queues)
 
     def pop_ready(self) -> list[tuple[AddRequest, Route]]:
         """Requests that may be sent now, with their routes: the buckets take turns, one

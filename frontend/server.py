@@ -19,11 +19,13 @@ import logging
 import time
 import uuid
 from pathlib import Path
+from typing import AsyncIterator, Protocol
 
 from aiohttp import web
 
 from engine.logs import REQUEST_ID
-from engine.messages import WorkerStats
+from engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
+from engine.stats import KVStats, MoEStats
 from frontend import anthropic_api, openai_api, openapi, ws
 from frontend.admission import WorkAdmission
 from frontend.auth import ApiKeys
@@ -125,11 +127,23 @@ class Admission:
             self._idle.clear()
 
 
+class Engine(Protocol):
+    """What the server needs of its engine: `frontend.engine_client.EngineClient` (fakes in
+    tests implement the same)."""
+    ready: bool  # a worker is ready
+    ready_info: Ready | None  # a live worker's Ready (the latest known if none)
+
+    def generate(self, msg: AddRequest) -> AsyncIterator[RequestDelta]: ...
+    def stats(self) -> WorkerStats | None: ...  # summed over the live workers
+    def worker_stats(self) -> dict[str, WorkerStats]: ...  # each live worker's own
+    def workers(self) -> dict[str, Ready]: ...  # the live workers
+
+
 class AppState:
     """What every handler shares. The engine client and recipe are built by `serve`
     (or fakes in tests); everything else is derived from them here."""
 
-    def __init__(self, engine, recipe, options: ServerOptions = ServerOptions(),
+    def __init__(self, engine: Engine, recipe, options: ServerOptions = ServerOptions(),
                  metrics: Metrics | None = None, supervisor=None) -> None:
         self.engine = engine
         self.recipe = recipe
@@ -247,9 +261,7 @@ class AppState:
         """Copy the engine's latest stats and the worker layout into the gauges."""
         self.metrics.update_engine(self.engine.stats(), self.engine.ready_info,
                                    bool(self.engine.ready), self.layout())
-        worker_stats = getattr(self.engine, "worker_stats", None)
-        if worker_stats is not None:
-            self.metrics.update_workers(worker_stats())
+        self.metrics.update_workers(self.engine.worker_stats())
 
     def status(self) -> dict:
         self.refresh_metrics()
@@ -277,13 +289,9 @@ class AppState:
             "speculation": {"mode": info.speculation if info else "off", "per_request": True,
                             "draft_proposed": proposed, "draft_accepted": accepted,
                             "acceptance_rate": accepted / proposed if proposed else 0.0},
-            "kv_tiers": _kv_tiers(stats.extra if stats else {}, self._worker_stats()),
-            "moe": _moe(stats.extra if stats else {}),
+            "kv_tiers": _kv_tiers(stats and stats.kv, self.engine.worker_stats()),
+            "moe": _moe(stats and stats.moe),
         }
-
-    def _worker_stats(self) -> dict[str, WorkerStats]:
-        worker_stats = getattr(self.engine, "worker_stats", None)
-        return worker_stats() if worker_stats is not None else {}
 
     def layout(self) -> dict[str, int]:
         """Worker processes by role, e.g. {"unified": 1} or {"prefill": 2, "decode": 1}."""
@@ -311,7 +319,7 @@ class AppState:
 
     def num_workers(self) -> tuple[int, int]:
         """(workers alive and announced, worker slots); (1, 1) without a supervisor."""
-        if self.supervisor is None or not hasattr(self.engine, "workers"):
+        if self.supervisor is None:
             return 1, 1
         return len(self.engine.workers()), len(self.supervisor.status())
 
@@ -445,36 +453,28 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical if resource is not None else "other"
 
 
-def _kv_tiers(extra: dict[str, float], per_worker: dict[str, WorkerStats]) -> dict:
+def _kv_tiers(kv: KVStats | None, per_worker: dict[str, WorkerStats]) -> dict:
     """Bytes held and prompt tokens served per KV tier (device pool, host RAM, SSD, the
     fleet-shared store), summed over workers; the shared tier adds each worker's own
-    kv_shared_* figures (on, hits, misses, bytes, read latency, errors, store size)."""
-    tiers = {tier: {"bytes": extra.get(f"kv_bytes_{tier}", 0.0),
-                    "hit_tokens": extra.get(f"kv_hit_tokens_{tier}", 0.0)}
-             for tier in ("device", "host", "disk", "shared")}
-    workers = {worker_id: _shared_figures(stats.extra) for worker_id, stats in per_worker.items()}
-    workers = {worker_id: figures for worker_id, figures in workers.items() if figures}
-    if not workers and _shared_figures(extra):  # one worker and no per-worker view
-        workers = {"worker": _shared_figures(extra)}
-    tiers["shared"]["bytes"] = max((f.get("store_bytes", 0.0) for f in workers.values()),
+    figures (on, hits, misses, bytes, read latency, errors, store size)."""
+    kv = kv or KVStats()
+    tiers = {name: {"bytes": tier.bytes, "hit_tokens": tier.hit_tokens}
+             for name, tier in kv.tiers.items()}
+    workers = {worker_id: stats.kv.shared_tier.figures()
+               for worker_id, stats in per_worker.items()
+               if stats.kv is not None and stats.kv.shared_tier is not None}
+    if not workers and kv.shared_tier is not None:  # one worker and no per-worker view
+        workers = {"worker": kv.shared_tier.figures()}
+    tiers["shared"]["bytes"] = max((f["store_bytes"] for f in workers.values()),
                                    default=0.0)  # one store: every worker sees its size
     tiers["shared"]["workers"] = workers
     return tiers
 
 
-def _shared_figures(extra: dict[str, float]) -> dict[str, float]:
-    return {name.removeprefix("kv_shared_"): value for name, value in extra.items()
-            if name.startswith("kv_shared_")}
-
-
-def _moe(extra: dict[str, float]) -> dict | None:
+def _moe(moe: MoEStats | None) -> dict | None:
     """Expert load of a mixture-of-experts model (None for dense models)."""
-    loads = []
-    while f"moe_rank{len(loads)}_tokens" in extra:
-        loads.append(extra[f"moe_rank{len(loads)}_tokens"])
-    if not loads:
+    if moe is None or not moe.rank_tokens:
         return None
-    return {"ep_ranks": int(extra.get("moe_ep_ranks", 1)), "rank_load_tokens": loads,
-            "imbalance_mean": extra.get("moe_imbalance_mean", 1.0),
-            "imbalance_max": extra.get("moe_imbalance_max", 1.0),
-            "rebalances": int(extra.get("moe_rebalances", 0))}
+    return {"ep_ranks": int(moe.ep_ranks), "rank_load_tokens": moe.rank_tokens,
+            "imbalance_mean": moe.imbalance_mean, "imbalance_max": moe.imbalance_max,
+            "rebalances": int(moe.rebalances)}

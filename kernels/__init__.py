@@ -11,6 +11,5 @@ reference (or, in batch-invariant mode, `kernels.batch_invariant`) on CPU.
     rotary.py           RoPE from a cos/sin cache (neox and GPT-J layouts)
     matmul.py           plain matmul/linear; batch-invariant persistent triton matmul
     batch_invariant.py  the batch-invariant switch and its CPU implementations
-    bench.py            triton vs torch eager timings on CUDA
     _triton.py          the optional triton import
 """

@@ -9,6 +9,5 @@ Stores opaque bytes (no torch). Imports nothing else of Duplex.
   blockfile  the on-disk format of one block file, blocking file operations
   disk       DiskTier: files, write-behind queue, LRU cap, TTL sweep, restart index
   store      KVStore: host in front of disk (spill, promote, lookup, flat stats)
-  diskbench  read MB/s of the disk tier next to plain file reads
   errors     KVStoreError
 """

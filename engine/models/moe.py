@@ -28,6 +28,7 @@ import torch
 from engine.eplb import ExpertLoadStats
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, MLP
 from engine.models.loader import MOE_ARCHS, ModelArgs, ModelLoadError
+from engine.stats import MoEStats
 from kernels import batch_invariant as bi
 from kernels import ops
 
@@ -211,13 +212,11 @@ class ExpertLoadReport(NamedTuple):
     rank_load: np.ndarray  # [num_moe_layers, num_ranks]: tokens each rank computed
     imbalance: np.ndarray  # [num_moe_layers]: max / mean of rank_load (1.0 = balanced)
 
-    def metrics(self) -> dict[str, float]:
-        """Flat numbers for WorkerStats.extra / Prometheus."""
-        out = {"moe_imbalance_mean": float(self.imbalance.mean()),
-               "moe_imbalance_max": float(self.imbalance.max())}
-        for rank, tokens in enumerate(self.rank_load.sum(axis=0)):
-            out[f"moe_rank{rank}_tokens"] = float(tokens)
-        return out
+    def stats(self) -> MoEStats:
+        """For WorkerStats / Prometheus."""
+        return MoEStats(rank_tokens=[float(t) for t in self.rank_load.sum(axis=0)],
+                        imbalance_mean=float(self.imbalance.mean()),
+                        imbalance_max=float(self.imbalance.max()))
 
 
 def max_over_mean(rank_load: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
@@ -43,6 +44,7 @@ from engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, SelfDr
 from engine.spec.ngram import NgramDrafter
 from engine.spec.step_cost import StepCost
 from engine.spec.verify import Verified, target_probs, verify_greedy, verify_sampled
+from engine.stats import CalibrationBin, HeadStats, SpecStats
 
 MAX_POSITIONS = 16  # EngineConfig caps num_draft_tokens here
 _EMA = 0.8  # weight of the past in a request's acceptance EMA
@@ -119,16 +121,12 @@ class AcceptanceStats:
         return float((self.recent_accepted.sum() + _PRIOR[0]) /
                      (self.recent_reached.sum() + sum(_PRIOR)))
 
-    def metrics(self) -> dict[str, float]:
-        proposed, accepted = float(self.proposed.sum()), float(self.accepted.sum())
-        out = dict(spec_num_draft_proposed=proposed, spec_num_draft_accepted=accepted,
-                   spec_acceptance_rate=accepted / proposed if proposed else 0.0,
-                   spec_num_rounds=float(self.num_rounds),
-                   spec_mean_acceptance_length=self.num_emitted / self.num_rounds
-                   if self.num_rounds else 0.0)
-        for j in np.flatnonzero(self.proposed):
-            out[f"spec_acceptance_pos{j}"] = float(self.accepted[j] / self.proposed[j])
-        return out
+    def stats(self) -> SpecStats:
+        return SpecStats(num_draft_proposed=float(self.proposed.sum()),
+                         num_draft_accepted=float(self.accepted.sum()),
+                         num_rounds=float(self.num_rounds), num_emitted=float(self.num_emitted),
+                         proposed_by_position=[float(n) for n in self.proposed],
+                         accepted_by_position=[float(n) for n in self.accepted])
 
 
 class Speculator:
@@ -333,14 +331,14 @@ class Speculator:
         if isinstance(self.drafter, ModelDrafterBase):
             self.drafter.free(req)
 
-    def metrics(self) -> dict[str, float]:
-        out = self.stats.metrics() | self.step_cost.metrics()
+    def report(self) -> SpecStats:
+        """For WorkerStats: acceptance, the head's calibration, the measured step cost."""
         report = self.head.calibration.report()
-        out.update(spec_head_num=float(report["num"]), spec_head_log_loss=report["log_loss"],
-                   spec_head_brier=report["brier"], spec_head_ece=report["ece"])
-        for b in report["bins"]:
-            name = f"spec_head_bin{int(round(b['low'] * 10))}"
-            out[f"{name}_count"] = float(b["count"])
-            out[f"{name}_predicted"] = b["mean_predicted"]
-            out[f"{name}_observed"] = b["observed"]
-        return out
+        bins = [CalibrationBin(low=b["low"], count=float(b["count"]),
+                               mean_predicted=b["mean_predicted"], observed=b["observed"])
+                for b in report["bins"]]
+        head = HeadStats(num=float(report["num"]), log_loss=report["log_loss"],
+                         brier=report["brier"], ece=report["ece"], bins=bins)
+        step_cost_tokens, step_cost = self.step_cost.stats()
+        return msgspec.structs.replace(self.stats.stats(), head=head,
+                                       step_cost_tokens=step_cost_tokens, step_cost=step_cost)

@@ -39,8 +39,9 @@ class StepCost:
             return float(self.costs[-1] + self.slope * (num_tokens - self.num_tokens[-1]))
         return float(np.interp(num_tokens, self.num_tokens, self.costs))
 
-    def metrics(self) -> dict[str, float]:
-        return {f"spec_step_cost_{int(n)}": float(c) for n, c in zip(self.num_tokens, self.costs)}
+    def stats(self) -> tuple[list[float], list[float]]:
+        """(step sizes in tokens, the cost of each, as multiples of one token's step)."""
+        return [float(n) for n in self.num_tokens], [float(c) for c in self.costs]
 
 
 @torch.inference_mode()

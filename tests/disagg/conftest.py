@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.messages import AddRequest, RequestDelta
 from engine.sampling_params import SamplingParams
 from frontend.engine_client import EngineClient
+from frontend.metrics import worker_figures
 from frontend.router import Router
 from frontend.supervisor import Supervisor
 
@@ -113,9 +114,10 @@ class Cluster:
         return next(r for r in self.client.workers().values() if r.role == role)
 
     def stat(self, role: str, name: str) -> float:
+        """A worker's figure by its /metrics name (duplex_worker_figure), 0 before any."""
         ready = self.worker(role)
         stats = self.client.worker_stats().get(ready.worker_id)
-        return stats.extra.get(name, 0.0) if stats else 0.0
+        return worker_figures(stats).get(name, 0.0) if stats else 0.0
 
     async def close(self) -> None:
         await self.supervisor.close(grace_s=3.0)

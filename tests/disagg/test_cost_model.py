@@ -41,11 +41,12 @@ def test_fit_converges_to_the_true_coefficients():
     for got, want in zip(model.coef, TRUE):
         assert got == pytest.approx(want, rel=0.1)
     assert model.median_rel_error < 0.02
-    metrics = model.metrics()
-    assert metrics["cost_prefill_token_s"] == pytest.approx(TRUE[0], rel=0.1)
-    assert metrics["cost_num_samples"] == 300
+    stats = model.stats()
+    assert stats.prefill_token_s == pytest.approx(TRUE[0], rel=0.1)
+    assert stats.num_samples == 300
     assert CostModel.from_dict(model.to_dict()).coef.tolist() == model.coef.tolist()
-    assert CostModel.from_dict(metrics).coef.tolist() == model.coef.tolist()
+    figures = stats.figures("cost_")  # the names /metrics exports
+    assert CostModel.from_dict(figures).coef.tolist() == model.coef.tolist()
 
 
 def test_coefficients_stay_non_negative_and_unseen_features_abstain():
@@ -86,9 +87,9 @@ def test_engine_reports_its_cost_model_and_chunks_to_the_budget():
     core.add_request(request("warm", list(range(1, 60))))
     while core.has_unfinished_requests():
         core.step()
-    extra = core.stats().extra
-    assert extra["cost_num_samples"] >= 8 and extra["cost_step_s"] >= 0
-    assert "cost_median_rel_error" in extra
+    cost = core.stats().cost
+    assert cost.num_samples >= 8 and cost.step_s >= 0
+    assert cost.median_rel_error >= 0
     # the tiny model's step times are noise on a shared box: size chunks with a model of
     # known coefficients through the same hook, and check what the scheduler does with it
     model = fitted_model(noise=0.0)

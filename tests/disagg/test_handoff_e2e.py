@@ -185,7 +185,7 @@ async def test_a_worker_started_by_hand_joins_and_takes_streams(cluster, referen
         assert [tokens(d) for d in results] == list(expected.values())
         stats = cluster.client.worker_stats
         await until(lambda: stats().get("by-hand") is not None
-                    and stats()["by-hand"].extra.get("intake_continued", 0) >= 1)
+                    and stats()["by-hand"].intake.continued >= 1)
     finally:
         process.kill()
         process.wait()

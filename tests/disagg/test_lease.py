@@ -81,9 +81,9 @@ async def test_unacknowledged_handoff_ends_with_the_lease(frontend, prefill_work
         failed = await frontend.next(HandoffFailed, timeout_s=LEASE_S + 10)
         assert (failed.req_id, failed.decode_worker_id) == ("r", "d0")
         assert "lease" in failed.reason
-        stats = (await frontend.next(Heartbeat, skip_heartbeats=False)).stats.extra
-        assert stats["handoff_blocks_pinned"] == 0  # freed before the report was sent
-        assert stats["handoff_failed"] == 1 and stats["handoff_blocks_sent"] == 5
+        handoff = (await frontend.next(Heartbeat, skip_heartbeats=False)).stats.handoff
+        assert handoff.blocks_pinned == 0  # freed before the report was sent
+        assert handoff.failed == 1 and handoff.blocks_sent == 5
         cancel = (await _next_kv(door))[1]
         assert cancel.req_id == "r"  # the decode side is told to drop it
     finally:

@@ -66,10 +66,10 @@ def test_device_and_host_hits_equal_cold(default_model):
     assert generate(core, PROMPT_A, "a3") == (ref, hit(device=16, host=16))
     core.pool.evict_all_cached()
     assert generate(core, PROMPT_A, "a4") == (ref, hit(host=32))
-    extra = core.stats().extra
-    assert (extra["kv_hit_tokens_device"], extra["kv_hit_tokens_host"]) == (48, 48)
-    assert extra["kv_queried_tokens"] == 5 * 40 and extra["kv_hit_rate"] == 96 / 200
-    assert extra["kv_evictions_device"] >= 4 and extra["kv_bytes_host"] > 0
+    kv = core.stats().kv
+    assert (kv.device.hit_tokens, kv.host.hit_tokens) == (48, 48)
+    assert kv.queried_tokens == 5 * 40 and kv.hit_rate == 96 / 200
+    assert kv.device.evictions >= 4 and kv.host.bytes > 0
     core.close()
 
 
@@ -89,8 +89,8 @@ def test_restart_continues_conversation_from_disk(default_model, tmp_path):
         "a request waiting for disk reads must not hold up other work"
     gate.set_result(None)
     assert drain(core)["turn2"] == (ref, hit(disk=48))
-    extra = core.stats().extra
-    assert extra["kv_hit_tokens_disk"] == 48 and extra["kv_entries_disk"] > 0
+    kv = core.stats().kv
+    assert kv.disk.hit_tokens == 48 and kv.disk.entries > 0
     core.close()
 
 
@@ -104,7 +104,7 @@ def test_corrupt_disk_file_is_a_counted_miss(default_model, tmp_path):
 
     core = tiered_core(default_model, kv_dir=str(tmp_path), kv_host_bytes=0)
     assert generate(core, PROMPT_A, "a2") == (ref, hit(disk=8)), "stops at the damaged block"
-    assert core.stats().extra["kv_corrupt_dropped"] == 1
+    assert core.stats().kv.corrupt_dropped == 1
     core.close()
 
 
@@ -131,7 +131,7 @@ def test_agent_blocks_expire_after_three_days_chat_blocks_do_not(default_model, 
     core.tiers.clock = lambda: t0 + 3 * DAY_S + 60
     assert generate(core, PROMPT_A, "agent2")[1] == hit()
     assert generate(core, PROMPT_B, "chat2") == (ref_b, hit(disk=32))
-    assert core.stats().extra["kv_expirations"] >= 1
+    assert core.stats().kv.expirations >= 1
     core.close()
 
 

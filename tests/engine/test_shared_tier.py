@@ -77,9 +77,9 @@ def test_late_worker_hits_what_another_computed(default_model, shared_url, cold_
     tokens, by_tier = generate(late, PROMPT_A, "r2")
     assert tokens == cold_outputs["a"], "a shared hit gives the cold output"
     assert shared_hit(by_tier) == 32  # 4 full blocks of 8
-    stats = late.stats().extra
-    assert stats["kv_hit_tokens_shared"] == 32 and stats["kv_shared_on"] == 1
-    assert stats["kv_shared_hits"] == 4 and stats["kv_shared_bytes_read"] > 0
+    kv = late.stats().kv
+    assert kv.shared.hit_tokens == 32 and kv.shared_tier.on == 1
+    assert kv.shared_tier.hits == 4 and kv.shared_tier.bytes_read > 0
     first.close(), late.close()
 
 
@@ -111,11 +111,11 @@ def test_store_down_at_start_runs_cold_then_comes_on(default_model, redis_factor
                                                      cold_outputs):
     server = redis_factory(started=False)
     core = worker(default_model, server.url)
-    assert core.stats().extra["kv_shared_on"] == 0, "the tier reports itself off"
+    assert core.stats().kv.shared_tier.on == 0, "the tier reports itself off"
     assert generate(core, PROMPT_A, "r1") == (cold_outputs["a"],
                                               {"device": 0, "host": 0, "disk": 0, "shared": 0})
     server.start()
-    _until(lambda: core.stats().extra["kv_shared_on"] == 1)
+    _until(lambda: core.stats().kv.shared_tier.on == 1)
     generate(core, PROMPT_B, "r2")
     core.tiers.flush()
     other = worker(default_model, server.url)
@@ -132,7 +132,7 @@ def test_store_killed_mid_run_and_restarted(default_model, redis_factory, cold_o
     tokens, by_tier = generate(b, PROMPT_A, "r2")  # no request fails: it runs cold
     assert tokens == cold_outputs["a"] and shared_hit(by_tier) == 0
     server.start()  # empty again: the store lost everything
-    _until(lambda: b.stats().extra["kv_shared_on"] == 1)
+    _until(lambda: b.stats().kv.shared_tier.on == 1)
     generate(b, PROMPT_B, "r3")
     b.tiers.flush()
     assert shared_hit(generate(a, PROMPT_B, "r4")[1]) == 32, "hits resume"
@@ -172,7 +172,7 @@ def test_slow_store_does_not_stall_the_steps_of_other_requests(default_model, re
         core.step()
         step_s.append(time.perf_counter() - start)
     assert max(step_s) < 0.3, sorted(step_s)[-3:]
-    assert core.stats().extra["kv_shared_read_errors"] == 1  # the read was cut at the timeout
+    assert core.stats().kv.shared_tier.read_errors == 1  # the read was cut at the timeout
     core.close()
 
 

@@ -110,6 +110,12 @@ class FakeEngineClient:
                            num_kv_blocks_total=64, num_kv_blocks_used=4 * len(self.active),
                            num_prompt_tokens=100, num_cached_prompt_tokens=25)
 
+    def worker_stats(self) -> dict[str, WorkerStats]:
+        return {}  # one worker, no per-worker view (a test may set its own)
+
+    def workers(self) -> dict[str, Ready]:
+        return {self.ready_info.worker_id: self.ready_info} if self.ready_info else {}
+
     def reply_ids(self, msg: AddRequest) -> list[int]:
         text = self.reply(msg) if callable(self.reply) else self.reply
         return [b + OFFSET for b in text.encode()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.stats import KVStats, KVTierStats, MoEStats, SharedTierStats
 from frontend.openapi import ENDPOINTS
 from frontend.server import AppState, ServerOptions
 from frontend_fakes import FakeEngineClient
@@ -78,20 +79,22 @@ async def test_status(make_harness):
 
 async def test_status_per_tier_kv_and_expert_load(make_harness):
     engine = FakeEngineClient()
-    extra = {"kv_bytes_device": 4096.0, "kv_bytes_host": 2048.0, "kv_bytes_disk": 8192.0,
-             "kv_hit_tokens_device": 32.0, "kv_hit_tokens_disk": 16.0,
-             "kv_hit_tokens_shared": 48.0, "kv_shared_on": 1.0, "kv_shared_read_p50_ms": 0.4,
-             "moe_rank0_tokens": 30.0, "moe_rank1_tokens": 10.0, "moe_ep_ranks": 2.0,
-             "moe_imbalance_mean": 1.4, "moe_imbalance_max": 1.5, "moe_rebalances": 3.0}
+    shared_tier = SharedTierStats(on=1.0, read_p50_ms=0.4)
+    kv = KVStats(device=KVTierStats(bytes=4096.0, hit_tokens=32.0),
+                 host=KVTierStats(bytes=2048.0), disk=KVTierStats(bytes=8192.0, hit_tokens=16.0),
+                 shared=KVTierStats(hit_tokens=48.0), shared_tier=shared_tier)
+    moe = MoEStats(rank_tokens=[30.0, 10.0], ep_ranks=2.0, imbalance_mean=1.4,
+                   imbalance_max=1.5, rebalances=3.0)
     base = engine.stats()
-    engine.stats = lambda: msgspec.structs.replace(base, extra=extra)
+    engine.stats = lambda: msgspec.structs.replace(base, kv=kv, moe=moe)
     h = await make_harness(engine)
     status = await (await h.client.get("/v1/status")).json()
     assert status["kv_tiers"] == {"device": {"bytes": 4096.0, "hit_tokens": 32.0},
                                   "host": {"bytes": 2048.0, "hit_tokens": 0.0},
                                   "disk": {"bytes": 8192.0, "hit_tokens": 16.0},
                                   "shared": {"bytes": 0.0, "hit_tokens": 48.0, "workers": {
-                                      "worker": {"on": 1.0, "read_p50_ms": 0.4}}}}
+                                      "worker": shared_tier.figures()}}}
+    assert status["kv_tiers"]["shared"]["workers"]["worker"]["read_p50_ms"] == 0.4
     assert status["moe"] == {"ep_ranks": 2, "rank_load_tokens": [30.0, 10.0],
                              "imbalance_mean": 1.4, "imbalance_max": 1.5, "rebalances": 3}
 

@@ -60,9 +60,9 @@ def test_bonded_hit_replay_and_cold_agree(model_root, name):
     branch2 = turn2[:36] + tokens(5, 4)
     assert run_one(core, branch2) == cold(path, branch2)
     assert core.kv.accounting["r0"][:2] == (32, 0)
-    extra = core.stats().extra
-    assert extra["kv_tokens_replayed"] == acc.num_replayed
-    assert 0 < extra["kv_bytes_per_cached_token"]
+    hybrid = core.stats().kv.hybrid
+    assert hybrid.tokens_replayed == acc.num_replayed
+    assert 0 < hybrid.bytes_per_cached_token
 
 
 def test_hybrid_matches_all_layer_kv(model_root):
@@ -105,4 +105,4 @@ def test_model_without_swa_layers_keeps_one_group(tmp_path):
     core = make_core(str(tmp_path), block_size=BLOCK, num_kv_blocks=32)
     assert core.layout is None and type(core.kv) is KVCacheManager
     assert core.runner.kv.shape[0] == 2 and core.runner.swa_kv is None
-    assert "kv_tokens_replayed" not in core.stats().extra
+    assert core.stats().kv.hybrid is None

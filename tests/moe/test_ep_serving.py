@@ -20,6 +20,7 @@ import torch
 from engine.config import EngineConfig
 from engine.messages import AddRequest
 from engine.sampling_params import SamplingParams
+from engine.stats import MoEStats
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
 from frontend.router import Router
@@ -95,9 +96,9 @@ class Group:
                                                                    **fields))]
         return [t for d in deltas for t in d.new_token_ids], deltas[-1]
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> MoEStats:
         (stats,) = self.client.worker_stats().values()
-        return stats.extra
+        return stats.moe
 
 
 def _children(pid: int) -> list[int]:
@@ -114,12 +115,12 @@ async def test_two_ranks_equal_transformers_and_report_rank_load(model_path, ref
             assert tokens == reference[name], name
             assert final.finish_reason == "length"
         await asyncio.sleep(0.5)  # a heartbeat after the last step
-        extra = group.stats()
-        assert extra["moe_ep_ranks"] == 2
-        assert extra["moe_rebalances"] >= 1  # every 3 steps: placements changed mid-decode
-        loads = [extra["moe_rank0_tokens"], extra["moe_rank1_tokens"]]
-        assert min(loads) > 0 and "moe_rank2_tokens" not in extra
-        assert extra["moe_imbalance_max"] >= extra["moe_imbalance_mean"] >= 1.0
+        moe = group.stats()
+        assert moe.ep_ranks == 2
+        assert moe.rebalances >= 1  # every 3 steps: placements changed mid-decode
+        loads = moe.rank_tokens
+        assert len(loads) == 2 and min(loads) > 0
+        assert moe.imbalance_max >= moe.imbalance_mean >= 1.0
         metrics = Metrics()
         metrics.update_workers(group.client.worker_stats())
         text = metrics.render().decode()

@@ -92,8 +92,8 @@ def test_load_stats_recorded_during_forward(tiny_moe):
     num_tokens = 7 + 11 + 2 * 3  # every prompt token, then 3 decode steps (the 4th is sampled)
     assert report.expert_load.shape == (2, 8)  # layers 0 and 2 are MoE, layer 1 dense
     assert report.expert_load.sum(axis=1).tolist() == [num_tokens * 2] * 2  # top-2
-    metrics = report.metrics()
-    assert metrics["moe_imbalance_max"] == 1.0 and metrics["moe_rank0_tokens"] == 4 * num_tokens
+    moe = report.stats()
+    assert moe.imbalance_max == 1.0 and moe.rank_tokens[0] == 4 * num_tokens
 
 
 def test_mla_cache_holds_the_latent_split_over_k_and_v(tiny_moe):

@@ -133,15 +133,15 @@ def test_greedy_output_is_identical_with_speculation(target, small_draft, refere
         assert tokens[f"r{i}"] == ref_tokens[f"r{i}"], f"{method}: prompt {i} differs"
         torch.testing.assert_close(torch.tensor(logprobs[f"r{i}"]),
                                    torch.tensor(ref_logprobs[f"r{i}"]), atol=1e-3, rtol=0)
-    stats = core.stats().extra
-    assert stats["spec_num_draft_accepted"] > 0, f"{method}: no draft was ever accepted"
+    stats = core.stats().spec
+    assert stats.num_draft_accepted > 0, f"{method}: no draft was ever accepted"
     assert core.kv.num_hit_tokens["device"] > 0, "the shared prefix was a cache hit"
     for ds in deltas.values():
         for d in ds:
             assert len(d.accepted_draft_mask) in (0, len(d.new_token_ids))
             assert sum(d.accepted_draft_mask) == d.num_draft_accepted <= d.num_draft_proposed
     if method == "draft_is_target":
-        assert stats["spec_acceptance_rate"] == 1.0
+        assert stats.acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
@@ -199,9 +199,9 @@ def test_sampled_requests_run_and_report(target, small_draft):
         runs.append(dict(tokens))
     assert runs[0] == runs[1]
     assert all(len(t) == 24 for t in runs[0].values())
-    extra = core.stats().extra
-    assert extra["spec_num_draft_proposed"] > 0
-    assert 0.0 <= extra["spec_head_log_loss"] and extra["spec_head_num"] > 0
+    spec = core.stats().spec
+    assert spec.num_draft_proposed > 0
+    assert 0.0 <= spec.head.log_loss and spec.head.num > 0
 
 
 def test_speculation_is_switched_off_under_load(target):
@@ -211,10 +211,10 @@ def test_speculation_is_switched_off_under_load(target):
     core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False,
                      spec_token_cost=1.0)
     _run(core, prompts, GREEDY)
-    assert core.stats().extra["spec_num_rounds"] <= NUM_NEW // core.spec.explore_every
+    assert core.stats().spec.num_rounds <= NUM_NEW // core.spec.explore_every
     core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False)
     _run(core, prompts[:1], GREEDY)
-    assert core.stats().extra["spec_num_draft_accepted"] >= NUM_NEW // 4
+    assert core.stats().spec.num_draft_accepted >= NUM_NEW // 4
 
 
 def test_a_request_can_opt_out_of_speculation(target, reference):

@@ -43,6 +43,9 @@ class CoreEngine:
     def workers(self) -> dict:
         return {"core": self.ready_info}
 
+    def worker_stats(self) -> dict:
+        return {}
+
     async def generate(self, msg: AddRequest):
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._streams[msg.req_id] = (asyncio.get_running_loop(), queue)

@@ -7,7 +7,7 @@ from keyword arguments in-process:
     step_sleep_s   time.sleep per step (releases the GIL, like torch compute)
     load_sleep_s   time.sleep in the constructor (model load)
 A prompt containing CRASH_TOKEN makes the next step raise (the WorkerError path).
-Aborts are recorded and reported in stats().extra["num_aborted"].
+Requests added and aborted are counted in stats() (num_requests_added / _aborted).
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class FakeCore:
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or 64
+        self.model_identity = self.kv_layout = ""  # no content-addressed KV
+        self.num_threads, self.weights_label = 0, ""
+        self.layout = self.scheduler = self.runner = None  # no KV to hand over, no chunking
         self.requests: dict[str, tuple[AddRequest, int]] = {}  # req_id -> (msg, num generated)
         self.aborted_req_ids: list[str] = []
         self.num_added = 0
@@ -71,8 +74,11 @@ class FakeCore:
         return WorkerStats(num_running=len(self.requests), num_steps=self.num_steps,
                            num_kv_blocks_total=self.num_kv_blocks,
                            num_generated_tokens=self.num_generated_tokens,
-                           extra={"num_aborted": float(len(self.aborted_req_ids)),
-                                  "num_added": float(self.num_added)})
+                           num_requests_aborted=len(self.aborted_req_ids),
+                           num_requests_added=self.num_added)
+
+    def close(self) -> None:
+        self.requests.clear()
 
     def _advance(self, req_id: str) -> RequestDelta:
         msg, num_generated = self.requests[req_id]

@@ -22,11 +22,11 @@ from .test_zmq_io import PICKLED_DICT
 def fake_core_counter(client: EngineClient, name: str) -> int:
     """A FakeCore counter from the latest heartbeat (0 before the first)."""
     stats = client.stats()
-    return int(stats.extra[name]) if stats else 0
+    return getattr(stats, name) if stats else 0
 
 
 def num_aborted(client: EngineClient) -> int:
-    return fake_core_counter(client, "num_aborted")
+    return fake_core_counter(client, "num_requests_aborted")
 
 
 def finals(deltas):
@@ -43,7 +43,7 @@ async def test_requests_stream_in_order_and_many_run_concurrently(start_engine):
         assert finals(deltas) == [("length", "")]
         assert all(d.req_id == req_id for d in deltas)
     assert engine.client.num_in_flight == 0
-    await until(lambda: fake_core_counter(engine.client, "num_added") == 41)  # + warm-up
+    await until(lambda: fake_core_counter(engine.client, "num_requests_added") == 41)  # + warm-up
 
 
 async def test_invalid_request_ends_with_one_error_delta(start_engine):

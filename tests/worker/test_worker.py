@@ -75,7 +75,7 @@ async def test_handshake_ready_after_warm_up_then_heartbeats(raw_frontend):
     assert ready == Ready("w0", "unified", "fake", 256, 16, 64, pid=os.getpid())
     assert harness.core.num_steps == 1 and not harness.core.requests  # warm-up ran, is gone
     heartbeat = await raw_frontend.next(Heartbeat, skip_heartbeats=False)
-    assert heartbeat.worker_id == "w0" and heartbeat.stats.extra["num_rejected_frames"] == 0
+    assert heartbeat.worker_id == "w0" and heartbeat.stats.num_rejected_frames == 0
     harness.task.cancel()
 
 
@@ -226,7 +226,7 @@ async def test_worker_process_survives_hostile_frames_and_idles_without_spinning
     await asyncio.sleep(1.0)  # idle: the worker must wait, not spin
     heartbeat = await raw_frontend.next(Heartbeat, skip_heartbeats=False)
     assert _cpu_seconds(worker_process.pid) - cpu_before < 0.25
-    assert heartbeat.stats.extra["num_rejected_frames"] == len(hostile)
+    assert heartbeat.stats.num_rejected_frames == len(hostile)
     assert worker_process.poll() is None
     worker_process.terminate()
     _, log = worker_process.communicate(timeout=10)

@@ -1,4 +1,5 @@
-"""Time each triton kernel against torch eager on CUDA: `python -m kernels.bench`.
+"""Time each triton kernel against torch eager on CUDA: `duplex bench kernels`
+(or `python -m bench.kernels`).
 
 Not for CPU: the interpreter says nothing about speed. Returns (and prints) a dict
 `{kernel: {"triton_ms": ..., "torch_ms": ..., "speedup": ...}}` over SmolLM2-ish and
@@ -12,7 +13,7 @@ from kernels import attention, kv_store, matmul, rms_norm, rotary
 
 
 def bench_all(dtype: torch.dtype = torch.bfloat16) -> dict:
-    assert torch.cuda.is_available(), "kernels.bench times CUDA kernels; no CUDA device here"
+    assert torch.cuda.is_available(), "bench.kernels times CUDA kernels; no CUDA device here"
     cases = {
         "store_kv": _store_kv_case(dtype),
         "rms_norm_residual": _rms_norm_case(dtype),
@@ -90,5 +91,19 @@ def _attention_case(dtype, seqs, num_heads=32, num_kv_heads=8, head_dim=128, blo
             lambda: attention.paged_attention_ref(*args))
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        default="bfloat16", help="dtype of every kernel's inputs")
+
+
+def run(args) -> int:
+    print(json.dumps(bench_all(getattr(torch, args.dtype)), indent=2))
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(bench_all(), indent=2))
+    import argparse
+
+    _parser = argparse.ArgumentParser(prog="python -m bench.kernels")
+    add_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))

@@ -1,6 +1,6 @@
 """Micro-benchmark: time to first token of one long prompt, cold vs a prefix hit in each tier.
 
-    python -m engine.kv_tiers_bench [--num-tokens 2000] [--model PATH]
+    python -m bench.kv_tiers [--num-tokens 2000] [--model PATH]   (or `duplex bench kv --part ttft`)
 
 Runs, in one KV directory: cold (computes and writes every block behind to disk), device hit
 (the same prompt again), host hit (device blocks evicted into host RAM first), and disk hit
@@ -108,7 +108,7 @@ def _drop_page_cache(root: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.kv_tiers_bench",
+    parser = argparse.ArgumentParser(prog="python -m bench.kv_tiers",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--num-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
