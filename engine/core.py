@@ -231,7 +231,7 @@ class EngineCore:
     def _update(self, sched: SchedulerOutput, sampled: dict[str, _Sampled]) -> list[RequestDelta]:
         deltas = []
         for req, num_new in sched.scheduled:
-            req.num_computed_tokens += num_new
+            req.advance(num_new)
             self._counters["computed"] += min(num_new, max(0, req.num_prompt_tokens -
                                                            (req.num_computed_tokens - num_new)))
             out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
@@ -255,8 +255,7 @@ class EngineCore:
             num += 1
             finished = req.check_stop(self.max_model_len) or self._grammar_ended(req)
         mask = [i < out.num_accepted for i in range(num)]
-        req.num_draft_proposed += out.num_proposed
-        req.num_draft_accepted += sum(mask)
+        req.record_drafts(out.num_proposed, sum(mask))
         self._counters["generated"] += num
         error = "the grammar rejected a token" if finished and req.finish_reason == "error" \
             else ""
@@ -268,8 +267,7 @@ class EngineCore:
     def _drop_rejected(self, req: Request) -> None:
         """After verification: the KV of rejected drafts is no longer computed (their slots
         are overwritten later), and blocks that held only those slots are freed."""
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        req.spec_token_ids = []
+        req.rollback()
         self.kv.trim(req)
 
     def _grammar_ended(self, req: Request) -> bool:

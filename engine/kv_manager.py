@@ -107,9 +107,7 @@ class KVCacheManager:
         for tier, num in by_tier.items():
             self.num_hit_tokens[tier] += num
         self.num_queried_tokens += req.num_tokens
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = sum(by_tier.values())
-            req.cached_tokens_by_tier = by_tier
+        req.record_cached(by_tier)
         if self.tiers is not None:
             self.tiers.forget(req.req_id)
 
@@ -145,7 +143,7 @@ class KVCacheManager:
             self._load(req, len(hit_block_ids), loaded)
         if hit_block_ids or loaded:
             req.num_published_blocks = len(hit_block_ids) + len(loaded)
-            req.num_computed_tokens = req.num_published_blocks * self.block_size
+            req.restore_prefix(req.num_published_blocks * self.block_size)
         return True
 
     def _load(self, req: Request, start: int, loaded: list[TierHit]) -> None:
