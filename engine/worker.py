@@ -174,10 +174,11 @@ class Worker:
             self.role = "unified"  # what Ready announces, so the router plans with it
             return
         if self.role == "prefill":
-            self._sender = KVSender(core, self._ctx, self.worker_id, wakeup=self._wakeup.set,
+            self._sender = KVSender(core.kv.handoff, core.runner.kv, core.max_model_len,
+                                    self._ctx, self.worker_id, wakeup=self._wakeup.set,
                                     lease_s=self._lease_s, keys=self._keys)
         elif self.role == "decode":
-            self._intake = KVIntake(core, self._ctx, self._kv_bind,
+            self._intake = KVIntake(core.kv.handoff, core.runner.kv, self._ctx, self._kv_bind,
                                     deliver=self._deliver_handed_over,
                                     is_live=self._live_req_ids.__contains__, keys=self._keys)
 
