@@ -140,7 +140,7 @@ class EngineCore:
             max_tokens = min(max_tokens, msg.params.max_tokens)
         req = Request(msg.req_id, msg.prompt_token_ids, msg.params, self.eos_token_ids,
                       arrival_time=msg.arrival_time or None, cache_salt=msg.cache_salt,
-                      retention=msg.retention, deadline=msg.deadline, max_tokens=max_tokens)
+                      retention=msg.retention, max_tokens=max_tokens)  # deadline: the worker's
         for token_id in msg.output_token_ids:  # generated elsewhere: continue after them
             req.append_output(token_id)
         self.requests[req.req_id] = req
@@ -151,7 +151,9 @@ class EngineCore:
         self.scheduler.add(req)
         self.kv.start_loads(req)
 
-    def abort_requests(self, req_ids: list[str]) -> None:
+    def abort_requests(self, req_ids: list[str], error: str = "") -> None:
+        """End these requests (unknown ids are skipped); each one's final delta, finish
+        "abort" with `error` (why: engine.deadlines, a shutdown), leads the next step's."""
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is None:
@@ -160,7 +162,14 @@ class EngineCore:
             self.scheduler.remove(req)
             if self.spec is not None:
                 self.spec.free(req)
-            self._pending_deltas.append(self._delta(req, [], [], "abort"))
+            self._pending_deltas.append(self._delta(req, [], [], "abort", error=error))
+
+    def has_request(self, req_id: str) -> bool:
+        """Whether req_id runs here (added, neither finished nor aborted yet)."""
+        return req_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._pending_deltas) or \
@@ -175,7 +184,6 @@ class EngineCore:
 
     def _step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
-        self._expire_deadlines(deltas)
         self._admit_compiled(deltas)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
@@ -302,13 +310,6 @@ class EngineCore:
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
         self._counters["cached"] += max(0, req.num_cached_tokens)
-
-    def _expire_deadlines(self, deltas: list[RequestDelta]) -> None:
-        now = time.time()
-        for req in [r for r in self.requests.values() if r.deadline and r.deadline < now]:
-            req.finish_reason = "abort"
-            self._finish(req)
-            deltas.append(self._delta(req, [], [], "abort", error="request timed out"))
 
     def _delta(self, req: Request, token_ids, logprobs, finish_reason, error="",
                **spec) -> RequestDelta:

@@ -34,8 +34,7 @@ class Status(enum.Enum):
 class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), *, arrival_time: float | None = None,
-                 cache_salt: str = "", retention: str = "chat", deadline: float = 0.0,
-                 max_tokens: int = 1) -> None:
+                 cache_salt: str = "", retention: str = "chat", max_tokens: int = 1) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -45,7 +44,6 @@ class Request:
         self.scheduled_time: float | None = None  # when it was first scheduled (queue time)
         self.cache_salt = cache_salt
         self.retention = retention
-        self.deadline = deadline
         self.max_tokens = max_tokens  # params.max_tokens clipped to the context length
         self.status = Status.WAITING
         self.num_computed_tokens = 0
