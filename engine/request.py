@@ -6,7 +6,7 @@ hits and preemption-by-recompute are all that one counter moving.
 
 The counters move only through the transitions below (tests/test_ownership.py checks that
 no other module assigns them): `advance` after a step computed tokens, `restore_prefix`
-for a prefix-cache or tier hit, `set_drafts` / `keep_drafts` / `take_drafts` for
+for a prefix-cache or tier hit, `set_drafts` / `keep_drafts` for
 speculation's draft tokens, `rollback` when verification rejected drafts, `preempt` when
 the scheduler takes the request's KV away, `start_running` / `finish` for the status.
 
@@ -97,10 +97,6 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == Status.FINISHED
-
-    @property
     def is_decoding(self) -> bool:
         """Every token but the last has KV: the next step computes one token (plus drafts)."""
         return self.num_computed_tokens >= self.num_tokens - 1
@@ -126,11 +122,6 @@ class Request:
     def keep_drafts(self, num: int) -> None:
         """Keep only the first num drafts (the step's budget or a grammar cut the rest)."""
         del self.spec_token_ids[max(0, num):]
-
-    def take_drafts(self) -> list[int]:
-        """The drafts, now no longer the request's (stale ones of an unverified step)."""
-        drafts, self.spec_token_ids = self.spec_token_ids, []
-        return drafts
 
     def rollback(self) -> int:
         """After verification appended the accepted drafts and one token: the KV of the

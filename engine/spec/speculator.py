@@ -177,7 +177,7 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> None:
         self.pending.clear()
         for req in running:  # drafts a budget-starved step never verified are stale
-            req.take_drafts()
+            req.set_drafts([])
         decoding = [r for r in running if r.is_decoding]
         limits = [self._max_drafts(r) for r in decoding]
         if not any(limits):
