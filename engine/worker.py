@@ -206,6 +206,7 @@ class Worker:
                 return
             self._core.step()
         self._core.abort_requests([req.req_id])
+        self._core.step()  # takes the abort's final delta: no stream waits for it
 
     async def _serve_with_background_tasks(self) -> None:
         async with asyncio.TaskGroup() as group:
