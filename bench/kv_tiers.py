@@ -66,14 +66,14 @@ def _started(core_factory, config_fields: dict, warm_up_tokens: int = 64):
 
 
 def _evicted_ttft(core, prompt: list[int], req_id: str):
-    core.pool.evict_all_cached()  # every cached device block goes to host RAM
+    core.kv.drop_cached()  # every cached device block goes to host RAM
     return _ttft(core, prompt, req_id)
 
 
 def _disk_ttft(core, kv_dir: str, prompt: list[int], req_id: str):
     """With no host tier, evicted device blocks live only on disk; their files are also
     dropped from the page cache, so the reads reach the disk itself."""
-    core.pool.evict_all_cached()
+    core.kv.drop_cached()
     _drop_page_cache(kv_dir)
     return _ttft(core, prompt, req_id)
 

@@ -135,7 +135,7 @@ def token_cost(llm, num_tokens: int = 32, repeats: int = 7) -> float:
     for n in (1, num_tokens):
         req = Request("cost", list(range(1, 129 + num_tokens)), SamplingParams())
         req.block_ids = list(range(-(-req.num_tokens // core.block_size)))
-        req.num_computed_tokens = req.num_tokens - n
+        req.advance(req.num_tokens - n)
         inputs = core.runner.prepare([ScheduledRequest(req, n)])
         runs = []
         for _ in range(repeats):

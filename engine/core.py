@@ -142,7 +142,7 @@ class EngineCore:
             max_tokens = min(max_tokens, msg.params.max_tokens)
         req = Request(msg.req_id, msg.prompt_token_ids, msg.params, self.eos_token_ids,
                       arrival_time=msg.arrival_time or None, cache_salt=msg.cache_salt,
-                      retention=msg.retention, deadline=msg.deadline, max_tokens=max_tokens)
+                      retention=msg.retention, max_tokens=max_tokens)  # deadline: the worker's
         for token_id in msg.output_token_ids:  # generated elsewhere: continue after them
             req.append_output(token_id)
         self.requests[req.req_id] = req
@@ -154,7 +154,9 @@ class EngineCore:
         self.scheduler.add(req)
         self.kv.start_loads(req)
 
-    def abort_requests(self, req_ids: list[str]) -> None:
+    def abort_requests(self, req_ids: list[str], error: str = "") -> None:
+        """End these requests (unknown ids are skipped); each one's final delta, finish
+        "abort" with `error` (why: engine.deadlines, a shutdown), leads the next step's."""
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is None:
@@ -164,7 +166,14 @@ class EngineCore:
             self.scheduler.remove(req)
             if self.spec is not None:
                 self.spec.free(req)
-            self._pending_deltas.append(self._delta(req, [], [], "abort"))
+            self._pending_deltas.append(self._delta(req, [], [], "abort", error=error))
+
+    def has_request(self, req_id: str) -> bool:
+        """Whether req_id runs here (added, neither finished nor aborted yet)."""
+        return req_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._pending_deltas) or \
@@ -179,7 +188,6 @@ class EngineCore:
 
     def _step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
-        self._expire_deadlines(deltas)
         self._admit_compiled(deltas)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
@@ -235,7 +243,7 @@ class EngineCore:
     def _update(self, sched: SchedulerOutput, sampled: dict[str, _Sampled]) -> list[RequestDelta]:
         deltas = []
         for req, num_new in sched.scheduled:
-            req.num_computed_tokens += num_new
+            req.advance(num_new)
             self._counters["computed"] += min(num_new, max(0, req.num_prompt_tokens -
                                                            (req.num_computed_tokens - num_new)))
             out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
@@ -259,8 +267,7 @@ class EngineCore:
             num += 1
             finished = req.check_stop(self.max_model_len) or self._grammar_ended(req)
         mask = [i < out.num_accepted for i in range(num)]
-        req.num_draft_proposed += out.num_proposed
-        req.num_draft_accepted += sum(mask)
+        req.record_drafts(out.num_proposed, sum(mask))
         self._counters["generated"] += num
         error = "the grammar rejected a token" if finished and req.finish_reason == "error" \
             else ""
@@ -272,8 +279,7 @@ class EngineCore:
     def _drop_rejected(self, req: Request) -> None:
         """After verification: the KV of rejected drafts is no longer computed (their slots
         are overwritten later), and blocks that held only those slots are freed."""
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        req.spec_token_ids = []
+        req.rollback()
         self.kv.trim(req)
 
     def _grammar_ended(self, req: Request) -> bool:
@@ -308,13 +314,6 @@ class EngineCore:
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
         self._counters["cached"] += max(0, req.num_cached_tokens)
-
-    def _expire_deadlines(self, deltas: list[RequestDelta]) -> None:
-        now = time.time()
-        for req in [r for r in self.requests.values() if r.deadline and r.deadline < now]:
-            req.finish_reason = "abort"
-            self._finish(req)
-            deltas.append(self._delta(req, [], [], "abort", error="request timed out"))
 
     def _delta(self, req: Request, token_ids, logprobs, finish_reason, error="",
                **spec) -> RequestDelta:

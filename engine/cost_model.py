@@ -56,7 +56,7 @@ def step_features(scheduled: Sequence) -> StepFeatures:
     for req, num_new in scheduled:
         start = req.num_computed_tokens
         pairs += attended_pairs(start, num_new)
-        if start >= req.num_tokens - 1:
+        if req.is_decoding:
             num_decode += 1
             num_prefill += num_new - 1
         else:

@@ -195,9 +195,15 @@ class LeaderCore:
         self._core.add_request(msg)  # raises (and queues nothing) if the request is invalid
         self._ops.append(msg)
 
-    def abort_requests(self, req_ids: list[str]) -> None:
-        self._core.abort_requests(req_ids)
+    def abort_requests(self, req_ids: list[str], error: str = "") -> None:
+        self._core.abort_requests(req_ids, error)  # followers: no error (not in the digest)
         self._ops.append(AbortRequests(list(req_ids)))
+
+    def has_request(self, req_id: str) -> bool:
+        return self._core.has_request(req_id)
+
+    def request_ids(self) -> list[str]:
+        return self._core.request_ids()
 
     def has_unfinished_requests(self) -> bool:
         return self._core.has_unfinished_requests()

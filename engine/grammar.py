@@ -318,7 +318,7 @@ class Grammars:
                 num_ok += 1
             if num_ok:
                 matcher.rollback(num_ok)
-            del req.spec_token_ids[num_ok:]
+            req.keep_drafts(num_ok)
 
     def draft_masks(self, req) -> torch.Tensor:
         """Allowed tokens [k + 1, vocab] bool of a constrained request's verification rows:

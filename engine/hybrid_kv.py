@@ -210,8 +210,7 @@ class HybridKVCacheManager(KVCacheManager):
     def _restore(self, req: Request, num_hit: int, plan: RestorePlan, bond: Bond | None) -> None:
         """After the base class took the full-group hit: start at plan.start, with the
         bond's window in the SWA table; positions below num_hit only rebuild SWA KV."""
-        req.num_computed_tokens = plan.start
-        req.replay_end = num_hit
+        req.restore_prefix(plan.start, replay_end=num_hit)
         req.swa_block_ids = []
         if bond is not None:
             self.bonds.move_to_end(plan.bond_key)
@@ -299,8 +298,7 @@ class HybridKVCacheManager(KVCacheManager):
             self._drop_bond(old)
         self.swa_pool.free(reversed([b for b in req.swa_block_ids if b != self.null]))
         req.swa_block_ids = []
-        req.replay_end = 0
-        super().free(req)
+        super().free(req)  # a preempted request's replay_end is reset by Request.preempt
 
     # ------------------------------------------------------------------ metrics
     def num_swa_blocks_held(self, req: Request) -> int:

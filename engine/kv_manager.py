@@ -13,7 +13,7 @@ only the rest is computed:
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from engine.block_pool import BlockPool
 from engine.kv_tiers import DEVICE, TIERS, TierHit, TierLink
@@ -36,6 +36,7 @@ class KVCacheManager:
         self.tiers = tiers if enable_prefix_caching else None
         self.num_hit_tokens = dict.fromkeys(TIERS, 0)  # prompt tokens served, per tier
         self.num_queried_tokens = 0
+        self.handoff = KVHandoff(pool, self.tiers, namespace, block_size)
 
     # ------------------------------------------------------------------ prefix cache
     def update_keys(self, req: Request, num_tokens: int) -> None:
@@ -108,9 +109,7 @@ class KVCacheManager:
         for tier, num in by_tier.items():
             self.num_hit_tokens[tier] += num
         self.num_queried_tokens += req.num_tokens
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = sum(by_tier.values())
-            req.cached_tokens_by_tier = by_tier
+        req.record_cached(by_tier)
         if self.tiers is not None:
             self.tiers.forget(req.req_id)
 
@@ -146,7 +145,7 @@ class KVCacheManager:
             self._load(req, len(hit_block_ids), loaded)
         if hit_block_ids or loaded:
             req.num_published_blocks = len(hit_block_ids) + len(loaded)
-            req.num_computed_tokens = req.num_published_blocks * self.block_size
+            req.restore_prefix(req.num_published_blocks * self.block_size)
         return True
 
     def _load(self, req: Request, start: int, loaded: list[TierHit]) -> None:
@@ -187,5 +186,75 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.forget(req.req_id)
 
+    def drop_cached(self) -> int:
+        """Forget every cached, unreferenced device block (each goes to the tiers below, as
+        an eviction would send it); returns how many. A benchmark's way to measure them."""
+        return self.pool.evict_all_cached()
+
     def slot(self, req: Request, position: int) -> int:
         return req.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+
+class KVLease(NamedTuple):
+    """Device blocks pinned for someone other than a request (a hand-off in flight): they
+    are neither reused nor evicted until `KVHandoff.release`. block_ids[i] holds the
+    content of the i-th key the lease was taken on."""
+    block_ids: list[int]
+
+
+class KVHandoff:
+    """The KV cache as the prefill/decode hand-off sees it (engine.kv_transfer): content
+    keys in, block ids and leases out. Requests, reference counts and the tiers' expiry
+    stay with their owners; this is the only way the hand-off touches blocks.
+
+    Contract: block ids from `computed_prefix` are valid until the next step; those of a
+    lease until it is released (exactly once)."""
+
+    def __init__(self, pool: BlockPool, tiers: TierLink | None,
+                 namespace: Callable[[str], bytes], block_size: int) -> None:
+        self._pool = pool
+        self._tiers = tiers
+        self._namespace = namespace
+        self.block_size = block_size
+
+    def block_keys(self, cache_salt: str, token_ids: list[int]) -> list[bytes]:
+        """Content keys of the full blocks of token_ids in the tenant's namespace."""
+        return kvkeys.block_keys(self._namespace(cache_salt), token_ids, self.block_size)
+
+    def computed_prefix(self, keys: list[bytes]) -> list[int]:
+        """Device blocks holding the leading keys whose KV is complete (published) now."""
+        block_ids = []
+        for key in keys:
+            block_id = self._pool.lookup(key)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def lease(self, keys: list[bytes]) -> KVLease:
+        """Pin the device blocks of the leading keys cached now (up to the first miss)."""
+        block_ids = self.computed_prefix(keys)
+        self._pool.touch(block_ids)
+        return KVLease(block_ids)
+
+    def release(self, lease: KVLease) -> None:
+        """Unpin a lease's blocks, deepest first (they stay cached until evicted)."""
+        self._pool.free(reversed(lease.block_ids))
+
+    @property
+    def can_receive(self) -> bool:
+        """Whether blocks from elsewhere can be stored here (a host tier exists)."""
+        return self._tiers is not None and self._tiers.can_store
+
+    def num_held(self, keys: list[bytes]) -> int:
+        """Leading blocks of keys already here: on the device, then in the tiers."""
+        num_device = len(self.computed_prefix(keys))
+        if self._tiers is None:
+            return num_device
+        return num_device + self._tiers.num_stored(keys[num_device:])
+
+    def store(self, key: bytes, payload, retention: str) -> None:
+        """Keep a received block (raw bytes of this layout) in the host tier, expiring as
+        its retention class says; later requests find it as a tier hit."""
+        assert self.can_receive, "store needs a host tier (check can_receive first)"
+        self._tiers.store(key, payload, retention)

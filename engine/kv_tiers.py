@@ -292,12 +292,34 @@ class TierLink:
 
     def on_publish(self, block_id: int, key: bytes, retention: str) -> None:
         """A freshly computed block became addressable: stamp its expiry, write it to disk."""
-        self.expires_at[block_id] = self.tiers.expiry(retention)
+        self.expires_at[block_id] = self._expiry(retention)
         if self.tiers.has_disk or self.tiers.has_shared:
             self.tiers.write_behind(key, self.codec.save(block_id, self.expires_at[block_id]))
 
+    def store(self, key: bytes, payload, retention: str) -> None:
+        """Keep a block that arrived from elsewhere (a prefill worker's hand-off) in host
+        RAM, stamped with the expiry of its retention class. payload: the raw bytes of one
+        block of this pool's layout (the caller checked its size); the tiers own it now."""
+        codec = self.codec
+        self.tiers.put(key, BlockEntry(payload, codec.dtype, codec.shape, codec.block_size,
+                                       self._expiry(retention)))
+
+    def num_stored(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of `keys` the host, disk or shared tiers hold."""
+        return len(self.tiers.lookup(keys))
+
+    @property
+    def can_store(self) -> bool:
+        """Whether `store` has a host tier to keep blocks in."""
+        return self.tiers.has_host
+
     def is_live(self, block_id: int) -> bool:
         return self.tiers.clock() < self.expires_at[block_id]
+
+    def _expiry(self, retention: str) -> float:
+        """The one place a stored block's expiry is computed (kvstore.retention's policy
+        at the tiers' clock)."""
+        return self.tiers.expiry(retention)
 
     # ------------------------------------------------------------------ up
     def start_load(self, req_id: str, keys: list[bytes]) -> None:

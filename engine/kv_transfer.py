@@ -19,10 +19,13 @@ One request, P = prefill worker, D = its decode worker (named by the router in A
                                                                      as prefix hits (the tier
                                                                      load path, no other copy)
 Ownership: from the first token until KvAck, KvReject or the lease ends (`lease_s`), P holds
-a reference on the prompt's blocks (by key, through the block pool). Blocks are copied out at
+a `KVLease` on the prompt's blocks (by key, from the KV manager's `KVHandoff`). Blocks are copied out at
 send time (one gather per group), so P never sends memory a later step could overwrite. On
 anything but KvAck, P cancels at D, frees the blocks and sends HandoffFailed to the frontend,
 whose policy recomputes the request on a decode worker or fails it.
+
+Both sides see the KV cache only through `engine.kv_manager.KVHandoff` (keys, leases, the
+host tier) and read the runner's KV tensor; requests and reference counts stay the core's.
 
 Only full blocks have keys, so D computes the prompt's last partial block and the first token
 again (< block_size + 1 tokens). Everything D receives is validated against its own layout
@@ -45,9 +48,8 @@ import zmq.asyncio
 from engine.messages import (AddRequest, BadFrame, HandoffFailed, KvAck, KvBlocks, KvCancel,
                              KvDone, KvNeed, KvOffer, KvReject, RequestDelta)
 from engine.curve import CurveKeys
+from engine.kv_manager import KVHandoff, KVLease
 from engine.zmq_io import Channel, kv_client_channel, kv_server_channel
-from kvstore import keys as kvkeys
-from kvstore.entry import BlockEntry
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ class _Outgoing:
         self.need: list[int] | None = None  # block indices D asked for; None: no answer yet
         self.num_sent = 0  # need[:num_sent] are sent
         self.first_token_ids: list[int] | None = None  # set when the core is done with it
-        self.pinned: list[int] = []  # block ids held for D, index-aligned with keys
+        self.lease = KVLease([])  # blocks held for D, index-aligned with keys
         self.is_done_sent = False
         self.lease_until = math.inf
         self.outcome: str | None = None  # "acked" or why it failed; settled between steps
@@ -132,16 +134,18 @@ class KVSender:
     """Prefill side. The worker calls `start` on admission, `after_step` right after each step
     (same thread, before the next), `pump` between steps, `cancel` on aborts."""
 
-    def __init__(self, core, ctx: zmq.asyncio.Context, worker_id: str, *,
-                 wakeup: Callable[[], None], lease_s: float = LEASE_S,
+    def __init__(self, kv: KVHandoff, kv_cache, max_model_len: int, ctx: zmq.asyncio.Context,
+                 worker_id: str, *, wakeup: Callable[[], None], lease_s: float = LEASE_S,
                  keys: CurveKeys | None = None) -> None:
-        self._core = core
+        self._kv = kv
+        self._kv_cache = kv_cache  # the runner's [layers, 2, blocks, slot, kv_head, head_dim]
+        self._max_model_len = max_model_len
         self._ctx = ctx
         self._keys = keys  # CURVE keys of the deployment (engine.curve), None: plain
         self._worker_id = worker_id
         self._wakeup = wakeup
         self._lease_s = lease_s
-        self._layout = BlockLayout.of(core.runner.kv)
+        self._layout = BlockLayout.of(kv_cache)
         self._outgoing: dict[str, _Outgoing] = {}
         # req_id -> max tokens of the whole request, until its first token has passed: that
         # token is never final for the frontend, even when the hand-off failed already
@@ -156,14 +160,13 @@ class KVSender:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(h.pinned) for h in self._outgoing.values())
+        return sum(len(h.lease.block_ids) for h in self._outgoing.values())
 
     # ------------------------------------------------------------------ the worker's hooks
     def start(self, msg: AddRequest) -> None:
         """`msg` (the whole request) was admitted to the core as `prefill_part(msg)`."""
-        keys = kvkeys.block_keys(self._core.kv.namespace(msg.cache_salt), msg.prompt_token_ids,
-                                 self._layout.block_size)
-        room = self._core.max_model_len - len(msg.prompt_token_ids)
+        keys = self._kv.block_keys(msg.cache_salt, msg.prompt_token_ids)
+        room = self._max_model_len - len(msg.prompt_token_ids)
         self._outgoing[msg.req_id] = _Outgoing(msg, keys)
         self._continuing[msg.req_id] = _max_tokens(msg, room)
         self.counters["handoffs"] += 1
@@ -199,8 +202,7 @@ class KVSender:
             h = self._outgoing.get(req_id)
             if h is not None and h.outcome is None:
                 h.outcome = "aborted"
-                self._core.pool.free(reversed(h.pinned))  # between steps, like every call
-                h.pinned = []
+                self._release(h)  # between steps, like every call
 
     async def pump(self) -> list[HandoffFailed]:
         """Between steps: offers, blocks whose chunk completed, KvDone, settled hand-offs;
@@ -228,14 +230,9 @@ class KVSender:
 
     # ------------------------------------------------------------------ one hand-off
     def _hold(self, h: _Outgoing, token_ids: list[int]) -> None:
-        """The core is done with the request: reference its prompt blocks by key."""
-        pool = self._core.pool
-        for key in h.keys:
-            block_id = pool.lookup(key)
-            if block_id is None:
-                break  # not cached (evicted): D computes it and what follows
-            pool.touch([block_id])
-            h.pinned.append(block_id)
+        """The core is done with the request: lease its prompt blocks by key (up to the
+        first one no longer cached: D computes it and what follows)."""
+        h.lease = self._kv.lease(h.keys)
         h.first_token_ids = list(token_ids)
         h.lease_until = time.monotonic() + self._lease_s
 
@@ -263,19 +260,15 @@ class KVSender:
             h.is_done_sent = True
 
     def _available_blocks(self, h: _Outgoing) -> list[int]:
-        """Block ids of the leading prompt blocks whose KV is complete now."""
+        """Block ids of the leading prompt blocks whose KV is complete now (the core
+        publishes each full block as its chunk completes)."""
         if h.first_token_ids is not None:
-            return h.pinned
-        req = self._core.requests.get(h.msg.req_id)
-        if req is None:
-            return []
-        num_full = min(req.num_computed_tokens // self._layout.block_size, len(h.keys),
-                       len(req.block_ids))
-        return req.block_ids[:num_full]
+            return h.lease.block_ids
+        return self._kv.computed_prefix(h.keys)
 
     async def _send_blocks(self, link: _Link, h: _Outgoing, indices: list[int],
                            block_ids: list[int]) -> None:
-        frames = export_blocks(self._core.runner.kv, [block_ids[i] for i in indices])
+        frames = export_blocks(self._kv_cache, [block_ids[i] for i in indices])
         layout = self._layout
         header = KvBlocks(h.msg.req_id, indices, [h.keys[i] for i in indices], layout.dtype,
                           list(layout.shape), layout.block_size)
@@ -286,8 +279,7 @@ class KVSender:
     async def _settle(self, h: _Outgoing) -> HandoffFailed | None:
         """Free the held blocks and forget the hand-off; a failure becomes a report."""
         del self._outgoing[h.msg.req_id]
-        self._core.pool.free(reversed(h.pinned))
-        h.pinned = []
+        self._release(h)
         if h.outcome == "acked":
             self.counters["acked"] += 1
             return None
@@ -306,6 +298,10 @@ class KVSender:
         log.warning("hand-off of %s to %s failed: %s", h.msg.req_id, h.msg.handoff_to,
                     h.outcome)
         return HandoffFailed(self._worker_id, h.msg.req_id, h.msg.handoff_to, h.outcome)
+
+    def _release(self, h: _Outgoing) -> None:
+        self._kv.release(h.lease)
+        h.lease = KVLease([])
 
     # ------------------------------------------------------------------ links
     def _link(self, address: str) -> _Link:
@@ -367,13 +363,13 @@ class KVIntake:
     """Decode side: binds the KV door, validates and stores blocks, and hands a completed
     request to the worker through `deliver`; the worker calls `accepted` once it runs it."""
 
-    def __init__(self, core, ctx: zmq.asyncio.Context, address: str, *,
+    def __init__(self, kv: KVHandoff, kv_cache, ctx: zmq.asyncio.Context, address: str, *,
                  deliver: Callable[[AddRequest], None],
                  is_live: Callable[[str], bool], keys: CurveKeys | None = None) -> None:
-        self._core = core
+        self._kv = kv
         self._deliver = deliver
         self._is_live = is_live
-        self._layout = BlockLayout.of(core.runner.kv)
+        self._layout = BlockLayout.of(kv_cache)
         self._channel = kv_server_channel(ctx, address, max_raw_frames=MAX_BLOCKS_PER_MESSAGE,
                                           keys=keys)
         self.address = self._channel.address
@@ -461,7 +457,7 @@ class KVIntake:
             log.info("refused KV offer of %s from %r: %s", req_id, peer, error)
             return KvReject(req_id, error)
         self._incoming[req_id] = _Incoming(peer, offer, offer.keys)
-        return KvNeed(req_id, list(range(self._num_held(offer.keys), len(offer.keys))))
+        return KvNeed(req_id, list(range(self._kv.num_held(offer.keys), len(offer.keys))))
 
     def _offer_error(self, offer: KvOffer) -> str | None:
         req = offer.request
@@ -475,26 +471,15 @@ class KVIntake:
         if (offer.dtype, tuple(offer.block_shape)) != self._layout[:2]:
             return (f"KV layout {offer.dtype}{offer.block_shape} differs from "
                     f"{self._layout.dtype}{list(self._layout.shape)}")
-        tiers = self._core.tiers
-        if tiers is None or not tiers.has_host:
+        if not self._kv.can_receive:
             return "no host KV tier to receive blocks"
         try:
-            ns = self._core.kv.namespace(req.cache_salt)
-            keys = kvkeys.block_keys(ns, req.prompt_token_ids, self._layout.block_size)
+            keys = self._kv.block_keys(req.cache_salt, req.prompt_token_ids)
         except (ValueError, TypeError) as e:
             return f"bad request: {e}"
         if keys != offer.keys:
             return "block keys differ (another model, dtype or tenant namespace)"
         return None
-
-    def _num_held(self, keys: list[bytes]) -> int:
-        """Leading blocks already here: on the device, then in the host or disk tier."""
-        num_device = 0
-        for key in keys:
-            if self._core.pool.lookup(key) is None:
-                break
-            num_device += 1
-        return num_device + len(self._core.tiers.lookup(keys[num_device:]))
 
     def _on_blocks(self, header: KvBlocks, frames: list[zmq.Frame], inc: _Incoming) -> None:
         layout = self._layout
@@ -511,11 +496,9 @@ class KVIntake:
             if len(frame) != layout.nbytes:
                 raise BadFrame(f"KvBlocks: frame of {len(frame)} bytes, a block has "
                                f"{layout.nbytes}")
-        tiers = self._core.tiers
-        expires_at = tiers.expiry(inc.offer.request.retention)
+        retention = inc.offer.request.retention
         for key, frame in zip(header.keys, frames):
-            tiers.put(key, BlockEntry(frame.buffer, layout.dtype, layout.shape,
-                                      layout.block_size, expires_at))
+            self._kv.store(key, frame.buffer, retention)
         self.counters["blocks_received"] += len(frames)
 
     def _on_done(self, done: KvDone, inc: _Incoming) -> None:

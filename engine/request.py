@@ -4,6 +4,12 @@ There is no prefill phase and no decode phase: a request has tokens (prompt, the
 and ``num_computed_tokens`` catching up with them. Prefill, chunked prefill, prefix-cache
 hits and preemption-by-recompute are all that one counter moving.
 
+The counters move only through the transitions below (tests/test_ownership.py checks that
+no other module assigns them): `advance` after a step computed tokens, `restore_prefix`
+for a prefix-cache or tier hit, `set_drafts` / `keep_drafts` for
+speculation's draft tokens, `rollback` when verification rejected drafts, `preempt` when
+the scheduler takes the request's KV away, `start_running` / `finish` for the status.
+
     token index:  0 ........ num_cached ....... num_computed ......... num_tokens
                   |  KV from cache  |  KV computed here  |  scheduled next  |
 """
@@ -28,8 +34,7 @@ class Status(enum.Enum):
 class Request:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), *, arrival_time: float | None = None,
-                 cache_salt: str = "", retention: str = "chat", deadline: float = 0.0,
-                 max_tokens: int = 1) -> None:
+                 cache_salt: str = "", retention: str = "chat", max_tokens: int = 1) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -39,7 +44,6 @@ class Request:
         self.scheduled_time: float | None = None  # when it was first scheduled (queue time)
         self.cache_salt = cache_salt
         self.retention = retention
-        self.deadline = deadline
         self.max_tokens = max_tokens  # params.max_tokens clipped to the context length
         self.status = Status.WAITING
         self.num_computed_tokens = 0
@@ -93,8 +97,69 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == Status.FINISHED
+    def is_decoding(self) -> bool:
+        """Every token but the last has KV: the next step computes one token (plus drafts)."""
+        return self.num_computed_tokens >= self.num_tokens - 1
+
+    # ------------------------------------------------------------------ transitions
+    def advance(self, num_tokens: int) -> None:
+        """A step computed the KV of num_tokens more tokens (drafts included)."""
+        assert num_tokens >= 0, f"cannot advance by {num_tokens} tokens"
+        self.num_computed_tokens += num_tokens
+
+    def restore_prefix(self, num_tokens: int, replay_end: int = 0) -> None:
+        """A prefix hit (device, host or disk) left the KV of the first num_tokens tokens;
+        positions below replay_end are recomputed for the sliding-window layers only
+        (engine.hybrid_kv)."""
+        assert 0 <= num_tokens < max(1, self.num_tokens), "a hit leaves one token to compute"
+        self.num_computed_tokens = num_tokens
+        self.replay_end = replay_end
+
+    def set_drafts(self, token_ids: list[int]) -> None:
+        """Draft tokens to verify in the next step, after the request's last token."""
+        self.spec_token_ids = list(token_ids)
+
+    def keep_drafts(self, num: int) -> None:
+        """Keep only the first num drafts (the step's budget or a grammar cut the rest)."""
+        del self.spec_token_ids[max(0, num):]
+
+    def rollback(self) -> int:
+        """After verification appended the accepted drafts and one token: the KV of the
+        rejected drafts is no longer computed (their slots are overwritten later) and the
+        drafts are gone. Returns how many computed tokens were rolled back."""
+        num_rejected = max(0, self.num_computed_tokens - (self.num_tokens - 1))
+        self.num_computed_tokens -= num_rejected
+        self.spec_token_ids = []
+        return num_rejected
+
+    def record_drafts(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_draft_proposed += num_proposed
+        self.num_draft_accepted += num_accepted
+
+    def record_cached(self, by_tier: dict[str, int]) -> None:
+        """The prefix hit of the first scheduling is what the request reports (later ones,
+        after a preemption, are not)."""
+        if self.num_cached_tokens < 0:
+            self.num_cached_tokens = sum(by_tier.values())
+            self.cached_tokens_by_tier = by_tier
+
+    def start_running(self, now: float) -> None:
+        self.status = Status.RUNNING
+        if self.scheduled_time is None:
+            self.scheduled_time = now
+
+    def preempt(self) -> None:
+        """The scheduler freed the request's blocks: it recomputes from token 0 (its prompt
+        is then prompt + output so far), without drafts."""
+        assert not self.block_ids, "free the blocks of a preempted request first"
+        self.num_computed_tokens = 0
+        self.replay_end = 0
+        self.spec_token_ids = []
+        self.status = Status.PREEMPTED
+        self.num_preemptions += 1
+
+    def finish(self) -> None:
+        self.status = Status.FINISHED
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output + drafts, without building the whole list."""

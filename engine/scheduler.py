@@ -16,7 +16,7 @@ from collections import deque
 from typing import NamedTuple
 
 from engine.kv_manager import KVCacheManager
-from engine.request import Request, Status
+from engine.request import Request
 
 
 class ScheduledRequest(NamedTuple):
@@ -59,7 +59,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        req.status = Status.FINISHED
+        req.finish()
 
     @property
     def has_unfinished(self) -> bool:
@@ -102,7 +102,7 @@ class Scheduler:
         return budget
 
     def _chunk_budget(self, req: Request, budget: int) -> int:
-        if self.prefill_chunk_fn is None or req.num_computed_tokens >= req.num_tokens - 1:
+        if self.prefill_chunk_fn is None or req.is_decoding:
             return budget
         return max(1, min(budget, self.prefill_chunk_fn(req, budget)))
 
@@ -133,17 +133,12 @@ class Scheduler:
             return None
         self.kv.record_hit(req, len(hit), loaded)
         self.waiting.remove(req)
-        if req.scheduled_time is None:
-            req.scheduled_time = time.time()
-        req.status = Status.RUNNING
+        req.start_running(time.time())
         self.running.append(req)
         return num_new
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.spec_token_ids = []
-        req.status = Status.PREEMPTED
-        req.num_preemptions += 1
+        req.preempt()
         self.num_preemptions += 1
         self.waiting.appendleft(req)

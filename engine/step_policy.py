@@ -27,10 +27,10 @@ def time_budget(model: CostModel, scheduler, budget_s: float,
                 min_chunk: int = MIN_CHUNK) -> Callable[[], int]:
     def token_budget() -> int:
         limit = scheduler.max_num_batched_tokens
-        decoding = [r for r in scheduler.running if _is_decoding(r)]
+        decoding = [r for r in scheduler.running if r.is_decoding]
         num_decode = len(decoding)
         decode_ktokens = sum(attended_pairs(r.num_tokens - 1, 1) for r in decoding) / 1000.0
-        prompt = next((r for r in scheduler.running if not _is_decoding(r)), None)
+        prompt = next((r for r in scheduler.running if not r.is_decoding), None)
         offset = prompt.num_computed_tokens if prompt is not None else 0
         tokens = model.max_prefill_tokens(budget_s, num_decode_seqs=num_decode,
                                           decode_ktokens=decode_ktokens,
@@ -46,12 +46,8 @@ def fair_prefill(scheduler, share: float = 0.5,
     """A running prompt's chunk leaves one token for every decoding request and, while
     requests wait, `share` of the budget to them; never less than min_chunk."""
     def chunk_limit(req: Request, budget: int) -> int:
-        reserve = sum(1 for r in scheduler.running if _is_decoding(r))
+        reserve = sum(1 for r in scheduler.running if r.is_decoding)
         if scheduler.waiting:
             reserve += int(budget * share)
         return max(min_chunk, budget - reserve)
     return chunk_limit
-
-
-def _is_decoding(req: Request) -> bool:
-    return req.num_computed_tokens >= req.num_tokens - 1

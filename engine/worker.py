@@ -1,7 +1,9 @@
 """The engine worker: one asyncio loop serving one EngineCore over one ZMQ channel.
 
-Owns the core (nothing else calls it), the ids and deadlines of the requests it has admitted,
-and the inbox of messages that arrived while a step was running.
+Owns the core (nothing else calls it), the deadlines of the requests it has admitted
+(engine/deadlines.py) and the inbox of messages that arrived while a step was running. Which
+requests run is the core's to say (`has_request`); the core also reports every request's end,
+an abort included, so each stream gets exactly one final delta.
 
 Roles: a unified worker runs requests to their end. A prefill worker runs a request that names
 a decode worker (`handoff_to`) up to its first token and hands its KV over
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import heapq
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.curve import CurveKeys
+from engine.deadlines import DEADLINE_ERROR, Deadlines
 from engine.kv_transfer import LEASE_S, KVIntake, KVSender, prefill_part
 from engine.messages import (INVALID, AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
                              RequestDelta, Shutdown, WorkerError, WorkerStats)
@@ -54,7 +56,7 @@ if TYPE_CHECKING:  # torch stays unloaded in workers on fake cores
 log = logging.getLogger(__name__)
 
 ROLES = ("unified", "prefill", "decode")
-DEADLINE_ERROR = "deadline exceeded"
+__all__ = ["DEADLINE_ERROR", "SHUTDOWN_ERROR", "Worker", "role_config"]
 SHUTDOWN_ERROR = "worker shutting down"
 DEFAULT_KV_BIND = "tcp://127.0.0.1:*"
 _HANDOFF_TICK_S = 0.25  # how often leases are checked while hand-offs are in flight
@@ -93,7 +95,9 @@ class Core(Protocol):
     runner: ModelRunner | None  # whose KV cache the hand-off sides read and write
 
     def add_request(self, msg: AddRequest) -> None: ...
-    def abort_requests(self, req_ids: list[str]) -> None: ...
+    def abort_requests(self, req_ids: list[str], error: str = "") -> None: ...
+    def has_request(self, req_id: str) -> bool: ...
+    def request_ids(self) -> list[str]: ...
     def step(self) -> list[RequestDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> WorkerStats: ...
@@ -133,8 +137,7 @@ class Worker:
         self._inbox: deque[msgspec.Struct] = deque()
         self._wakeup = asyncio.Event()
         self._outbox: list[RequestDelta] = []  # deltas made between steps, sent with the next
-        self._live_req_ids: set[str] = set()
-        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, req_id)
+        self._deadlines = Deadlines()
         self._is_stepping = False
         self._stats = WorkerStats()
         self._drain_until: float | None = None  # set by Shutdown: time.monotonic() limit
@@ -190,12 +193,13 @@ class Worker:
             self.role = "unified"  # what Ready announces, so the router plans with it
             return
         if self.role == "prefill":
-            self._sender = KVSender(core, self._ctx, self.worker_id, wakeup=self._wakeup.set,
+            self._sender = KVSender(core.kv.handoff, core.runner.kv, core.max_model_len,
+                                    self._ctx, self.worker_id, wakeup=self._wakeup.set,
                                     lease_s=self._lease_s, keys=self._keys)
         elif self.role == "decode":
-            self._intake = KVIntake(core, self._ctx, self._kv_bind,
+            self._intake = KVIntake(core.kv.handoff, core.runner.kv, self._ctx, self._kv_bind,
                                     deliver=self._deliver_handed_over,
-                                    is_live=self._live_req_ids.__contains__, keys=self._keys)
+                                    is_live=core.has_request, keys=self._keys)
 
     async def _close_core(self) -> None:
         """Let the core flush and release what it holds (KV writes, an EP group), in its own
@@ -217,6 +221,7 @@ class Worker:
                 return
             self._core.step()
         self._core.abort_requests([req.req_id])
+        self._core.step()  # takes the abort's final delta: no stream waits for it
 
     async def _serve_with_background_tasks(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -262,7 +267,7 @@ class Worker:
                 case _HandedOver(msg=req):
                     self._continue(req)
                 case AbortRequests(req_ids=req_ids):
-                    self._abort(req_ids, finish_reason="abort", error="")
+                    self._abort(req_ids, error="")
                     self._forget_handoffs(req_ids)
                 case Shutdown(drain_timeout_s=drain_s):
                     self._begin_shutdown(drain_s)
@@ -279,12 +284,6 @@ class Worker:
             self._is_stepping = False
         if time.monotonic() - self._stats_time >= self._stats_refresh_s:
             self._refresh_stats()  # fresh enough for heartbeats sent during the next steps
-        # A request the worker already ended (abort, deadline) gets no second final delta,
-        # whether or not the core reports its own end too.
-        deltas = [delta for delta in deltas if delta.req_id in self._live_req_ids]
-        for delta in deltas:
-            if delta.finish_reason is not None:
-                self._live_req_ids.discard(delta.req_id)
         if self._sender is not None:
             deltas = self._sender.after_step(deltas)  # pins handed-off blocks at once
         return deltas
@@ -298,7 +297,7 @@ class Worker:
     def _add(self, req: AddRequest) -> bool:
         """Admit req; False (after an error delta) if it cannot run. A request already
         running here is a resume that raced with its own hand-off: it keeps running."""
-        if req.req_id in self._live_req_ids and (req.output_token_ids or self._intake):
+        if self._core.has_request(req.req_id) and (req.output_token_ids or self._intake):
             log.info("worker %s: %s already runs here", self.worker_id, req.req_id)
             return True
         is_handoff = self._sender is not None and bool(req.handoff_to)
@@ -316,9 +315,7 @@ class Worker:
         if error is not None:
             self._outbox.append(_final_delta(req.req_id, "error", error, kind))
             return False
-        self._live_req_ids.add(req.req_id)
-        if req.deadline > 0:
-            heapq.heappush(self._deadlines, (req.deadline, req.req_id))
+        self._deadlines.add(req.req_id, req.deadline)
         if is_handoff:
             self._sender.start(req)
         return True
@@ -350,26 +347,22 @@ class Worker:
     def _admission_error(self, req: AddRequest) -> str | None:
         if self._drain_until is not None:
             return SHUTDOWN_ERROR
-        if 0 < req.deadline <= time.time():
+        if self._deadlines.is_past(req.deadline):
             return DEADLINE_ERROR
         return None
 
-    def _abort(self, req_ids: list[str], *, finish_reason: str, error: str) -> None:
-        """Abort those of `req_ids` still live; each gets one final delta."""
-        live = [req_id for req_id in dict.fromkeys(req_ids) if req_id in self._live_req_ids]
+    def _abort(self, req_ids: list[str], *, error: str) -> None:
+        """Abort those of `req_ids` the core still runs; the core reports each one's end
+        (finish "abort" with `error`) among the next step's deltas."""
+        live = [req_id for req_id in dict.fromkeys(req_ids) if self._core.has_request(req_id)]
         if not live:
             return
-        self._core.abort_requests(live)
-        self._live_req_ids.difference_update(live)
+        self._core.abort_requests(live, error=error)
         if self._sender is not None:
             self._sender.cancel(live)
-        self._outbox += [_final_delta(req_id, finish_reason, error) for req_id in live]
 
     def _expire_deadlines(self) -> None:
-        now, expired = time.time(), []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            expired.append(heapq.heappop(self._deadlines)[1])
-        self._abort(expired, finish_reason="abort", error=DEADLINE_ERROR)
+        self._abort(self._deadlines.pop_expired(), error=DEADLINE_ERROR)
 
     def _begin_shutdown(self, drain_timeout_s: float) -> None:
         if self._drain_until is None:
@@ -379,7 +372,7 @@ class Worker:
 
     def _end_drain_if_due(self) -> None:
         if self._drain_until is not None and time.monotonic() >= self._drain_until:
-            self._abort(list(self._live_req_ids), finish_reason="abort", error=SHUTDOWN_ERROR)
+            self._abort(self._core.request_ids(), error=SHUTDOWN_ERROR)
 
     # ------------------------------------------------------------------ background tasks
     async def _announce_forever(self) -> None:

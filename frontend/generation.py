@@ -20,6 +20,7 @@ from typing import AsyncIterator, NamedTuple
 
 import msgspec
 
+from engine.deadlines import DEADLINE_ERROR
 from engine.messages import INVALID, AddRequest, RequestDelta
 from engine.sampling_params import SamplingParams
 from frontend.admission import Reservation, Work, WorkAdmission
@@ -31,9 +32,10 @@ from frontend.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 
 log = logging.getLogger("duplex.generation")
 
-# A worker that ignores a deadline is cut off this long after it, so nothing hangs.
+# The worker owns deadlines (engine/deadlines.py); one that never answers is cut off this
+# long after it, so nothing hangs.
 DEADLINE_GRACE_S = 5.0
-_FAILURE_MESSAGES = {"error": "the engine worker failed", "timeout": "request timed out",
+_FAILURE_MESSAGES = {"error": "the engine worker failed", "timeout": DEADLINE_ERROR,
                      "abort": "request aborted by the server"}
 
 
@@ -363,7 +365,7 @@ class Pipeline:
                                                 "the engine stream ended without a result")
                             break
                         except TimeoutError:
-                            final = choice.fail("timeout", "request timed out")
+                            final = choice.fail("timeout", DEADLINE_ERROR)
                             break
                         except Exception as e:  # noqa: BLE001 - the engine failed: end it
                             log.exception("engine stream failed req_id=%s", msg.req_id)
@@ -451,7 +453,7 @@ class _Choice:
         if stopped:
             return event, self.finish("stop", self._stop_sequence())
         if not completed:
-            final = self.fail(self._failure(engine_finish), delta.error)
+            final = self.fail(_failure(engine_finish, delta.error), delta.error)
             final.is_invalid = delta.error_kind == INVALID
             return event, final
         return event, self.finish(engine_finish)
@@ -511,11 +513,6 @@ class _Choice:
                      delta.num_draft_proposed, delta.num_draft_accepted,
                      list(delta.accepted_draft_mask))
 
-    def _failure(self, finish_reason: str) -> str:
-        if finish_reason == "abort" and self.deadline and time.time() >= self.deadline:
-            return "timeout"
-        return finish_reason
-
     def _stop_sequence(self) -> str | None:
         hits = [(self.raw_tail.find(s), s) for s in self.job.params.stop if s in self.raw_tail]
         return min(hits)[1] if hits else None
@@ -541,6 +538,11 @@ class _Choice:
 
 def _failed(finish_reason: str) -> bool:
     return finish_reason in ("error", "abort")
+
+
+def _failure(finish_reason: str, error: str) -> str:
+    """The API failure of an engine finish: the worker's deadline abort is a timeout."""
+    return "timeout" if finish_reason == "abort" and error == DEADLINE_ERROR else finish_reason
 
 
 def _seconds_until(cutoff: float | None) -> float | None:

@@ -175,8 +175,8 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> None:
         self.pending.clear()
         for req in running:  # drafts a budget-starved step never verified are stale
-            req.spec_token_ids = []
-        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+            req.set_drafts([])
+        decoding = [r for r in running if r.is_decoding]
         limits = [self._max_drafts(r) for r in decoding]
         if not any(limits):
             return
@@ -274,7 +274,7 @@ class Speculator:
         return [min(len(d), k) for d in drafts]
 
     def _set(self, req: Request, token_ids: list[int], probs, features: np.ndarray) -> None:
-        req.spec_token_ids = list(token_ids)
+        req.set_drafts(token_ids)
         if token_ids:
             self.pending[req.req_id] = _Pending(probs, features)
 
@@ -287,7 +287,7 @@ class Speculator:
         for req, num_new in scheduled:
             if req.spec_token_ids:
                 num_reached = max(0, req.num_computed_tokens + num_new - req.num_tokens)
-                del req.spec_token_ids[num_reached:]
+                req.keep_drafts(num_reached)
 
     @staticmethod
     def logit_rows(sample_positions: Sequence[int], reqs: Sequence[Request]) -> list[int]:

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from engine.cost_model import CostModel, StepFeatures, attended_pairs
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.step_policy import MIN_CHUNK, fair_prefill, time_budget
 
 from .conftest import engine_config, request
@@ -58,10 +60,16 @@ def test_coefficients_stay_non_negative_and_unseen_features_abstain():
     assert model.max_prefill_tokens(0.1, limit=512) is None or model.coef[1] > 0
 
 
+def _computed(req: Request, num_computed: int) -> Request:
+    req.advance(num_computed)
+    return req
+
+
 def test_chunk_sizing_respects_the_budget():
     model = fitted_model(noise=0.0)
-    running = [SimpleNamespace(num_computed_tokens=299, num_tokens=300) for _ in range(8)]
-    prompt = SimpleNamespace(num_computed_tokens=1024, num_tokens=4096)
+    running = [_computed(Request(f"r{i}", list(range(300)), SamplingParams()), 299)
+               for i in range(8)]
+    prompt = _computed(Request("p", list(range(4096)), SamplingParams()), 1024)
     scheduler = SimpleNamespace(running=[prompt, *running], max_num_batched_tokens=2048)
     for budget_s in (0.02, 0.05, 0.2):
         tokens = time_budget(model, scheduler, budget_s)() - len(running)

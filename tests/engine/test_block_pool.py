@@ -99,3 +99,61 @@ def test_failed_allocation_changes_nothing():
     assert not kv.allocate_slots(b, 20, hit)  # needs 5 more blocks, only 1 is free
     assert b.block_ids == [] and kv.pool.ref_cnt == [0, 0, 0]
     assert kv.pool.lookup(b.block_keys[0]) == 0, "the cached prefix survives a failed attempt"
+
+
+# ------------------------------------------------------------------ the hand-off's leases
+def test_a_lease_pins_the_cached_prefix_until_released():
+    kv = make_kv(4)
+    a = req(list(range(10)))  # blocks 0, 1 full and published; block 2 partial
+    assert kv.allocate_slots(a, 10)
+    a.advance(10)
+    kv.publish(a)
+    keys = kv.handoff.block_keys("", list(range(12)))  # 3 full blocks; the third not cached
+    assert keys[:2] == a.block_keys[:2]
+    assert kv.handoff.computed_prefix(keys) == [0, 1]
+    lease = kv.handoff.lease(keys)
+    assert lease.block_ids == [0, 1] and kv.pool.ref_cnt == [2, 2, 1, 0]
+    kv.free(a)
+    assert kv.pool.ref_cnt == [1, 1, 0, 0] and kv.pool.num_free_blocks == 2
+    assert kv.pool.allocate(2) == [3, 2], "leased blocks are neither reused nor evicted"
+    kv.handoff.release(lease)
+    assert kv.pool.ref_cnt == [0, 0, 1, 1] and kv.pool.lookup(keys[0]) == 0
+    assert kv.handoff.num_held(keys) == 2 and not kv.handoff.can_receive
+
+
+def test_an_evicted_block_ends_the_lease_prefix():
+    kv = make_kv(3)
+    a = req(list(range(9)))
+    assert kv.allocate_slots(a, 9)
+    a.advance(9)
+    kv.publish(a)
+    kv.free(a)  # deepest first: the free queue is [2, 1, 0]
+    assert kv.pool.allocate(2) == [2, 1]  # evicts block 1, the deeper cached one
+    keys = a.block_keys[:2]
+    assert kv.pool.lookup(keys[1]) is None
+    lease = kv.handoff.lease(keys)
+    assert lease.block_ids == [0] and kv.pool.ref_cnt == [1, 1, 1]
+
+
+# ------------------------------------------------------------------ Request transitions
+def test_request_transitions_move_the_counters():
+    r = req(list(range(6)))
+    r.restore_prefix(4)
+    assert r.num_computed_tokens == 4 and not r.is_decoding
+    r.advance(2)
+    r.append_output(7)
+    assert r.is_decoding and r.num_computed_tokens == r.num_tokens - 1
+    r.set_drafts([8, 9, 10])
+    r.keep_drafts(2)
+    assert r.spec_token_ids == [8, 9] and r.token_slice(6, 9) == [7, 8, 9]
+    r.advance(3)  # the last token and two drafts
+    r.append_output(8)  # one draft accepted, then the bonus token
+    r.append_output(5)
+    assert r.rollback() == 1 and r.num_computed_tokens == 8 and r.spec_token_ids == []
+    r.set_drafts([1])
+    r.set_drafts([])
+    assert r.spec_token_ids == []
+    r.preempt()
+    assert (r.num_computed_tokens, r.num_preemptions, r.status.value) == (0, 1, "preempted")
+    with pytest.raises(AssertionError):
+        r.restore_prefix(r.num_tokens)  # a hit always leaves a token to compute

@@ -11,6 +11,7 @@ import json
 import time
 from typing import Callable
 
+from engine.deadlines import DEADLINE_ERROR
 from engine.messages import AddRequest, Ready, RequestDelta, TokenLogprob, WorkerStats
 
 EOS = 2
@@ -140,8 +141,8 @@ class FakeEngineClient:
             await asyncio.sleep(self.step_s)
             while self.hang:
                 await asyncio.sleep(0.01)
-            if msg.deadline and time.time() > msg.deadline:
-                yield RequestDelta(msg.req_id, [], finish_reason="abort")
+            if msg.deadline and time.time() > msg.deadline:  # as engine.deadlines ends it
+                yield RequestDelta(msg.req_id, [], finish_reason="abort", error=DEADLINE_ERROR)
                 return
             if self.fail_after is not None and i >= self.fail_after:
                 yield RequestDelta(msg.req_id, [], finish_reason="error", error="worker died")

@@ -7,7 +7,9 @@ from keyword arguments in-process:
     step_sleep_s   time.sleep per step (releases the GIL, like torch compute)
     load_sleep_s   time.sleep in the constructor (model load)
 A prompt containing CRASH_TOKEN makes the next step raise (the WorkerError path).
-Requests added and aborted are counted in stats() (num_requests_added / _aborted).
+Requests added and aborted are counted in stats() (num_requests_added / _aborted); like the
+real core, an aborted request's final delta (finish "abort", the given error) leads the next
+step's.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class FakeCore:
         self.layout = self.scheduler = self.runner = None  # no KV to hand over, no chunking
         self.requests: dict[str, tuple[AddRequest, int]] = {}  # req_id -> (msg, num generated)
         self.aborted_req_ids: list[str] = []
+        self._pending: list[RequestDelta] = []  # abort finals, sent with the next step
         self.num_added = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -55,20 +58,31 @@ class FakeCore:
         self.requests[msg.req_id] = (msg, 0)
         self.num_added += 1
 
-    def abort_requests(self, req_ids: list[str]) -> None:
+    def abort_requests(self, req_ids: list[str], error: str = "") -> None:
         for req_id in req_ids:
             if self.requests.pop(req_id, None) is not None:
                 self.aborted_req_ids.append(req_id)
+                self._pending.append(RequestDelta(req_id, [], finish_reason="abort",
+                                                  error=error))
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
 
     def step(self) -> list[RequestDelta]:
+        pending, self._pending = self._pending, []
+        if not self.requests:
+            return pending
         time.sleep(self.step_sleep_s)
         self.num_steps += 1
         if any(CRASH_TOKEN in msg.prompt_token_ids for msg, _ in self.requests.values()):
             raise RuntimeError("fake core crash")
-        return [self._advance(req_id) for req_id in list(self.requests)]
+        return pending + [self._advance(req_id) for req_id in list(self.requests)]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._pending)
 
     def stats(self) -> WorkerStats:
         return WorkerStats(num_running=len(self.requests), num_steps=self.num_steps,
