@@ -33,7 +33,7 @@ class _Tracker:
     """Per-request output state: tokens, text after stop strings, logprobs."""
 
     def __init__(self, recipe, prompt_ids: list[int], params: SamplingParams) -> None:
-        from frontend.stop import StopChecker
+        from engine.text.stop import StopChecker
 
         self.prompt_ids = prompt_ids
         self.params = params
@@ -82,7 +82,7 @@ class LLM:
         self.engine = EngineCore(self.config, progress=progress)
         self.recipe = None
         if tokenizer:
-            from frontend.recipe import Recipe
+            from engine.text.recipe import Recipe
 
             self.recipe = Recipe.from_model(self.engine.model_path)
         self._ids = itertools.count()

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, AsyncIterator
 import msgspec
 from aiohttp import web
 
+from engine.text.tool_formats import tool_format
+from engine.text.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from frontend import structured
 from frontend.errors import invalid
 from frontend.retention import request_retention
@@ -29,8 +31,6 @@ from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicToo
                                InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
                                MessageStop, Ping, SseStream, StopInfo, TextBlock, TextDelta,
                                ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
-from frontend.tool_formats import tool_format
-from frontend.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState

@@ -22,12 +22,12 @@ import msgspec
 
 from engine.messages import INVALID, AddRequest, RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.text.stop import StopChecker
+from engine.text.tool_formats import tool_format
+from engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 from frontend.admission import Reservation, Work, WorkAdmission
 from frontend.errors import ApiError, from_sampling_error, invalid
 from frontend.protocol import SamplingFields
-from frontend.stop import StopChecker
-from frontend.tool_formats import tool_format
-from frontend.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 
 log = logging.getLogger("duplex.generation")
 
@@ -48,7 +48,7 @@ class Job:
     # the start of the reply the prompt already holds (a forced tool call): the tool parser
     # reads it before the model's text; it is never sent as content
     forced_text: str = ""
-    tool_format: str = "hermes"  # frontend/tool_formats.py: how calls are written and parsed
+    tool_format: str = "hermes"  # engine/text/tool_formats.py: how calls are written and parsed
     retention: str = "chat"
     cache_salt: str = ""
 

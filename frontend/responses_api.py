@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from engine.text.tool_formats import tool_format
+from engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
 from frontend import structured
 from frontend.errors import ApiError, invalid
 from frontend.generation import Delta, Job, collect, resolve_max_tokens, sampling_params
 from frontend.protocol import REQ_ID, SseStream, json_response, read_json
-from frontend.tool_formats import tool_format
-from frontend.tool_parser import ToolCallArgsDelta, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState
