@@ -30,7 +30,7 @@ from engine.grammar import Grammars
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
 from engine.kv_manager import KVCacheManager
 from engine.kv_tiers import BlockCodec, KVTiers, TierLink
-from engine.messages import AddRequest, RequestDelta, WorkerStats
+from engine.messages import AddRequest, FinishReason, RequestDelta, WorkerStats
 from engine.model_runner import ModelRunner
 from engine.models import build_model, load
 from engine.request import Request
@@ -160,7 +160,7 @@ class EngineCore:
             self.scheduler.remove(req)
             if self.spec is not None:
                 self.spec.free(req)
-            self._pending_deltas.append(self._delta(req, [], [], "abort"))
+            self._pending_deltas.append(self._delta(req, [], [], FinishReason.ABORT))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._pending_deltas) or \
@@ -258,8 +258,8 @@ class EngineCore:
         req.num_draft_proposed += out.num_proposed
         req.num_draft_accepted += sum(mask)
         self._counters["generated"] += num
-        error = "the grammar rejected a token" if finished and req.finish_reason == "error" \
-            else ""
+        is_rejected = finished and req.finish_reason == FinishReason.ERROR
+        error = "the grammar rejected a token" if is_rejected else ""
         return self._delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
                            req.finish_reason if finished else None, error=error,
                            num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
@@ -278,10 +278,10 @@ class EngineCore:
         if not self.grammar.has(req):
             return False
         if not self.grammar.sync(req):
-            req.finish_reason = "error"
+            req.finish_reason = FinishReason.ERROR
             return True
         if self.grammar.is_terminated(req):
-            req.finish_reason = req.finish_reason or "stop"
+            req.finish_reason = req.finish_reason or FinishReason.STOP
             return True
         return False
 
@@ -294,8 +294,8 @@ class EngineCore:
             self.kv.start_loads(req)
         for req, error in failed:
             self.requests.pop(req.req_id, None)
-            req.finish_reason = "error"
-            deltas.append(self._delta(req, [], [], "error", error=f"grammar: {error}"))
+            req.finish_reason = FinishReason.ERROR
+            deltas.append(self._delta(req, [], [], FinishReason.ERROR, error=f"grammar: {error}"))
 
     def _finish(self, req: Request) -> None:
         self.grammar.free(req.req_id)
@@ -308,9 +308,9 @@ class EngineCore:
     def _expire_deadlines(self, deltas: list[RequestDelta]) -> None:
         now = time.time()
         for req in [r for r in self.requests.values() if r.deadline and r.deadline < now]:
-            req.finish_reason = "abort"
+            req.finish_reason = FinishReason.ABORT
             self._finish(req)
-            deltas.append(self._delta(req, [], [], "abort", error="request timed out"))
+            deltas.append(self._delta(req, [], [], FinishReason.ABORT, error="request timed out"))
 
     def _delta(self, req: Request, token_ids, logprobs, finish_reason, error="",
                **spec) -> RequestDelta:

@@ -38,8 +38,8 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.curve import CurveKeys
 from engine.kv_transfer import LEASE_S, KVIntake, KVSender, prefill_part
-from engine.messages import (INVALID, AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
-                             RequestDelta, Shutdown, WorkerError, WorkerStats)
+from engine.messages import (INVALID, AbortRequests, AddRequest, FinishReason, Heartbeat, Outputs,
+                             Ready, RequestDelta, Shutdown, WorkerError, WorkerStats)
 from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
 from engine.step_policy import fair_prefill
@@ -247,7 +247,7 @@ class Worker:
                 case _HandedOver(msg=req):
                     self._continue(req)
                 case AbortRequests(req_ids=req_ids):
-                    self._abort(req_ids, finish_reason="abort", error="")
+                    self._abort(req_ids, finish_reason=FinishReason.ABORT, error="")
                     self._forget_handoffs(req_ids)
                 case Shutdown(drain_timeout_s=drain_s):
                     self._begin_shutdown(drain_s)
@@ -299,7 +299,7 @@ class Worker:
             except ValueError as e:  # the core's own checks: the request can never run
                 error, kind = str(e) or "invalid request", INVALID
         if error is not None:
-            self._outbox.append(_final_delta(req.req_id, "error", error, kind))
+            self._outbox.append(_final_delta(req.req_id, FinishReason.ERROR, error, kind))
             return False
         self._live_req_ids.add(req.req_id)
         if req.deadline > 0:
@@ -339,7 +339,7 @@ class Worker:
             return DEADLINE_ERROR
         return None
 
-    def _abort(self, req_ids: list[str], *, finish_reason: str, error: str) -> None:
+    def _abort(self, req_ids: list[str], *, finish_reason: FinishReason, error: str) -> None:
         """Abort those of `req_ids` still live; each gets one final delta."""
         live = [req_id for req_id in dict.fromkeys(req_ids) if req_id in self._live_req_ids]
         if not live:
@@ -354,7 +354,7 @@ class Worker:
         now, expired = time.time(), []
         while self._deadlines and self._deadlines[0][0] <= now:
             expired.append(heapq.heappop(self._deadlines)[1])
-        self._abort(expired, finish_reason="abort", error=DEADLINE_ERROR)
+        self._abort(expired, finish_reason=FinishReason.ABORT, error=DEADLINE_ERROR)
 
     def _begin_shutdown(self, drain_timeout_s: float) -> None:
         if self._drain_until is None:
@@ -364,7 +364,8 @@ class Worker:
 
     def _end_drain_if_due(self) -> None:
         if self._drain_until is not None and time.monotonic() >= self._drain_until:
-            self._abort(list(self._live_req_ids), finish_reason="abort", error=SHUTDOWN_ERROR)
+            self._abort(list(self._live_req_ids), finish_reason=FinishReason.ABORT,
+                        error=SHUTDOWN_ERROR)
 
     # ------------------------------------------------------------------ background tasks
     async def _announce_forever(self) -> None:
@@ -444,7 +445,8 @@ class Worker:
             log.exception("worker %s: could not send WorkerError", self.worker_id)
 
 
-def _final_delta(req_id: str, finish_reason: str, error: str, kind: str = "") -> RequestDelta:
+def _final_delta(req_id: str, finish_reason: FinishReason, error: str,
+                 kind: str = "") -> RequestDelta:
     return RequestDelta(req_id, [], finish_reason=finish_reason, error=error, error_kind=kind)
 
 

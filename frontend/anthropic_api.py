@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import msgspec
 from aiohttp import web
 
+from engine.messages import FinishReason
 from engine.text.tool_formats import tool_format
 from engine.text.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from frontend import structured
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("duplex.anthropic")
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# Anthropic stop_reason of each finish reason (a stop string is "stop_sequence")
+_STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
+                 FinishReason.TOOL_CALLS: "tool_use"}
 
 
 class AnthropicApi:
