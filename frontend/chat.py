@@ -32,7 +32,6 @@ from typing import NamedTuple, TextIO
 import aiohttp
 import msgspec
 
-from engine.messages import FinishReason
 from frontend.errors import from_validation
 from frontend.protocol import (SamplingFields, WsDelta, WsDone, WsError, WsPong, WsServerFrame,
                                ws_json_schema)
@@ -311,7 +310,7 @@ def stats_line(answer: Answer) -> str:
     proposed, accepted = answer.num_draft_proposed, answer.num_draft_accepted
     parts.append(f"draft {accepted}/{proposed} accepted ({accepted / proposed:.0%})"
                  if proposed else "no speculation")
-    if answer.done.finish_reason != FinishReason.STOP:
+    if answer.done.finish_reason != "stop":
         parts.append(f"finish: {answer.done.finish_reason}")
     return "[" + ", ".join(parts) + "]"
 
