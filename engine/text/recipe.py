@@ -39,7 +39,7 @@ from datetime import datetime
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.errors import RecipeError
 from engine.text.messages import normalize_messages, normalize_tools
-from engine.text.sandbox import RenderLimits, compile_template, render
+from engine.text.sandbox import RenderLimits, compile_template, render_template
 from engine.text.symbolic import Ledger, Rendered
 from engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
                                    text_encoder)
@@ -57,13 +57,13 @@ def render_chat(template_source: str, messages: list[dict], tools: list[dict] | 
     now = datetime.now()
     common = {**variables, "add_generation_prompt": add_generation_prompt, "documents": None,
               "strftime_now": now.strftime}
-    faithful = render(template, {**common, "messages": messages, "tools": tools}, limits, None,
-                       deadline)
+    faithful = render_template(template, {**common, "messages": messages, "tools": tools},
+                               limits, None, deadline)
     ledger = Ledger()
     symbolic_messages = [_symbolize_message(ledger, message) for message in messages]
     symbolic_tools = None if tools is None else [ledger.symbolize(t, ("type",)) for t in tools]
-    symbolic = render(template, {**common, "messages": symbolic_messages,
-                                  "tools": symbolic_tools}, limits, ledger, deadline)
+    symbolic = render_template(template, {**common, "messages": symbolic_messages,
+                                           "tools": symbolic_tools}, limits, ledger, deadline)
     rendered = ledger.resolve(symbolic)
     if rendered.text != faithful:
         raise RecipeError("the chat template transforms message text in a way the "

@@ -335,6 +335,7 @@ def _sandbox() -> _Sandbox:
 
 
 def compile_template(source: str, max_chars: int):
+    """A template compiled in the sandbox with its budget nodes (cached by source)."""
     if not isinstance(source, str):
         raise RecipeError("a chat template must be a string")
     return _compile_cached(source, max_chars)
@@ -388,8 +389,10 @@ def _env_call(name: str, arg: nodes.Expr, lineno: int, *more: nodes.Expr) -> nod
                       None, lineno=lineno)
 
 
-def render(template, context: dict, limits: RenderLimits, ledger: Ledger | None,
-            deadline: float) -> str:
+def render_template(template, context: dict, limits: RenderLimits, ledger: Ledger | None,
+                    deadline: float) -> str:
+    """Render under a fresh budget; `ledger` set: the symbolic render. Any failure of the
+    template (untrusted code) is a RecipeError."""
     budget = _Budget(limits, ledger, deadline)
     token = _BUDGET.set(budget)
     try:
