@@ -1,6 +1,9 @@
 """The one per-request pipeline every API shares (OpenAI, Anthropic, WebSocket).
 
-    AddRequest ─▶ engine deltas ─▶ detokenize ─▶ stop strings ─▶ tool calls ─▶ Delta*, Final
+    AddRequest ─▶ engine deltas ─▶ OutputStream (detokenize, stop strings) ─▶ tool calls
+               ─▶ Delta*, Final
+
+The OutputStream (engine/text/output.py) is the one the offline API uses too.
 
 `Pipeline.run(job)` yields, per choice, `Delta` events and then exactly one `Final`. A stop
 string ends the choice at once: the engine stream is closed, which aborts the request on the
@@ -434,9 +437,9 @@ class _Choice:
         """One engine delta -> (an output event or None, the Final if the choice ended)."""
         self._count(delta)
         engine_finish = delta.finish_reason
-        # a failed stream's held-back text (broken character, partial stop string) is dropped
-        text = self.stream.push(delta.new_token_ids, is_last=engine_finish is not None
-                                and engine_finish not in FAILURES)
+        is_complete = engine_finish is not None and engine_finish not in FAILURES
+        # a failed stream's held-back text (a broken character, a partial stop string) is dropped
+        text = self.stream.push(delta.new_token_ids, is_last=is_complete)
         finish_reason = self.stream.finish_reason(engine_finish)
         text, tool_events = self._parse_tools(text, finish_reason is not None)
         event = self._event(delta, text, tool_events)
