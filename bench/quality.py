@@ -96,7 +96,7 @@ def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
             num_threads: int = 0) -> list[Quality]:
     """Perplexity and top-1 agreement with float32 of each precision on `text`."""
     from engine.core import EngineCore
-    from frontend.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
 
     reference, out = None, []
     for dtype in ["float32", *[d for d in dtypes if d != "float32"]]:

@@ -30,7 +30,7 @@ from engine.grammar import Grammars
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
 from engine.kv_manager import KVCacheManager
 from engine.kv_tiers import DEVICE, DISK, HOST, SHARED, BlockCodec, KVTiers, TierLink
-from engine.messages import AddRequest, RequestDelta, WorkerStats
+from engine.messages import AddRequest, FinishReason, RequestDelta, WorkerStats
 from engine.model_runner import ModelRunner
 from engine.models import build_model, load
 from engine.request import Request
@@ -166,7 +166,7 @@ class EngineCore:
             self.scheduler.remove(req)
             if self.spec is not None:
                 self.spec.free(req)
-            self._pending_deltas.append(self._delta(req, [], [], "abort", error=error))
+            self._pending_deltas.append(self._delta(req, [], [], FinishReason.ABORT, error=error))
 
     def has_request(self, req_id: str) -> bool:
         """Whether req_id runs here (added, neither finished nor aborted yet)."""
@@ -269,8 +269,8 @@ class EngineCore:
         mask = [i < out.num_accepted for i in range(num)]
         req.record_drafts(out.num_proposed, sum(mask))
         self._counters["generated"] += num
-        error = "the grammar rejected a token" if finished and req.finish_reason == "error" \
-            else ""
+        is_rejected = finished and req.finish_reason == FinishReason.ERROR
+        error = "the grammar rejected a token" if is_rejected else ""
         return self._delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
                            req.finish_reason if finished else None, error=error,
                            num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
@@ -288,10 +288,10 @@ class EngineCore:
         if not self.grammar.has(req):
             return False
         if not self.grammar.sync(req):
-            req.finish_reason = "error"
+            req.finish_reason = FinishReason.ERROR
             return True
         if self.grammar.is_terminated(req):
-            req.finish_reason = req.finish_reason or "stop"
+            req.finish_reason = req.finish_reason or FinishReason.STOP
             return True
         return False
 
@@ -304,8 +304,8 @@ class EngineCore:
             self.kv.start_loads(req)
         for req, error in failed:
             self.requests.pop(req.req_id, None)
-            req.finish_reason = "error"
-            deltas.append(self._delta(req, [], [], "error", error=f"grammar: {error}"))
+            req.finish_reason = FinishReason.ERROR
+            deltas.append(self._delta(req, [], [], FinishReason.ERROR, error=f"grammar: {error}"))
 
     def _finish(self, req: Request) -> None:
         self.grammar.free(req.req_id)

@@ -165,7 +165,7 @@ class Grammars:
         def tokenizer():
             # the text layer's loader (with its GGUF conversion cache); the engine has no
             # tokenizer of its own, and only constrained requests need one
-            from frontend.tokenizer import load_tokenizer
+            from engine.text.tokenizer import load_tokenizer
 
             return load_tokenizer(model_path)
         return cls(tokenizer, vocab_size, stop_token_ids, blocking)

@@ -46,7 +46,7 @@ import zmq
 import zmq.asyncio
 
 from engine.messages import (AddRequest, BadFrame, HandoffFailed, KvAck, KvBlocks, KvCancel,
-                             KvDone, KvNeed, KvOffer, KvReject, RequestDelta)
+                             KvDone, KvNeed, KvOffer, KvReject, FinishReason, RequestDelta)
 from engine.curve import CurveKeys
 from engine.kv_manager import KVHandoff, KVLease
 from engine.zmq_io import Channel, kv_client_channel, kv_server_channel
@@ -184,7 +184,7 @@ class KVSender:
             del self._continuing[delta.req_id]
             h = self._outgoing.get(delta.req_id)
             is_live = h is not None and h.outcome is None
-            if delta.finish_reason == "length" and len(delta.new_token_ids) < max_tokens:
+            if delta.finish_reason == FinishReason.LENGTH and len(delta.new_token_ids) < max_tokens:
                 if is_live:
                     self._hold(h, delta.new_token_ids)
                 out.append(msgspec.structs.replace(delta, finish_reason=None, stop_reason=None))

@@ -2,7 +2,8 @@
 
 An in-process frontend around EngineCore: it tokenizes with the same recipe layer as the
 server (so `chat` is injection-safe), steps the engine until every request finishes, and
-detokenizes with the same incremental detokenizer and stop-string checker.
+turns token ids into text with the same OutputStream (engine/text/output.py): detokenizer,
+stop strings.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.messages import AddRequest, RequestDelta, TokenLogprob
+from engine.messages import AddRequest, FinishReason, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.text.output import OutputStream
 
 
 @dataclasses.dataclass
@@ -23,27 +25,22 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None
     num_cached_tokens: int
     stop_reason: int | str | None = None
 
 
 class _Tracker:
-    """Per-request output state: tokens, text after stop strings, logprobs."""
+    """Per-request output state: tokens, logprobs, and the text of its OutputStream."""
 
     def __init__(self, recipe, prompt_ids: list[int], params: SamplingParams) -> None:
-        from frontend.stop import StopChecker
-
         self.prompt_ids = prompt_ids
         self.params = params
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
-        self.text = ""
-        self.detok = recipe.new_detokenizer(params.skip_special_tokens) if recipe else None
-        self.stop = StopChecker(params.stop, params.include_stop_str_in_output) \
-            if params.stop and recipe else None
-        self.finish_reason: str | None = None
+        self.stream = OutputStream.for_params(recipe, params)
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_cached = 0
 
@@ -52,25 +49,17 @@ class _Tracker:
         self.token_ids += delta.new_token_ids
         self.logprobs += delta.logprobs
         self.num_cached = delta.num_cached_tokens
-        text = self.detok.push(delta.new_token_ids) if self.detok else ""
-        if delta.finish_reason and self.detok:
-            text += self.detok.flush()
-        if self.stop is not None:
-            text, hit = self.stop.push(text)
-            if hit:
-                self.text += text
-                self.finish_reason, self.stop_reason = "stop", "stop_string"
-                return True
-            if delta.finish_reason:
-                text += self.stop.flush()
-        self.text += text
-        if delta.finish_reason:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-            return True
-        return False
+        self.stream.push(delta.new_token_ids, is_last=delta.finish_reason is not None)
+        self.finish_reason = self.stream.finish_reason(delta.finish_reason)
+        if self.stream.is_stopped:
+            self.stop_reason = "stop_string"
+        elif delta.finish_reason is not None:
+            self.stop_reason = delta.stop_reason
+        return self.finish_reason is not None
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.prompt_ids, self.token_ids, self.text, self.finish_reason,
+        return RequestOutput(self.prompt_ids, self.token_ids, self.stream.text,
+                             self.finish_reason,
                              self.logprobs if self.params.logprobs is not None else None,
                              self.num_cached, self.stop_reason)
 
@@ -82,7 +71,7 @@ class LLM:
         self.engine = EngineCore(self.config, progress=progress)
         self.recipe = None
         if tokenizer:
-            from frontend.recipe import Recipe
+            from engine.text.recipe import Recipe
 
             self.recipe = Recipe.from_model(self.engine.model_path)
         self._ids = itertools.count()

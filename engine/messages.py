@@ -13,6 +13,8 @@ logged. KV tensors never travel inside these structs: they ride as raw extra fra
 """
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from engine.sampling_params import SamplingParams
@@ -52,6 +54,21 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_WIRE):
 
 
 # ---------------------------------------------------------------- worker -> frontend
+class FinishReason(enum.StrEnum):
+    """Why a choice ended. The values are the strings the OpenAI APIs and the WebSocket emit
+    (Anthropic maps them to its own stop reasons); a str, so it compares equal to them."""
+    STOP = "stop"              # a stop token or stop string: the answer is complete
+    LENGTH = "length"          # max_tokens (or the context) ran out
+    TOOL_CALLS = "tool_calls"  # a STOP after tool calls (set by the frontend, never a worker)
+    ABORT = "abort"            # cancelled: client gone, server shutdown, worker deadline
+    ERROR = "error"            # the engine or a worker failed
+    TIMEOUT = "timeout"        # the frontend's deadline passed (set by the frontend)
+
+
+# The finish reasons of a choice that ended without an answer (RequestDelta.error says why).
+FAILURES = frozenset({FinishReason.ABORT, FinishReason.ERROR, FinishReason.TIMEOUT})
+
+
 class TokenLogprob(msgspec.Struct, **_WIRE):
     """Logprob of the sampled token and its top alternatives (token id, logprob)."""
     token_id: int
@@ -64,7 +81,7 @@ class RequestDelta(msgspec.Struct, **_WIRE):
     req_id: str
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] = []
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None  # STOP | LENGTH | ABORT | ERROR from a worker
     stop_reason: int | None = None  # the stop token id that ended it, if any
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

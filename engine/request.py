@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine.messages import TokenLogprob
+from engine.messages import FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -56,7 +56,7 @@ class Request:
         # the window; positions below replay_end are recomputed for those layers only
         self.swa_block_ids: list[int] = []
         self.replay_end = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.logprobs: list[TokenLogprob] = []
         self.num_preemptions = 0
@@ -180,13 +180,13 @@ class Request:
         params = self.params
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.STOP
                 return True
             if token_id in params.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", token_id
+                self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
                 return True
         if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
             return True
         return False
 

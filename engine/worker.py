@@ -40,8 +40,8 @@ from engine.config import EngineConfig
 from engine.curve import CurveKeys
 from engine.deadlines import DEADLINE_ERROR, Deadlines
 from engine.kv_transfer import LEASE_S, KVIntake, KVSender, prefill_part
-from engine.messages import (INVALID, AbortRequests, AddRequest, Heartbeat, Outputs, Ready,
-                             RequestDelta, Shutdown, WorkerError, WorkerStats)
+from engine.messages import (INVALID, AbortRequests, AddRequest, FinishReason, Heartbeat, Outputs,
+                             Ready, RequestDelta, Shutdown, WorkerError, WorkerStats)
 from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
 from engine.stats import HandoffStats, IntakeStats
@@ -313,7 +313,7 @@ class Worker:
             except ValueError as e:  # the core's own checks: the request can never run
                 error, kind = str(e) or "invalid request", INVALID
         if error is not None:
-            self._outbox.append(_final_delta(req.req_id, "error", error, kind))
+            self._outbox.append(_final_delta(req.req_id, FinishReason.ERROR, error, kind))
             return False
         self._deadlines.add(req.req_id, req.deadline)
         if is_handoff:
@@ -453,7 +453,8 @@ class Worker:
             log.exception("worker %s: could not send WorkerError", self.worker_id)
 
 
-def _final_delta(req_id: str, finish_reason: str, error: str, kind: str = "") -> RequestDelta:
+def _final_delta(req_id: str, finish_reason: FinishReason, error: str,
+                 kind: str = "") -> RequestDelta:
     return RequestDelta(req_id, [], finish_reason=finish_reason, error=error, error_kind=kind)
 
 

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, AsyncIterator
 import msgspec
 from aiohttp import web
 
+from engine.messages import FinishReason
+from engine.text.tool_formats import tool_format
+from engine.text.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from frontend import structured
 from frontend.errors import invalid
 from frontend.retention import request_retention
@@ -29,15 +32,15 @@ from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicToo
                                InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
                                MessageStop, Ping, SseStream, StopInfo, TextBlock, TextDelta,
                                ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
-from frontend.tool_formats import tool_format
-from frontend.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState
 
 log = logging.getLogger("duplex.anthropic")
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# Anthropic stop_reason of each finish reason (a stop string is "stop_sequence")
+_STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
+                 FinishReason.TOOL_CALLS: "tool_use"}
 
 
 class AnthropicApi:

@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from engine.messages import (AbortRequests, AddRequest, HandoffFailed, Heartbeat, Outputs, Ready,
-                             RequestDelta, WorkerError, WorkerStats)
+                             FinishReason, RequestDelta, WorkerError, WorkerStats)
 from engine.curve import CurveKeys
 from engine.zmq_io import Channel, frontend_channel
 from frontend.router import Router
@@ -176,7 +176,7 @@ class EngineClient:
         flight = self._flights.get(req_id)
         if flight is not None:
             self._abandon(req_id)
-            flight.stream.put_nowait(RequestDelta(req_id, [], finish_reason="abort"))
+            flight.stream.put_nowait(RequestDelta(req_id, [], finish_reason=FinishReason.ABORT))
 
     def worker_exited(self, pid: int, reason: str) -> None:
         """The supervisor saw process `pid` exit; handle it if it was one of ours."""
@@ -293,7 +293,7 @@ class EngineClient:
         flight.stream.put_nowait(delta)
 
     def _finish(self, req_id: str, error: str) -> None:
-        self._route(RequestDelta(req_id, [], finish_reason="error", error=error))
+        self._route(RequestDelta(req_id, [], finish_reason=FinishReason.ERROR, error=error))
 
     def _fail_all_streams(self, error: str) -> None:
         for req_id in list(self._flights):

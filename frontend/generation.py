@@ -1,6 +1,9 @@
 """The one per-request pipeline every API shares (OpenAI, Anthropic, WebSocket).
 
-    AddRequest ─▶ engine deltas ─▶ detokenize ─▶ stop strings ─▶ tool calls ─▶ Delta*, Final
+    AddRequest ─▶ engine deltas ─▶ OutputStream (detokenize, stop strings) ─▶ tool calls
+               ─▶ Delta*, Final
+
+The OutputStream (engine/text/output.py) is the one the offline API uses too.
 
 `Pipeline.run(job)` yields, per choice, `Delta` events and then exactly one `Final`. A stop
 string ends the choice at once: the engine stream is closed, which aborts the request on the
@@ -21,22 +24,23 @@ from typing import AsyncIterator, NamedTuple
 import msgspec
 
 from engine.deadlines import DEADLINE_ERROR
-from engine.messages import INVALID, AddRequest, RequestDelta
+from engine.messages import FAILURES, INVALID, AddRequest, FinishReason, RequestDelta
 from engine.sampling_params import SamplingParams
+from engine.text.output import OutputStream
+from engine.text.tool_formats import tool_format
+from engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 from frontend.admission import Reservation, Work, WorkAdmission
 from frontend.errors import ApiError, from_sampling_error, invalid
 from frontend.protocol import SamplingFields
-from frontend.stop import StopChecker
-from frontend.tool_formats import tool_format
-from frontend.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 
 log = logging.getLogger("duplex.generation")
 
 # The worker owns deadlines (engine/deadlines.py); one that never answers is cut off this
 # long after it, so nothing hangs.
 DEADLINE_GRACE_S = 5.0
-_FAILURE_MESSAGES = {"error": "the engine worker failed", "timeout": DEADLINE_ERROR,
-                     "abort": "request aborted by the server"}
+_FAILURE_MESSAGES = {FinishReason.ERROR: "the engine worker failed",
+                     FinishReason.TIMEOUT: DEADLINE_ERROR,
+                     FinishReason.ABORT: "request aborted by the server"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Job:
     # the start of the reply the prompt already holds (a forced tool call): the tool parser
     # reads it before the model's text; it is never sent as content
     forced_text: str = ""
-    tool_format: str = "hermes"  # frontend/tool_formats.py: how calls are written and parsed
+    tool_format: str = "hermes"  # engine/text/tool_formats.py: how calls are written and parsed
     retention: str = "chat"
     cache_salt: str = ""
 
@@ -98,10 +102,10 @@ class Delta:
 class Final:
     """The one terminal event of choice `index`.
 
-    finish_reason: "stop" | "length" | "tool_calls" (the client's answer ended) or
-    "error" | "timeout" | "abort" (it did not; `error` says why)."""
+    finish_reason: STOP | LENGTH | TOOL_CALLS (the client's answer ended) or one of
+    engine.messages.FAILURES: ERROR | TIMEOUT | ABORT (it did not; `error` says why)."""
     index: int
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
     timings: Timings
     stop_sequence: str | None = None
@@ -112,14 +116,14 @@ class Final:
 
     @property
     def failed(self) -> bool:
-        return self.finish_reason in ("error", "timeout", "abort")
+        return self.finish_reason in FAILURES
 
     def api_error(self) -> ApiError:
         """How a failed choice is reported: a lost worker or an abort is worth retrying; a
         request the worker refused as invalid (it can never run) is not."""
         if self.is_invalid:
             return invalid(self.error, code="invalid_request")
-        kind = "timeout" if self.finish_reason == "timeout" else "unavailable"
+        kind = "timeout" if self.finish_reason == FinishReason.TIMEOUT else "unavailable"
         return ApiError(kind, self.error, code=self.finish_reason)
 
 
@@ -352,7 +356,8 @@ class Pipeline:
         final = None
         has_turn = await _take_turn(reservation, choice.job.cache_salt, cutoff)
         if not has_turn:
-            final = choice.fail("timeout", "request timed out waiting for its turn to run")
+            final = choice.fail(FinishReason.TIMEOUT,
+                                "request timed out waiting for its turn to run")
         try:
             if final is None:
                 async with contextlib.aclosing(self.engine.generate(msg)) as deltas:
@@ -361,15 +366,15 @@ class Pipeline:
                             async with asyncio.timeout(_seconds_until(cutoff)):
                                 delta = await anext(deltas)
                         except StopAsyncIteration:
-                            final = choice.fail("error",
+                            final = choice.fail(FinishReason.ERROR,
                                                 "the engine stream ended without a result")
                             break
                         except TimeoutError:
-                            final = choice.fail("timeout", DEADLINE_ERROR)
+                            final = choice.fail(FinishReason.TIMEOUT, DEADLINE_ERROR)
                             break
                         except Exception as e:  # noqa: BLE001 - the engine failed: end it
                             log.exception("engine stream failed req_id=%s", msg.req_id)
-                            final = choice.fail("error", f"engine error: {e}")
+                            final = choice.fail(FinishReason.ERROR, f"engine error: {e}")
                             break
                         event, final = choice.on_delta(delta)
                         if event is not None:
@@ -395,22 +400,18 @@ class Pipeline:
 
 
 class _Choice:
-    """The state of one choice while its deltas arrive (detokenizer, stop, tool parser)."""
+    """The state of one choice while its deltas arrive (output text stream, tool parser)."""
 
     def __init__(self, pipeline: Pipeline, job: Job, sample: int, index: int) -> None:
         self.pipeline = pipeline
         self.job = job
         self.sample = sample  # which of the job's n samples this is
         self.index = index  # its place among all choices of the API request
-        params = job.params
-        self.detokenizer = pipeline.recipe.new_detokenizer(params.skip_special_tokens)
-        self.stop = (StopChecker(params.stop, params.include_stop_str_in_output)
-                     if params.stop else None)
+        self.stream = OutputStream.for_params(pipeline.recipe, job.params)
         self.tools = tool_format(job.tool_format).new_parser() if job.parse_tools else None
         self._forced_events = self.tools.push(job.forced_text) \
             if self.tools is not None and job.forced_text else []
         self.has_tool_calls = False
-        self.raw_tail = ""  # recent text before stop checking, to name the stop string hit
         self.num_tokens = 0
         self.num_cached_tokens = 0
         self.cached_by_tier: dict[str, int] = {}
@@ -438,34 +439,28 @@ class _Choice:
         """One engine delta -> (an output event or None, the Final if the choice ended)."""
         self._count(delta)
         engine_finish = delta.finish_reason
-        completed = engine_finish is not None and not _failed(engine_finish)
-        text = self.detokenizer.push(delta.new_token_ids) if delta.new_token_ids else ""
-        if completed:
-            text += self.detokenizer.flush()
-        text, stopped = self._stop_check(text)
-        if completed and not stopped and self.stop is not None:
-            text += self.stop.flush()
-        ended = stopped or engine_finish is not None
-        text, tool_events = self._parse_tools(text, ended)
+        is_complete = engine_finish is not None and engine_finish not in FAILURES
+        # a failed stream's held-back text (a broken character, a partial stop string) is dropped
+        text = self.stream.push(delta.new_token_ids, is_last=is_complete)
+        finish_reason = self.stream.finish_reason(engine_finish)
+        text, tool_events = self._parse_tools(text, finish_reason is not None)
         event = self._event(delta, text, tool_events)
-        if not ended:
+        if finish_reason is None:
             return event, None
-        if stopped:
-            return event, self.finish("stop", self._stop_sequence())
-        if not completed:
-            final = self.fail(_failure(engine_finish, delta.error), delta.error)
+        if finish_reason in FAILURES:
+            final = self.fail(_failure(finish_reason, delta.error), delta.error)
             final.is_invalid = delta.error_kind == INVALID
             return event, final
-        return event, self.finish(engine_finish)
+        return event, self.finish(finish_reason, self.stream.stop_str)
 
-    def finish(self, finish_reason: str, stop_sequence: str | None = None) -> Final:
-        if finish_reason == "stop" and self.has_tool_calls:
-            finish_reason = "tool_calls"
+    def finish(self, finish_reason: FinishReason, stop_sequence: str | None = None) -> Final:
+        if finish_reason == FinishReason.STOP and self.has_tool_calls:
+            finish_reason = FinishReason.TOOL_CALLS
         return Final(self.index, finish_reason, self._usage(), self._timings(),
                      stop_sequence=stop_sequence, num_draft_proposed=self.num_draft_proposed,
                      num_draft_accepted=self.num_draft_accepted)
 
-    def fail(self, finish_reason: str, error: str) -> Final:
+    def fail(self, finish_reason: FinishReason, error: str) -> Final:
         final = self.finish(finish_reason)
         final.error = error or _FAILURE_MESSAGES[finish_reason]
         return final
@@ -487,12 +482,6 @@ class _Choice:
         self.pipeline.metrics.observe_delta(len(delta.new_token_ids), delta.num_draft_proposed,
                                             delta.num_draft_accepted)
 
-    def _stop_check(self, text: str) -> tuple[str, bool]:
-        if self.stop is None:
-            return text, False
-        self.raw_tail = (self.raw_tail + text)[-self._tail_len():]
-        return self.stop.push(text)
-
     def _parse_tools(self, text: str, is_last: bool) -> tuple[str, list]:
         if self.tools is None:
             return text, []
@@ -513,12 +502,6 @@ class _Choice:
                      delta.num_draft_proposed, delta.num_draft_accepted,
                      list(delta.accepted_draft_mask))
 
-    def _stop_sequence(self) -> str | None:
-        hits = [(self.raw_tail.find(s), s) for s in self.job.params.stop if s in self.raw_tail]
-        return min(hits)[1] if hits else None
-
-    def _tail_len(self) -> int:
-        return 2 * max(len(s) for s in self.job.params.stop) + 64
 
     def _usage(self) -> Usage:
         return Usage(len(self.job.prompt_token_ids), self.num_tokens, self.num_cached_tokens,
@@ -536,13 +519,11 @@ class _Choice:
         return Timings(self.first_token_at - self.start, rate, end - self.start, self.queue_s)
 
 
-def _failed(finish_reason: str) -> bool:
-    return finish_reason in ("error", "abort")
-
-
-def _failure(finish_reason: str, error: str) -> str:
+def _failure(finish_reason: FinishReason, error: str) -> FinishReason:
     """The API failure of an engine finish: the worker's deadline abort is a timeout."""
-    return "timeout" if finish_reason == "abort" and error == DEADLINE_ERROR else finish_reason
+    if finish_reason == FinishReason.ABORT and error == DEADLINE_ERROR:
+        return FinishReason.TIMEOUT
+    return finish_reason
 
 
 def _seconds_until(cutoff: float | None) -> float | None:

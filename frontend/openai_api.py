@@ -15,6 +15,8 @@ import msgspec
 from aiohttp import web
 
 from engine.sampling_params import SamplingParams
+from engine.text.tool_formats import tool_format
+from engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
 from frontend import structured
 from frontend.errors import invalid
 from frontend.retention import request_retention
@@ -32,8 +34,6 @@ from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
                                Tool, ToolCall, TopLogprob, REQ_ID, json_response, read_json)
 from frontend.responses_api import ResponsesApi
-from frontend.tool_formats import tool_format
-from frontend.tool_parser import ToolCallArgsDelta, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from engine.messages import FinishReason
+from engine.text.tool_formats import tool_format
+from engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
 from frontend import structured
 from frontend.errors import ApiError, invalid
 from frontend.generation import Delta, Job, collect, resolve_max_tokens, sampling_params
 from frontend.protocol import REQ_ID, SseStream, json_response, read_json
-from frontend.tool_formats import tool_format
-from frontend.tool_parser import ToolCallArgsDelta, ToolCallStart
 
 if TYPE_CHECKING:
     from frontend.server import AppState
@@ -308,7 +309,7 @@ class _Reply:
                 "total_tokens": usage.total_tokens,
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens},
                 "output_tokens_details": {"reasoning_tokens": 0}}
-            if final.finish_reason == "length":
+            if final.finish_reason == FinishReason.LENGTH:
                 response["status"] = "incomplete"
                 response["incomplete_details"] = {"reason": "max_output_tokens"}
         return response

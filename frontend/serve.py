@@ -200,7 +200,7 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
                 layout: WorkerLayout = WorkerLayout(), ssl_context=None,
                 chat_template: str | None = None) -> int:
     from frontend.engine_client import EngineClient
-    from frontend.recipe import Recipe
+    from engine.text.recipe import Recipe
     from frontend.router import DEFAULT_BUCKET_LIMITS, Router
     from frontend.supervisor import Supervisor
 

@@ -26,6 +26,8 @@ from aiohttp import web
 from engine.logs import REQUEST_ID
 from engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
 from engine.stats import KVStats, MoEStats
+from engine.text.tool_formats import TOOL_FORMATS
+from engine.text.tool_parser import forced_call_prefix, tools_supported
 from frontend import anthropic_api, openai_api, openapi, ws
 from frontend.admission import WorkAdmission
 from frontend.auth import ApiKeys
@@ -36,8 +38,6 @@ from frontend.metrics import Metrics, kv_usage
 from frontend.offload import (CPU_POOL, CpuPool, check_prompt_chars, longest_token_chars,
                               text_chars)
 from frontend.protocol import REQ_ID, json_response
-from frontend.tool_formats import TOOL_FORMATS
-from frontend.tool_parser import forced_call_prefix, tools_supported
 
 log = logging.getLogger("duplex.server")
 
@@ -62,7 +62,7 @@ class ServerOptions:
     web_dir: Path | None = WEB_DIR
     allowed_origins: tuple[str, ...] = ()  # CORS; "*": any origin
     chat_template: str | None = None  # --chat-template: replaces the model's own template
-    tool_call_parser: str = "hermes"  # --tool-call-parser (frontend/tool_formats.py)
+    tool_call_parser: str = "hermes"  # --tool-call-parser (engine/text/tool_formats.py)
     # A client's own chat template decides where control tokens go (it can write a fake
     # system turn): a trust decision, so off unless the operator turns it on.
     allow_request_chat_template: bool = False

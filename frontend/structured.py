@@ -148,7 +148,7 @@ def for_chat(requested: Requested | None, tools: list[dict] | None, fmt, choice:
              parallel: bool, forced: str = "") -> Requested | None:
     """The constraint of a chat request: its output constraint (`requested`) and its
     tool_choice over OpenAI-shaped tools ({"function": {...}}) written in the tool-call
-    format `fmt` (frontend/tool_formats.py). choice: "auto", "required", a tool name, or
+    format `fmt` (engine/text/tool_formats.py). choice: "auto", "required", a tool name, or
     None / "none" (no tool constraint). forced: the start of a call the prompt already
     holds (required / named, see tool_parser.forced_call_prefix); the constraint continues
     after it. With auto, an output constraint means: that output, or tool calls."""

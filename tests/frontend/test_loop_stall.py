@@ -84,7 +84,7 @@ def test_health_and_streams_stay_live_under_hostile_bodies(tmp_path):
 
 
 async def _hostile_run(tmp_path) -> None:
-    from frontend.recipe import Recipe
+    from engine.text.recipe import Recipe
     state = AppState(FakeEngineClient(reply="tick " * 40, step_s=0.02), Recipe.from_model(
         default_model_path()), ServerOptions(allow_request_chat_template=True))
     client = TestClient(TestServer(build_app(state), host="127.0.0.1"))

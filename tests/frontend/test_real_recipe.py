@@ -30,7 +30,7 @@ HOSTILE_TEMPLATES = [
 
 @pytest.fixture
 async def real(tmp_path):
-    from frontend.recipe import Recipe
+    from engine.text.recipe import Recipe
     recipe = Recipe.from_model(default_model_path())
     state = AppState(FakeEngineClient(max_model_len=8192), recipe,
                      ServerOptions(web_dir=tmp_path, allow_request_chat_template=True))

@@ -15,7 +15,7 @@ import pytest
 from engine.kv_transfer import prefill_part
 from engine.messages import AddRequest
 from engine.sampling_params import Constraint, SamplingParams
-from frontend.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from tests.structured.conftest import make_core
 
 SCHEMA = {

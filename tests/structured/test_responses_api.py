@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from frontend.recipe import Recipe
+from engine.text.recipe import Recipe
 from frontend.serve import TOOLS_TEMPLATE
 from tests.structured.conftest import make_core
 from tests.structured.support import ApiServer, CoreEngine

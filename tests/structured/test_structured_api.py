@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from frontend.recipe import Recipe
+from engine.text.recipe import Recipe
 from frontend.serve import TOOLS_TEMPLATE
 from tests.structured.conftest import make_core
 from tests.structured.support import ApiServer, CoreEngine

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from frontend.recipe import RecipeError
+from engine.text.recipe import RecipeError
 from recipe_factories import (WEATHER_TOOL, assistant, control_ids_in, system, tool_call,
                               user)
 

@@ -3,7 +3,7 @@ ids equal transformers' apply_chat_template(continue_final_message=True), and th
 continue can never become a control token."""
 import pytest
 
-from frontend.recipe import RecipeError
+from engine.text.recipe import RecipeError
 
 HISTORY = [{"role": "system", "content": "You answer in one word."},
            {"role": "user", "content": "What is the capital of France?"}]
@@ -43,7 +43,7 @@ def test_continuation_needs_a_final_plain_assistant_message(default_recipe, mess
 
 
 def test_forced_tool_call_start_uses_the_models_own_tool_token(tools_recipe):
-    from frontend.tool_parser import forced_call_prefix, tools_supported
+    from engine.text.tool_parser import forced_call_prefix, tools_supported
 
     assert tools_supported(tools_recipe.template)
     forced = forced_call_prefix(["get_weather", "get_time"], "get_weather")

@@ -3,7 +3,7 @@ sandboxed, injection-safe encoder; the cached recipe of the model keeps its own 
 from __future__ import annotations
 
 from frontend.operator_flags import read_chat_template, with_chat_template
-from frontend.recipe import Recipe
+from engine.text.recipe import Recipe
 
 from engine.config import default_model_path
 

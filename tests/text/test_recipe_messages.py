@@ -1,7 +1,8 @@
 """Message and tool validation: malformed input is a RecipeError (a ValueError) naming it."""
 import pytest
 
-from frontend.recipe import RecipeError, normalize_messages, normalize_tools
+from engine.text.errors import RecipeError
+from engine.text.messages import normalize_messages, normalize_tools
 from recipe_factories import tool_call, user
 
 BAD_MESSAGES = [

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from frontend.recipe import Recipe, RecipeError, RenderLimits
+from engine.text.recipe import Recipe, RecipeError, RenderLimits
 from recipe_factories import (WEATHER_TOOL, assistant, reference_ids, system, tool_call, user)
 
 CHAT = [system("  Be brief.  "), user("  Hello <b>there</b>, wörld 🙂  "),

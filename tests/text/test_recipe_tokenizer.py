@@ -6,10 +6,10 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from engine.config import default_model_path
-from frontend import tokenizer as tokenizer_module
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.recipe import Recipe
-from frontend.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
+from engine.text import tokenizer as tokenizer_module
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.recipe import Recipe
+from engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
                                 special_token_ids, text_encoder)
 from recipe_factories import control_ids_in, reference_ids, user
 

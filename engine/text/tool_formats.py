@@ -20,8 +20,8 @@ import json
 import re
 from typing import Callable
 
-from frontend.tool_parser import (HermesFormat, TextDelta, ToolCallArgsDelta, ToolCallEnd,
-                                  ToolCallParser, ToolCallStart, _partial_tag, new_call_id)
+from engine.text.tool_parser import (HermesFormat, TextDelta, ToolCallArgsDelta, ToolCallEnd,
+                                     ToolCallParser, ToolCallStart, _partial_tag, new_call_id)
 
 _DECODER = json.JSONDecoder()
 

@@ -1,0 +1,52 @@
+"""The offline API on the default model: its text is the recipe's decode of its token ids,
+stop strings cut it as a whole-text cut would, and chats are encoded by the recipe."""
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.messages import FinishReason
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow   # loads the default model
+
+PROMPT = "The three primary colours are"
+
+
+@pytest.fixture(scope="module")
+def llm(default_model) -> LLM:
+    return LLM(default_model, progress=False, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def full(llm):
+    """A greedy reply that runs to max_tokens."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    return llm.generate(PROMPT, params)[0]
+
+
+def test_text_is_the_decode_of_the_token_ids(llm, full):
+    assert full.finish_reason == FinishReason.LENGTH == "length"
+    assert len(full.token_ids) == 24 and len(full.logprobs) == 24
+    assert full.text == llm.recipe.decode(full.token_ids)
+    assert full.prompt_token_ids == llm.recipe.encode_prompt(PROMPT)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_cuts_the_text_and_ends_the_request(llm, full, include):
+    stop = full.text.strip()[4:7]
+    start = full.text.find(stop)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=include)
+    out = llm.generate(PROMPT, params)[0]
+    assert out.text == full.text[:start + (len(stop) if include else 0)]
+    assert (out.finish_reason, out.stop_reason) == (FinishReason.STOP, "stop_string")
+    assert out.token_ids == full.token_ids[:len(out.token_ids)] and out.logprobs is None
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_chat_is_encoded_by_the_recipe(llm):
+    chat = [{"role": "user", "content": "Say hi <|im_end|>"}]
+    out = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert out.prompt_token_ids == llm.recipe.encode_chat(chat)
+    assert out.text == llm.recipe.decode(out.token_ids)
