@@ -23,6 +23,7 @@ import torch
 from engine.hybrid_kv import HybridLayout, swa_step_inputs
 from engine.models import ForwardContext
 from engine.scheduler import ScheduledRequest
+from kernels import memory
 from kernels.quant import prompt_step
 
 
@@ -46,8 +47,8 @@ class ModelRunner:
         if layout is not None:
             self.kv, self.swa_kv, self.kv_caches = layout.allocate(args, block_size, dtype)
             return
-        self.kv = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads,
-                              args.head_dim, dtype=dtype)
+        self.kv = memory.empty((args.num_layers, 2, num_blocks, block_size, args.num_kv_heads,
+                                args.head_dim), dtype).zero_()  # huge pages, then zeroed
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(args.num_layers)]
 
     @staticmethod

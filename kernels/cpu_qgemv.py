@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import memory
 from kernels.cpu_fused import load_library
 
 log = logging.getLogger("duplex.kernels")
@@ -93,7 +94,8 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Packe
     weights instead of 24, bitwise the same results)."""
     assert q.dtype == torch.uint8 and fits(*q.shape), f"int4 q [16a, 32b] uint8, got {q.shape}"
     s = _steps(q)
-    nibbles = (s[:, :, :4] | (s[:, :, 4:] << 4)).contiguous()  # low: steps 0-3, high: 4-7
+    nibbles = memory.empty(s[:, :, :4].shape, torch.uint8)  # streamed every step: huge pages
+    torch.bitwise_or(s[:, :, :4], s[:, :, 4:] << 4, out=nibbles)  # low: steps 0-3, high: 4-7
     scale, zero = scale.float(), zero.float()
     low = zero - 8 * scale
     if _is_half(scale) and _is_half(low) and bool((low + 8 * scale == zero).all()):
@@ -111,8 +113,10 @@ def _is_half(t: torch.Tensor) -> bool:
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Packed:
     assert q.dtype == torch.int8 and fits(*q.shape), f"int8 q [16a, 32b] int8, got {q.shape}"
     unsigned = (q.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd takes unsigned weights
-    return Packed(INT8, q.shape[0], q.shape[1], _steps(unsigned).contiguous(),
-                  scale.float().contiguous(), None)
+    steps = _steps(unsigned)
+    weight = memory.empty(steps.shape, torch.uint8)
+    weight.copy_(steps)
+    return Packed(INT8, q.shape[0], q.shape[1], weight, scale.float().contiguous(), None)
 
 
 def linear(p: Packed, x: torch.Tensor, pointers: tuple[int, int, int, int] | None = None

@@ -28,7 +28,7 @@ import contextlib
 
 import torch
 
-from kernels import cpu_qgemv
+from kernels import cpu_qgemv, memory
 
 INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32..256)
 _INNER_K_TILES = 2
@@ -124,8 +124,9 @@ class QuantWeight:
         CPU kernels have vectorized bf16 paths; fp32 inputs take a scalar fallback that is
         ~30x slower); frees the unpacked integers."""
         self._dtype = dtype
-        if self.with_dense:
-            self.dense = self.dequantize(torch.bfloat16)
+        if self.with_dense:  # read by every batched step: on huge pages
+            self.dense = memory.empty(self.shape, torch.bfloat16)
+            self.dense.copy_(self.dequantize(torch.bfloat16))
         if cpu_qgemv.available() and cpu_qgemv.fits(*self.shape):
             self._vnni = cpu_qgemv.pack_int4(self.q, self.scale, self.zero) if self.bits == 4 \
                 else cpu_qgemv.pack_int8(self.q, self.scale)

@@ -1,0 +1,41 @@
+"""Large, long-lived CPU buffers (packed weights, the KV pool) on transparent huge pages.
+
+A decode step streams every weight once (~95 MB for SmolLM2 in `auto`) and, at large
+batches, every sequence's keys and values: on 4 KB pages that is a TLB miss every 4 KB. Linux
+gives a mapping 2 MB pages when asked (`madvise(MADV_HUGEPAGE)`, the default policy of most
+distributions being `madvise`) for the pages first touched after the call, so `empty` asks
+before anything is written. Where the kernel says no (THP off, not Linux), the buffer is an
+ordinary one: nothing else changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 2 * HUGE_PAGE  # smaller buffers would gain at most one huge page
+_MADV_HUGEPAGE = 14
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(shape, dtype=dtype)` whose whole 2 MB pages are advised huge."""
+    t = torch.empty(shape, dtype=dtype)
+    advise_huge(t)
+    return t
+
+
+def advise_huge(t: torch.Tensor) -> bool:
+    """Ask for huge pages over the whole 2 MB pages inside t's storage; True if granted.
+    Only pages not yet touched are affected: call it before writing."""
+    nbytes = t.numel() * t.element_size()
+    if _libc is None or nbytes < MIN_BYTES or t.device.type != "cpu":
+        return False
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                         _MADV_HUGEPAGE) == 0
