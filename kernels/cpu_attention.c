@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_scratch.h"
+
 #define MAX_GROUP 16
 #define MAX_HEADS 1024  /* query heads one unit of work may hold */
 
@@ -27,17 +29,9 @@ int attn_available(void) {
 
 __m512 _ZGVeN16v_expf(__m512);  /* glibc libmvec */
 
-static __thread float *score_scratch;
-static __thread size_t score_scratch_len;
+static __thread struct scratch scores;
 
-static float *scores_for(size_t n) {
-    if (n > score_scratch_len) {
-        free(score_scratch);
-        score_scratch = malloc(n * sizeof(float));
-        score_scratch_len = score_scratch ? n : 0;
-    }
-    return score_scratch;
-}
+static float *scores_for(size_t n) { return scratch_grow(&scores, n * sizeof(float)); }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
     __m512 acc = _mm512_setzero_ps();

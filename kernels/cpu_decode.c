@@ -37,17 +37,9 @@ typedef struct {
     const float *rope_cache;  /* [max_positions, head_dim] = cat(cos, sin) */
 } dec_model;
 
-static __thread float *work;
-static __thread size_t work_len;
+static __thread struct scratch work;
 
-static float *work_for(size_t n) {
-    if (n > work_len) {
-        free(work);
-        work = malloc(n * sizeof(float));
-        work_len = work ? n : 0;
-    }
-    return work;
-}
+static float *work_for(size_t n) { return scratch_grow(&work, n * sizeof(float)); }
 
 static int matmul(const dec_weight *w, const float *x, float *out, int64_t m, int threads) {
     return qg_linear((int)w->kind, w->w, w->scale, w->zero, x, w->k, out, w->n, m, w->n, w->k,

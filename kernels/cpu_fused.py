@@ -111,9 +111,7 @@ def load_library(source_path: Path, flags: list[str], libs: tuple[str, ...], dec
 def build_library(source_path: Path, flags: list[str], libs: tuple[str, ...] = ()) -> Path:
     """Compile one C file into a shared library in the cache directory (once per source,
     flags and CPU) and return its path; raises RuntimeError / SubprocessError on failure."""
-    source = source_path.read_bytes()
-    for name in re.findall(rb'^#include "([^"]+)"', source, re.M):  # local includes count too
-        source += (source_path.parent / name.decode()).read_bytes()
+    source = _with_local_includes(source_path)
     # -march=native: a library built on one CPU may not run on another, so the CPU is keyed
     key = source + " ".join([*flags, *libs]).encode() + os.uname().machine.encode() + _cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:16]
@@ -132,6 +130,20 @@ def build_library(source_path: Path, flags: list[str], libs: tuple[str, ...] = (
                        check=True, capture_output=True, timeout=120)
         os.replace(built, target)  # atomic: concurrent builders end with one good file
     return target
+
+
+def _with_local_includes(path: Path, seen: set[Path] | None = None) -> bytes:
+    """The file's bytes, then those of every `#include "..."` it reaches (once each), so a
+    change to any of them builds the library again."""
+    seen = set() if seen is None else seen
+    seen.add(path)
+    data = path.read_bytes()
+    out = data
+    for name in re.findall(rb'^#include "([^"]+)"', data, re.M):
+        included = path.parent / name.decode()
+        if included not in seen:
+            out += _with_local_includes(included, seen)
+    return out
 
 
 def _cpu_flags() -> bytes:

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_scratch.h"
+
 #define QG_GROUP 32
 #define QG_MAX_ROWS 8
 #define QG_INT4 4
@@ -73,17 +75,9 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int
 }
 
 /* Per-thread scratch for the quantized activations, grown as needed (never shrunk). */
-static __thread void *scratch;
-static __thread size_t scratch_size;
+static __thread struct scratch activations;
 
-static void *scratch_for(size_t bytes) {
-    if (bytes > scratch_size) {
-        free(scratch);
-        scratch = malloc(bytes);
-        scratch_size = scratch ? bytes : 0;
-    }
-    return scratch;
-}
+static void *scratch_for(size_t bytes) { return scratch_grow(&activations, bytes); }
 
 /* One block of 16 output rows, all m rows of x. kind: QG_INT4, QG_INT8 or QG_INT4_HALF;
  * sb / zb: the block's scales and zeros (fp32), or its interleaved half scales and mins. */
