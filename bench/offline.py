@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-batches", default="1,32,64")
     parser.add_argument("--step-context", type=int, default=128,
                         help="context length of each sequence in the decode-step measurement")
+    parser.add_argument("--step-temperature", type=float, default=0.0,
+                        help="sampling of the step profile's requests (0: greedy)")
+    parser.add_argument("--step-top-p", type=float, default=1.0)
     parser.add_argument("--weights-dtype", "--dtype", default="auto")
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
@@ -165,13 +168,33 @@ def isolated_gemm_seconds(args, m: int, repeats: int = 20,
     return statistics.median(times), flop / 1e9
 
 
-def decode_step_seconds(llm, batch: int, context: int, steps: int = 12) -> float:
-    """Median wall time of one engine step with `batch` sequences all decoding."""
+class _TimedSampler:
+    """The engine's sampler, timing each call."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.seconds: list[float] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.seconds.append(time.perf_counter() - start)
+        return out
+
+
+def decode_step_seconds(llm, batch: int, context: int, steps: int = 12,
+                        temperature: float = 0.0, top_p: float = 1.0) -> tuple[float, float]:
+    """Median wall time of one engine step with `batch` sequences all decoding, and the
+    median time of its sampler call."""
     from engine.messages import AddRequest
     from engine.sampling_params import SamplingParams
 
     core = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=steps + 64,
+                            ignore_eos=True)
     rng = random.Random(batch)
     ids = [f"step-{batch}-{i}" for i in range(batch)]
     for req_id in ids:
@@ -180,13 +203,18 @@ def decode_step_seconds(llm, batch: int, context: int, steps: int = 12) -> float
     while any(r.num_output_tokens == 0 for r in core.requests.values()):
         core.step()  # prefill everything first
     times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - start)
+    sampler, core.sampler = core.sampler, _TimedSampler(core.sampler)
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+        sampled = core.sampler.seconds
+    finally:
+        core.sampler = sampler
     core.abort_requests(ids)
     core.step()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(sampled)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,10 +246,13 @@ def run(args: argparse.Namespace) -> int:
     result["engine_batch1_rounds"] = engine_b1
     result["steps"] = []
     for b in [int(x) for x in args.step_batches.split(",")]:
-        step_s = decode_step_seconds(llm, b, args.step_context)
+        step_s, sampler_s = decode_step_seconds(llm, b, args.step_context,
+                                                temperature=args.step_temperature,
+                                                top_p=args.step_top_p)
         gemm_s, gflop = isolated_gemm_seconds(llm.engine.args, b,
                                               weights=model_step_weights(llm.engine.model))
         result["steps"].append({"batch": b, "step_ms": step_s * 1e3, "gemm_ms": gemm_s * 1e3,
+                                "sampler_ms": sampler_s * 1e3,
                                 "gemm_gflops": gflop / gemm_s, "step_gflops": gflop / step_s,
                                 "fraction_of_gemm_rate": gemm_s / step_s})
     if model is not None:
@@ -247,10 +278,15 @@ def markdown(r: dict) -> str:
                  + (f"{hf['output_tok_s']:.1f} | {r['speedup']:.2f}x |" if hf else "– | – |"))
     lines.append(f"| batch 1 decode tok/s | {r['engine_batch1_tok_s']:.1f} | "
                  + (f"{r['hf_batch1_tok_s']:.1f} | {r['batch1_speedup']:.2f}x |" if hf else "– | – |"))
-    lines += ["", "| decode batch | step ms | GEMMs alone ms | GEMM GFLOP/s alone | step GFLOP/s "
-              "| step at % of GEMM rate |", "|---|---|---|---|---|---|"]
+    a = r["args"]
+    lines += ["", f"step profile sampling: temperature {a['step_temperature']}, top_p "
+              f"{a['step_top_p']}", "",
+              "| decode batch | step ms | GEMMs alone ms | GEMM GFLOP/s alone | step GFLOP/s "
+              "| step at % of GEMM rate | sampler ms | sampler % of step |",
+              "|---|---|---|---|---|---|---|---|"]
     for s in r["steps"]:
         lines.append(f"| {s['batch']} | {s['step_ms']:.1f} | {s['gemm_ms']:.1f} | "
                      f"{s['gemm_gflops']:.1f} | {s['step_gflops']:.1f} | "
-                     f"{100 * s['fraction_of_gemm_rate']:.0f} % |")
+                     f"{100 * s['fraction_of_gemm_rate']:.0f} % | {s['sampler_ms']:.2f} | "
+                     f"{100 * s['sampler_ms'] / s['step_ms']:.1f} % |")
     return "\n".join(lines)
