@@ -7,6 +7,7 @@ reference (or, in batch-invariant mode, `kernels.batch_invariant`) on CPU.
     kv_store.py         paged KV cache write (slot = block_id * block_size + offset)
     attention.py        varlen paged attention: decode + prefill over a cached prefix, GQA,
                         sliding window, soft cap
+    decode_attention.py split-KV (flash-decoding) triton attention for decode rows (CUDA)
     rms_norm.py         RMSNorm (Llama / Gemma3 offset), fused residual add
     rotary.py           RoPE from a cos/sin cache (neox and GPT-J layouts)
     matmul.py           plain matmul/linear; batch-invariant persistent triton matmul

@@ -11,8 +11,9 @@ import torch
 
 from kernels import attention, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
 from kernels import batch_invariant as bi
-from kernels import cpu_fused
+from kernels import cpu_fused, decode_attention
 from kernels.attention import AttentionPlan
+from kernels.decode_attention import StepLens
 from kernels.batch_invariant import is_batch_invariant
 from kernels.quant import QuantEmbedding, QuantWeight
 from kernels.rotary import RopeTables
@@ -31,13 +32,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None,
-                    plan: AttentionPlan | None = None) -> torch.Tensor:
+                    soft_cap: float | None = None, plan: AttentionPlan | None = None,
+                    lens: StepLens | None = None) -> torch.Tensor:
     """Causal varlen paged attention; see kernels.attention for the exact conventions.
-    `plan` (CPU): the step's prebuilt gather indices and masks for these inputs."""
+    `plan` (CPU): the step's prebuilt gather indices and masks for these inputs.
+    `lens` (CUDA): the step's host lengths; with them decode rows take the split-KV kernels
+    (kernels.decode_attention) and nothing syncs."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
             sliding_window, soft_cap)
     if q.is_cuda:
+        if lens is not None:
+            return decode_attention.paged_attention_split(*args[:7], lens, sliding_window,
+                                                          soft_cap)
         return attention.paged_attention_triton(*args)
     if is_batch_invariant():
         return bi.bi_paged_attention(*args)
