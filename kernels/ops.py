@@ -9,7 +9,7 @@ follows them.
 """
 import torch
 
-from kernels import attention, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
+from kernels import activation, attention, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
 from kernels import batch_invariant as bi
 from kernels import cpu_fused, decode_attention
 from kernels.attention import AttentionPlan
@@ -129,6 +129,8 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`[..., 2n]` -> `silu(gate_up[..., :n]) * gate_up[..., n:]`."""
+    if gate_up.is_cuda:
+        return activation.silu_and_mul_triton(gate_up)
     if cpu_fused.is_enabled() and cpu_fused.fits(gate_up) and gate_up.is_contiguous() \
             and not is_batch_invariant():
         return cpu_fused.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(
