@@ -9,7 +9,7 @@ follows them.
 """
 import torch
 
-from kernels import activation, attention, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
+from kernels import activation, attention, fused_moe as _fused_moe, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
 from kernels import batch_invariant as bi
 from kernels import cpu_fused, decode_attention
 from kernels.attention import AttentionPlan
@@ -145,6 +145,16 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     if is_batch_invariant() and not x.is_cuda:
         return bi.bi_silu(x)
     return torch.nn.functional.silu(x)
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
+              w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts, `sum_j weight[t, j] * expert[ids[t, j]](x[t])` (weights None:
+    1); see kernels.fused_moe. CUDA: the grouped-GEMM triton kernels, no host sync. CPU:
+    the torch reference (the engine's CPU path is engine.models.moe.run_experts)."""
+    if x.is_cuda:
+        return _fused_moe.fused_moe_triton(x, topk_ids, topk_weights, w13, w2)
+    return _fused_moe.fused_moe_ref(x, topk_ids, topk_weights, w13, w2)
 
 
 def concat_weights(weights: list) -> torch.Tensor | QuantWeight:

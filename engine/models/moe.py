@@ -177,7 +177,15 @@ def load_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int,
 
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     """x [N, hidden], expert_ids [N] (index into `weights`) -> [N, hidden]: each row through
-    its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair."""
+    its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair.
+
+    CUDA: the grouped-GEMM triton kernels (kernels.fused_moe). CPU: a loop over the experts
+    that have rows, through ops.linear (batch-invariant mode included). One padded bmm over
+    all experts was measured against it (8 experts, hidden 1024, inter 512, 2 cores): 2.6 ms
+    vs 0.7 ms at 1 token, even at 16, 17 vs 24 ms at 128 tokens but then not bitwise equal
+    to the per-expert GEMMs; the loop stays."""
+    if x.is_cuda:
+        return ops.fused_moe(x, expert_ids[:, None], None, weights.w13, weights.w2)
     order = torch.argsort(expert_ids, stable=True)
     counts = torch.bincount(expert_ids, minlength=weights.w13.shape[0]).tolist()
     xs = x[order]  # rows grouped by expert
@@ -236,6 +244,9 @@ class LocalExperts:
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         self.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
+        if x.is_cuda:  # routing weights and the top-k sum inside the fused kernels
+            weights = self.weights[moe_layer]
+            return ops.fused_moe(x, topk_ids, topk_weights, weights.w13, weights.w2)
         k = topk_ids.shape[1]
         out = run_experts(x.repeat_interleave(k, dim=0), topk_ids.reshape(-1),
                           self.weights[moe_layer])  # [T * k, hidden], (token, j) order

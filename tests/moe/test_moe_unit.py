@@ -14,6 +14,7 @@ from engine.models.loader import ModelLoadError, hf_config_to_args
 from engine.models.moe import (ExpertWeights, LocalExperts, MoEArgs, grouped_topk,
                                softmax_topk)
 from engine.sampling_params import SamplingParams
+from kernels.fused_moe import fused_moe_ref
 from tests.engine.conftest import hf_model, make_core, run_engine
 
 
@@ -77,6 +78,8 @@ def test_expert_block_matches_per_token_loop():
             mlp = weights.w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up)
             want[t] += topk_weights[t, j] * mlp
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # the fused kernels' reference (the CUDA path's definition) is this CPU path, bitwise
+    assert torch.equal(fused_moe_ref(x, ids, topk_weights, *weights), got)
     experts.end_step()
     report = experts.load_report()
     assert report.expert_load.tolist() == [np.bincount(ids.flatten(), minlength=6).tolist()]
