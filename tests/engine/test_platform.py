@@ -75,3 +75,36 @@ def test_place_reaches_every_tensor():
         assert isinstance(layer.experts[0], ExpertWeights) and layer.name == "x"
     assert model.shared is model.layers[0]
     assert all(t.device.type == "meta" for t in found)
+
+
+def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
+    """A meta 'device' stands in for CUDA: whatever the runner makes must land there."""
+    from types import SimpleNamespace
+
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledRequest
+
+    class FakeModel:
+        __module__ = "engine.models.fake"
+
+        def __init__(self):
+            self.args = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4, vocab_size=8)
+            self.embed = torch.ones(8, 4)
+
+    class FakeCudaPlatform(plat.Platform):
+        is_cuda = True  # take the device branches
+
+        def empty(self, shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    meta = FakeCudaPlatform(torch.device("meta"), torch.float32, "gloo")
+    runner = ModelRunner(FakeModel(), 4, 2, torch.float32, platform=meta)
+    assert runner.kv.device.type == "meta" and runner.model.embed.device.type == "meta"
+    req = SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=3, num_tokens=3,
+                          replay_end=0, block_ids=[2, 0], token_slice=lambda a, b: [5, 6, 7][a:b])
+    inputs = runner.prepare([ScheduledRequest(req, 3)])
+    ctx = inputs.ctx
+    step = [inputs.input_ids, ctx.positions, ctx.slot_mapping, ctx.block_tables,
+            ctx.query_start_loc, ctx.seq_lens]
+    assert all(t.device.type == "meta" for t in step)
+    assert inputs.sample_positions == [2] and ctx.query_lens == [3]
