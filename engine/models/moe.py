@@ -240,19 +240,28 @@ class LocalExperts:
         self.weights = weights  # [num_moe_layers]
         self.num_experts = weights[0].w13.shape[0]
         self.stats = ExpertLoadStats(len(weights), self.num_experts, window_steps)
+        # device counts of this step's layers, brought to the host once, in end_step
+        self._device_counts: list[tuple[int, torch.Tensor]] = []
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        self.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
         if x.is_cuda:  # routing weights and the top-k sum inside the fused kernels
+            self._device_counts.append(
+                (moe_layer, torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)))
             weights = self.weights[moe_layer]
             return ops.fused_moe(x, topk_ids, topk_weights, weights.w13, weights.w2)
+        self.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
         k = topk_ids.shape[1]
         out = run_experts(x.repeat_interleave(k, dim=0), topk_ids.reshape(-1),
                           self.weights[moe_layer])  # [T * k, hidden], (token, j) order
         return combine(out.view(x.shape[0], k, -1), topk_weights)
 
     def end_step(self) -> None:
+        if self._device_counts:  # one device -> host copy per step, not one per layer
+            counts = torch.stack([c for _, c in self._device_counts]).cpu().numpy()
+            for (moe_layer, _), row in zip(self._device_counts, counts):
+                self.stats.record(moe_layer, row)
+            self._device_counts.clear()
         self.stats.step()
 
     def load_report(self) -> ExpertLoadReport:

@@ -149,3 +149,16 @@ def test_token_bounds_and_copy_sources():
     assert _source_rank(old, 0, 1, dst=1) == 1  # already there: a local copy
     assert _source_rank(old, 0, 0, dst=1) == 0
     assert _source_rank(old, 0, 3, dst=0) == 1
+
+
+def test_device_counts_are_recorded_once_per_step():
+    """The CUDA path keeps a step's counts on the device and records them in end_step
+    (driven here with CPU tensors through the same bookkeeping)."""
+    weights = ExpertWeights(torch.zeros(4, 2, 3), torch.zeros(4, 3, 1))
+    experts = LocalExperts([weights, weights])
+    for layer, ids in ((0, [[0, 1], [1, 3]]), (1, [[2, 2]])):
+        experts._device_counts.append((layer, torch.bincount(torch.tensor(ids).reshape(-1),
+                                                             minlength=4)))
+    experts.end_step()
+    assert experts.load_report().expert_load.tolist() == [[1, 2, 0, 1], [0, 0, 2, 0]]
+    assert experts._device_counts == []
