@@ -33,6 +33,7 @@ from engine.kv_tiers import DEVICE, DISK, HOST, SHARED, BlockCodec, KVTiers, Tie
 from engine.messages import AddRequest, FinishReason, RequestDelta, WorkerStats
 from engine.model_runner import ModelRunner
 from engine.models import build_model, load
+from engine.platform import Platform, cpu, place
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -65,8 +66,10 @@ def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True,
+                 platform: Platform | None = None) -> None:
         self.config = config
+        self.platform = platform or cpu()  # where weights, KV and step tensors live
         if config.expert_parallel > 1 and not torch.distributed.is_initialized():
             raise ValueError("--expert-parallel N runs under `duplex serve` or `duplex worker`, "
                              "which form the group of N processes (engine/ep_group.py)")
@@ -91,11 +94,13 @@ class EngineCore:
         self.tiers = KVTiers.from_config(config, self._namespace(None)) \
             if config.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
         self.model = build_model(loaded.args, loaded.state_dict)
+        if self.platform.is_cuda:
+            place(self.model, self.platform)  # before the KV pool is sized from free memory
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         self.num_kv_blocks = config.num_kv_blocks or max(
-            2, config.kv_cache_bytes // ModelRunner.bytes_per_block(self.args, self.block_size,
-                                                                  self.dtype))
+            2, self.platform.kv_pool_bytes(config.kv_cache_bytes)
+            // ModelRunner.bytes_per_block(self.args, self.block_size, self.dtype))
         self.eos_token_ids = _eos_token_ids(self.args, self.model_path)
         self.layout = HybridLayout.plan(
             self.args.layer_windows, self.num_kv_blocks, self.block_size, config.max_num_seqs,
@@ -103,7 +108,7 @@ class EngineCore:
         if self.layout is not None:
             self.num_kv_blocks = self.layout.num_full_blocks
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype,
-                                  self.layout)
+                                  self.layout, self.platform)
         link = None if self.tiers is None else \
             TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
         self.pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)

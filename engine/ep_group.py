@@ -45,6 +45,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.expert_parallel import free_port
 from engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
+from engine.platform import Platform, cpu
 from engine.stats import MoEStats
 
 log = logging.getLogger(__name__)
@@ -72,16 +73,19 @@ _DECODER = msgspec.msgpack.Decoder(StepOrder)
 
 # ---------------------------------------------------------------------------- the group
 class RankGroup:
-    """This process's membership: the default group (the experts' all_to_all) plus a gloo
-    group of its own for the orders and digests."""
+    """This process's membership: the default group (the experts' all_to_all, on the
+    platform's collective backend: gloo on CPU, NCCL on CUDA) plus a gloo group of its own
+    for the orders and digests (host bytes)."""
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, platform: Platform | None = None) -> None:
+        platform = platform or cpu()
         host, port = master_address(config)
         if host in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
-        # the engine keeps its tensors on the CPU (no device placement yet), so gloo; NCCL
-        # belongs here once the model and KV pool can live on a GPU
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
+        if platform.is_cuda:
+            torch.cuda.set_device(platform.device)  # NCCL binds a rank to the current device
+        dist.init_process_group(platform.collective_backend,
+                                init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=config.expert_parallel,
                                 timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
         self.rank, self.size = rank, config.expert_parallel

@@ -77,12 +77,14 @@ class HybridLayout:
         num_full = max(num_blocks, budget // len(full)) if full else num_blocks
         return cls(full, swa, window, num_full, num_swa)
 
-    def allocate(self, args, block_size: int, dtype: torch.dtype):
-        """(full kv, swa kv, per-layer (k_cache, v_cache)) tensors, zeroed."""
+    def allocate(self, args, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        """(full kv, swa kv, per-layer (k_cache, v_cache)) tensors on `device`, zeroed."""
         shape = (block_size, args.num_kv_heads, args.head_dim)
-        kv = torch.zeros(len(self.full_layers), 2, self.num_full_blocks, *shape, dtype=dtype)
+        kv = torch.zeros(len(self.full_layers), 2, self.num_full_blocks, *shape, dtype=dtype,
+                         device=device)
         swa_kv = torch.zeros(len(self.swa_layers), 2, self.num_swa_blocks + 1, *shape,
-                             dtype=dtype)
+                             dtype=dtype, device=device)
         caches = {}
         for i, layer in enumerate(self.full_layers):
             caches[layer] = (kv[i, 0], kv[i, 1])
@@ -92,8 +94,7 @@ class HybridLayout:
 
     def bytes_per_block(self, args, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
         """Bytes of one full-group block and one SWA-group block."""
-        layer = 2 * block_size * args.num_kv_heads * args.head_dim * \
-            torch.empty((), dtype=dtype).element_size()
+        layer = 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
         return layer * len(self.full_layers), layer * len(self.swa_layers)
 
 

@@ -234,7 +234,7 @@ class BlockCodec:
     def save(self, block_id: int, expires_at: float) -> BlockEntry:
         """A private copy of the block (the entry never aliases the pool)."""
         block = self.kv[:, :, block_id].clone(memory_format=torch.contiguous_format)
-        payload = block.reshape(-1).view(torch.uint8).numpy()
+        payload = block.reshape(-1).view(torch.uint8).cpu().numpy()  # .cpu(): no copy on a CPU
         return BlockEntry(payload, self.dtype, self.shape, self.block_size, expires_at)
 
     def fits(self, entry: BlockEntry) -> bool:

@@ -11,6 +11,10 @@ is kv[:, :, block_id] (what the host/disk tiers and KV transfer move).
 With a hybrid layout (engine/hybrid_kv.py: a model with sliding-window layers) `kv` holds the
 full-attention layers only and `swa_kv` the sliding-window layers, each with its own block
 ids; the step then carries a second block table and slot mapping for the SWA layers.
+
+The runner's `Platform` (engine/platform.py; the CPU by default) says where weights, KV and
+step tensors live: step inputs are built on the host from the scheduler's numbers and
+copied to the device once per step (on the CPU they are used as they are).
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ import torch
 
 from engine.hybrid_kv import HybridLayout, swa_step_inputs
 from engine.models import ForwardContext
+from engine.platform import Platform, cpu, place
 from engine.scheduler import ScheduledRequest
-from kernels import memory
 from kernels.quant import prompt_step
 
 
@@ -37,23 +41,27 @@ class StepInputs(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 layout: HybridLayout | None = None) -> None:
+                 layout: HybridLayout | None = None, platform: Platform | None = None) -> None:
         args = model.args
-        self.model = model
+        self.platform = platform or cpu()
+        self.device = self.platform.device
+        self.model = place(model, self.platform) if self.platform.is_cuda else model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layout = layout
         self.swa_kv = None
         if layout is not None:
-            self.kv, self.swa_kv, self.kv_caches = layout.allocate(args, block_size, dtype)
+            self.kv, self.swa_kv, self.kv_caches = layout.allocate(args, block_size, dtype,
+                                                                   self.device)
             return
-        self.kv = memory.empty((args.num_layers, 2, num_blocks, block_size, args.num_kv_heads,
-                                args.head_dim), dtype).zero_()  # huge pages, then zeroed
+        # CPU: huge-page advised, then zeroed
+        self.kv = self.platform.empty((args.num_layers, 2, num_blocks, block_size,
+                                       args.num_kv_heads, args.head_dim), dtype).zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(args.num_layers)]
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
@@ -83,20 +91,22 @@ class ModelRunner:
         table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for row, (req, _) in enumerate(scheduled):
             table[row, :len(req.block_ids)] = req.block_ids
+        dev = self.platform.to_device  # host lists -> one copy each (none on the CPU)
         ctx = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=torch.from_numpy(table),
-            query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), kv_caches=self.kv_caches,
+            positions=dev(torch.tensor(positions, dtype=torch.long)),
+            slot_mapping=dev(torch.tensor(slots, dtype=torch.long)),
+            block_tables=dev(torch.from_numpy(table)),
+            query_start_loc=dev(torch.tensor([0, *itertools.accumulate(query_lens)],
+                                             dtype=torch.int32)),
+            seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)), kv_caches=self.kv_caches,
             query_lens=query_lens, host_seq_lens=seq_lens, block_size=bs,
             slots_valid=slots_valid)
         if self.layout is not None:
             num_cols = max(max_blocks, *(len(s.req.swa_block_ids) for s in scheduled))
-            ctx.swa_block_tables, ctx.swa_slot_mapping = swa_step_inputs(
-                scheduled, bs, self.layout.null_block, num_cols)
-        return StepInputs(torch.tensor(ids, dtype=torch.long), ctx, sample_rows, sample_positions,
-                          computes_prompt)
+            tables, swa_slots = swa_step_inputs(scheduled, bs, self.layout.null_block, num_cols)
+            ctx.swa_block_tables, ctx.swa_slot_mapping = dev(tables), dev(swa_slots)
+        return StepInputs(dev(torch.tensor(ids, dtype=torch.long)), ctx, sample_rows,
+                          sample_positions, computes_prompt)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, logit_positions: list[int] | None = None) -> torch.Tensor:
@@ -106,9 +116,9 @@ class ModelRunner:
             hidden = self.model.forward(inputs.input_ids, inputs.ctx)
             rows = inputs.sample_positions if logit_positions is None else logit_positions
             if not rows:
-                return torch.empty(0, self.model.args.vocab_size)
+                return torch.empty(0, self.model.args.vocab_size, device=hidden.device)
             if rows != list(range(hidden.shape[0])):
-                hidden = hidden[torch.tensor(rows)]
+                hidden = hidden[torch.tensor(rows, device=hidden.device)]
             return self.model.compute_logits(hidden)
 
 

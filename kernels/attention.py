@@ -297,15 +297,18 @@ def _paged_attention_kernel(
         stride_cache_head, stride_block_table, block_size,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+        HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr, SKIP_DECODE: tl.constexpr):
     """Program (sequence, kv head, row tile). A row is a (query, head in the kv head's group)
     pair, so decode (one query, GROUP heads) and prefill share the kernel and a kv tile is
     loaded once for the whole group. Online softmax over key tiles of BLOCK_N positions,
-    each position looked up through the block table."""
+    each position looked up through the block table. SKIP_DECODE: one-query sequences are
+    left to kernels.decode_attention (their rows are neither read nor written)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if SKIP_DECODE:
+        q_len = tl.where(q_len == 1, 0, q_len)
     seq_len = tl.load(seq_lens_ptr + seq)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len * GROUP
@@ -378,9 +381,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            max_query_len: int | None = None, block_m: int = 64,
-                           block_n: int = 64) -> torch.Tensor:
+                           block_n: int = 64, skip_decode: bool = False) -> torch.Tensor:
     """Triton launcher; same contract as `paged_attention_ref`. Pass `max_query_len` to avoid
-    a device sync; block_m/block_n are tile sizes (powers of two, >= 16)."""
+    a device sync; block_m/block_n are tile sizes (powers of two, >= 16). `skip_decode`:
+    the rows of one-query sequences are left unwritten (the split-KV decode kernel's)."""
     check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     require_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be the contiguous dim"
@@ -405,5 +409,5 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
-        FP32_DOT=q.dtype == torch.float32)
+        FP32_DOT=q.dtype == torch.float32, SKIP_DECODE=skip_decode)
     return out

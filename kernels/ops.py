@@ -9,10 +9,11 @@ follows them.
 """
 import torch
 
-from kernels import attention, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
+from kernels import activation, attention, fused_moe as _fused_moe, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
 from kernels import batch_invariant as bi
-from kernels import cpu_fused
+from kernels import cpu_fused, decode_attention
 from kernels.attention import AttentionPlan
+from kernels.decode_attention import StepLens
 from kernels.batch_invariant import is_batch_invariant
 from kernels.quant import QuantEmbedding, QuantWeight
 from kernels.rotary import RopeTables
@@ -31,13 +32,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None,
-                    plan: AttentionPlan | None = None) -> torch.Tensor:
+                    soft_cap: float | None = None, plan: AttentionPlan | None = None,
+                    lens: StepLens | None = None) -> torch.Tensor:
     """Causal varlen paged attention; see kernels.attention for the exact conventions.
-    `plan` (CPU): the step's prebuilt gather indices and masks for these inputs."""
+    `plan` (CPU): the step's prebuilt gather indices and masks for these inputs.
+    `lens` (CUDA): the step's host lengths; with them decode rows take the split-KV kernels
+    (kernels.decode_attention) and nothing syncs."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
             sliding_window, soft_cap)
     if q.is_cuda:
+        if lens is not None:
+            return decode_attention.paged_attention_split(*args[:7], lens, sliding_window,
+                                                          soft_cap)
         return attention.paged_attention_triton(*args)
     if is_batch_invariant():
         return bi.bi_paged_attention(*args)
@@ -123,6 +129,8 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`[..., 2n]` -> `silu(gate_up[..., :n]) * gate_up[..., n:]`."""
+    if gate_up.is_cuda:
+        return activation.silu_and_mul_triton(gate_up)
     if cpu_fused.is_enabled() and cpu_fused.fits(gate_up) and gate_up.is_contiguous() \
             and not is_batch_invariant():
         return cpu_fused.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(
@@ -137,6 +145,16 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     if is_batch_invariant() and not x.is_cuda:
         return bi.bi_silu(x)
     return torch.nn.functional.silu(x)
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
+              w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts, `sum_j weight[t, j] * expert[ids[t, j]](x[t])` (weights None:
+    1); see kernels.fused_moe. CUDA: the grouped-GEMM triton kernels, no host sync. CPU:
+    the torch reference (the engine's CPU path is engine.models.moe.run_experts)."""
+    if x.is_cuda:
+        return _fused_moe.fused_moe_triton(x, topk_ids, topk_weights, w13, w2)
+    return _fused_moe.fused_moe_ref(x, topk_ids, topk_weights, w13, w2)
 
 
 def concat_weights(weights: list) -> torch.Tensor | QuantWeight:

@@ -25,6 +25,7 @@ inv_freq, the cos/sin factor and the softmax scale correction (mscale_all_dim).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -124,12 +125,16 @@ def mla_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     -> [T, heads, rank]: probabilities times c_kv. Decode rows run as one padded batch,
     prefill chunks one sequence at a time."""
     out = q.new_empty(*q.shape[:2], rank)
-    starts = ctx.query_start_loc.tolist()
-    q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    if ctx.query_lens is not None:  # the host's numbers: no device sync
+        q_lens = ctx.query_lens
+        starts = [0, *itertools.accumulate(q_lens)]
+    else:
+        starts = ctx.query_start_loc.tolist()
+        q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
-        seqs = torch.tensor(decode)
-        rows = torch.tensor([starts[i] for i in decode])
+        seqs = torch.tensor(decode, device=q.device)
+        rows = torch.tensor([starts[i] for i in decode], device=q.device)
         out[rows] = _attend(q[rows][:, None], k_cache, v_cache, ctx.block_tables[seqs],
                             ctx.seq_lens[seqs].long(), scale, rank)[:, 0]
     for i, q_len in enumerate(q_lens):
@@ -147,8 +152,8 @@ def _attend(q, k_cache, v_cache, block_tables, seq_lens, scale, rank):
     latent = torch.cat([gather_kv(k_cache, block_tables, max_len),
                         gather_kv(v_cache, block_tables, max_len)], dim=-1)[:, :, 0]  # [B, L, D]
     # positions past a sequence's end hold stale blocks: zero them (0 * NaN is NaN)
-    latent[torch.arange(latent.shape[1]) >= seq_lens[:, None]] = 0.0
-    q_pos = seq_lens[:, None] - num_q + torch.arange(num_q)  # [B, Q]
+    latent[torch.arange(latent.shape[1], device=latent.device) >= seq_lens[:, None]] = 0.0
+    q_pos = seq_lens[:, None] - num_q + torch.arange(num_q, device=seq_lens.device)  # [B, Q]
     blocked = ~attention_mask(q_pos, latent.shape[1], None)  # [B, Q, L]
     scores = torch.bmm(q.float().view(batch, num_q * heads, dim), latent.transpose(1, 2))
     scores = (scores * scale).view(batch, num_q, heads, -1)

@@ -20,6 +20,7 @@ from kernels import cpu_decode, cpu_fused, ops, quant
 from kernels.batch_invariant import is_batch_invariant
 from kernels.quant import QuantWeight
 from kernels.attention import AttentionPlan, plan_attention
+from kernels.decode_attention import StepLens
 from kernels.rotary import RopeTables, rope_cos_sin_cache, rope_tables
 
 
@@ -60,6 +61,14 @@ class ForwardContext:
             self._memo[key] = plan_attention(block_tables, self.query_lens, self.host_seq_lens,
                                              self.block_size, sliding_window)
         return self._memo[key]
+
+    def step_lens(self) -> StepLens | None:
+        """The step's host lengths for the GPU attention launches; None without them."""
+        if self.query_lens is None or self.host_seq_lens is None:
+            return None
+        if "lens" not in self._memo:
+            self._memo["lens"] = StepLens.of(self.query_lens, self.host_seq_lens)
+        return self._memo["lens"]
 
     def rope(self, cos_sin: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The step's rotary tables from a cos/sin cache (built once, shared by layers)."""
@@ -129,7 +138,8 @@ class Attention:
                      ctx.slots_valid if slot_mapping is ctx.slot_mapping else None)
         out = ops.paged_attention(q, k_cache, v_cache, block_tables, ctx.query_start_loc,
                                   ctx.seq_lens, self.scale, self.sliding_window,
-                                  plan=ctx.attention_plan(self.sliding_window))
+                                  plan=ctx.attention_plan(self.sliding_window),
+                                  lens=ctx.step_lens())
         return ops.linear(out.reshape(-1, self.q_size), self.o_weight)  # [T, hidden]
 
 

@@ -177,7 +177,15 @@ def load_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int,
 
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     """x [N, hidden], expert_ids [N] (index into `weights`) -> [N, hidden]: each row through
-    its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair."""
+    its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair.
+
+    CUDA: the grouped-GEMM triton kernels (kernels.fused_moe). CPU: a loop over the experts
+    that have rows, through ops.linear (batch-invariant mode included). One padded bmm over
+    all experts was measured against it (8 experts, hidden 1024, inter 512, 2 cores): 2.6 ms
+    vs 0.7 ms at 1 token, even at 16, 17 vs 24 ms at 128 tokens but then not bitwise equal
+    to the per-expert GEMMs; the loop stays."""
+    if x.is_cuda:
+        return ops.fused_moe(x, expert_ids[:, None], None, weights.w13, weights.w2)
     order = torch.argsort(expert_ids, stable=True)
     counts = torch.bincount(expert_ids, minlength=weights.w13.shape[0]).tolist()
     xs = x[order]  # rows grouped by expert
@@ -232,9 +240,16 @@ class LocalExperts:
         self.weights = weights  # [num_moe_layers]
         self.num_experts = weights[0].w13.shape[0]
         self.stats = ExpertLoadStats(len(weights), self.num_experts, window_steps)
+        # device counts of this step's layers, brought to the host once, in end_step
+        self._device_counts: list[tuple[int, torch.Tensor]] = []
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # routing weights and the top-k sum inside the fused kernels
+            self._device_counts.append(
+                (moe_layer, torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)))
+            weights = self.weights[moe_layer]
+            return ops.fused_moe(x, topk_ids, topk_weights, weights.w13, weights.w2)
         self.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
         k = topk_ids.shape[1]
         out = run_experts(x.repeat_interleave(k, dim=0), topk_ids.reshape(-1),
@@ -242,6 +257,11 @@ class LocalExperts:
         return combine(out.view(x.shape[0], k, -1), topk_weights)
 
     def end_step(self) -> None:
+        if self._device_counts:  # one device -> host copy per step, not one per layer
+            counts = torch.stack([c for _, c in self._device_counts]).cpu().numpy()
+            for (moe_layer, _), row in zip(self._device_counts, counts):
+                self.stats.record(moe_layer, row)
+            self._device_counts.clear()
         self.stats.step()
 
     def load_report(self) -> ExpertLoadReport:

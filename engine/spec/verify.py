@@ -53,11 +53,15 @@ def verify_sampled(target_probs: torch.Tensor, draft_ids: Sequence[int],
     assert rule in RULES, f"rule must be one of {RULES}"
     num_drafts = len(draft_ids)
     assert target_probs.shape[0] == num_drafts + 1, "one target row per draft, plus the bonus row"
-    drafts = torch.tensor(list(draft_ids), dtype=torch.long)
-    rows = torch.arange(num_drafts)
+    device = target_probs.device
+    drafts = torch.tensor(list(draft_ids), dtype=torch.long, device=device)
+    rows = torch.arange(num_drafts, device=device)
     p_x = target_probs[rows, drafts]  # [k]
-    q_x = torch.ones(num_drafts) if draft_probs is None else draft_probs[rows, drafts]
-    uniforms = torch.rand(num_drafts, generator=generator, dtype=target_probs.dtype)
+    q_x = torch.ones(num_drafts, device=device) if draft_probs is None \
+        else draft_probs[rows, drafts]
+    # drawn where the generator lives (its stream of numbers is the contract), then moved
+    uniforms = torch.rand(num_drafts, generator=generator, dtype=target_probs.dtype,
+                          device=generator.device).to(device)
     accepted = uniforms * q_x < p_x  # u < p / q, without dividing by a zero q
     num_accepted = int(torch.cumprod(accepted.to(torch.int64), 0).sum()) if num_drafts else 0
     if num_accepted == num_drafts:
@@ -67,7 +71,7 @@ def verify_sampled(target_probs: torch.Tensor, draft_ids: Sequence[int],
     else:
         final = _residual(target_probs[num_accepted], draft_ids[num_accepted],
                           None if draft_probs is None else draft_probs[num_accepted])
-    token = int(torch.multinomial(final, 1, generator=generator))
+    token = int(torch.multinomial(final.to(generator.device), 1, generator=generator))
     return Verified(list(draft_ids[:num_accepted]) + [token], num_accepted)
 
 

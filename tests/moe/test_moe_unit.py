@@ -14,6 +14,7 @@ from engine.models.loader import ModelLoadError, hf_config_to_args
 from engine.models.moe import (ExpertWeights, LocalExperts, MoEArgs, grouped_topk,
                                softmax_topk)
 from engine.sampling_params import SamplingParams
+from kernels.fused_moe import fused_moe_ref
 from tests.engine.conftest import hf_model, make_core, run_engine
 
 
@@ -77,6 +78,8 @@ def test_expert_block_matches_per_token_loop():
             mlp = weights.w2[ids[t, j]] @ (torch.nn.functional.silu(gate) * up)
             want[t] += topk_weights[t, j] * mlp
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # the fused kernels' reference (the CUDA path's definition) is this CPU path, bitwise
+    assert torch.equal(fused_moe_ref(x, ids, topk_weights, *weights), got)
     experts.end_step()
     report = experts.load_report()
     assert report.expert_load.tolist() == [np.bincount(ids.flatten(), minlength=6).tolist()]
@@ -146,3 +149,16 @@ def test_token_bounds_and_copy_sources():
     assert _source_rank(old, 0, 1, dst=1) == 1  # already there: a local copy
     assert _source_rank(old, 0, 0, dst=1) == 0
     assert _source_rank(old, 0, 3, dst=0) == 1
+
+
+def test_device_counts_are_recorded_once_per_step():
+    """The CUDA path keeps a step's counts on the device and records them in end_step
+    (driven here with CPU tensors through the same bookkeeping)."""
+    weights = ExpertWeights(torch.zeros(4, 2, 3), torch.zeros(4, 3, 1))
+    experts = LocalExperts([weights, weights])
+    for layer, ids in ((0, [[0, 1], [1, 3]]), (1, [[2, 2]])):
+        experts._device_counts.append((layer, torch.bincount(torch.tensor(ids).reshape(-1),
+                                                             minlength=4)))
+    experts.end_step()
+    assert experts.load_report().expert_load.tolist() == [[1, 2, 0, 1], [0, 0, 2, 0]]
+    assert experts._device_counts == []

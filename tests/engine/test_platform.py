@@ -1,0 +1,110 @@
+"""engine.platform: device strings resolve (or are refused) in plain words, the CPU shims
+do nothing harmlessly, and `place` reaches every tensor of a model."""
+import pytest
+import torch
+
+from engine import platform as plat
+from engine.models.moe import ExpertWeights
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+
+
+def test_cpu_and_auto_resolve_to_the_cpu_here():
+    cpu = plat.resolve("cpu")
+    assert cpu.device == torch.device("cpu") and not cpu.is_cuda
+    assert cpu.default_dtype == torch.float32 and cpu.collective_backend == "gloo"
+    if not torch.cuda.is_available():
+        assert plat.resolve("auto") == cpu
+    assert plat.resolve(" CPU ") is plat.cpu()
+
+
+@no_cuda
+@pytest.mark.parametrize("spec", ["cuda", "cuda:1"])
+def test_cuda_is_refused_in_one_line_without_a_device(spec):
+    with pytest.raises(plat.PlatformError, match="torch sees no CUDA device") as err:
+        plat.resolve(spec)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(plat.PlatformError, match="expected auto, cpu, cuda or cuda:N"):
+        plat.resolve("tpu")
+
+
+def test_cpu_buffers_streams_and_events_are_shims():
+    cpu = plat.cpu()
+    assert cpu.kv_pool_bytes(12345) == 12345
+    host = cpu.empty_host((4,), torch.float32)
+    assert not host.is_pinned() and host.device.type == "cpu"
+    assert cpu.empty((3, 2), torch.int32).shape == (3, 2)
+    t = torch.arange(3)
+    assert cpu.to_device(t) is t  # no copy on the CPU
+    stream, event = cpu.copy_stream(), cpu.event()
+    with cpu.stream(stream):
+        event.record(stream)
+        stream.wait_event(event)
+    assert event.query() and stream.query()
+    event.synchronize()
+    cpu.synchronize()
+    assert cpu.kernel_backends["fused_moe"] == "torch"
+
+
+def test_place_reaches_every_tensor():
+    class Layer:  # stands in for a model's layer objects
+        __module__ = "engine.models.fake"
+
+        def __init__(self):
+            self.weight = torch.ones(2)
+            self.experts = [ExpertWeights(torch.ones(1), torch.ones(1))]
+            self.caches = {"k": torch.ones(1)}
+            self.name = "x"
+
+    class Model:
+        __module__ = "engine.models.fake"
+
+        def __init__(self):
+            self.layers = [Layer(), Layer()]
+            self.shared = self.layers[0]  # visited once
+            self.cos_sin = torch.ones(3)
+
+    meta = plat.Platform(torch.device("meta"), torch.float32, "gloo")
+    model = plat.place(Model(), meta)
+    found = [model.cos_sin]
+    for layer in model.layers:
+        found += [layer.weight, *layer.experts[0], layer.caches["k"]]
+        assert isinstance(layer.experts[0], ExpertWeights) and layer.name == "x"
+    assert model.shared is model.layers[0]
+    assert all(t.device.type == "meta" for t in found)
+
+
+def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
+    """A meta 'device' stands in for CUDA: whatever the runner makes must land there."""
+    from types import SimpleNamespace
+
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledRequest
+
+    class FakeModel:
+        __module__ = "engine.models.fake"
+
+        def __init__(self):
+            self.args = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4, vocab_size=8)
+            self.embed = torch.ones(8, 4)
+
+    class FakeCudaPlatform(plat.Platform):
+        is_cuda = True  # take the device branches
+
+        def empty(self, shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+    meta = FakeCudaPlatform(torch.device("meta"), torch.float32, "gloo")
+    runner = ModelRunner(FakeModel(), 4, 2, torch.float32, platform=meta)
+    assert runner.kv.device.type == "meta" and runner.model.embed.device.type == "meta"
+    req = SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=3, num_tokens=3,
+                          replay_end=0, block_ids=[2, 0], token_slice=lambda a, b: [5, 6, 7][a:b])
+    inputs = runner.prepare([ScheduledRequest(req, 3)])
+    ctx = inputs.ctx
+    step = [inputs.input_ids, ctx.positions, ctx.slot_mapping, ctx.block_tables,
+            ctx.query_start_loc, ctx.seq_lens]
+    assert all(t.device.type == "meta" for t in step)
+    assert inputs.sample_positions == [2] and ctx.query_lens == [3]
