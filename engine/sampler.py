@@ -53,7 +53,7 @@ class Sampler:
         logits = apply_grammar_mask(_apply_logit_bias(logits, reqs), mask)
         greedy = [row for row, req in enumerate(reqs) if req.params.is_greedy]
         sampled = [row for row, req in enumerate(reqs) if not req.params.is_greedy]
-        token_ids = torch.empty(len(reqs), dtype=torch.long)
+        token_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
         if greedy:
             token_ids[greedy] = _argmax(_rows(logits, greedy))
         if sampled:
@@ -111,8 +111,7 @@ def _truncate(x: torch.Tensor, temperature: torch.Tensor, top_k: Sequence[int],
             torch.tensor(list(min_p), dtype=torch.float64), uniform)
     if cpu_sampler.fits(x) and cpu_sampler.available():
         return cpu_sampler.sample(x, *args)
-    token_ids, threshold = cpu_sampler.sample_ref(x, *args)  # on x's device
-    return token_ids.cpu(), threshold
+    return cpu_sampler.sample_ref(x, *args)  # on x's device
 
 
 # ------------------------------------------------------------------ masks and penalties
@@ -131,8 +130,9 @@ def _mask_early_stop(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Ten
         cols += banned
     if not rows:
         return logits
-    return logits.index_put((torch.tensor(rows), torch.tensor(cols)),
-                            torch.tensor(NEG_INF, dtype=logits.dtype))
+    dev = logits.device
+    return logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                            torch.tensor(NEG_INF, dtype=logits.dtype, device=dev))
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -144,14 +144,15 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Ten
     params = [reqs[i].params for i in rows]
     vocab = logits.shape[-1]
     x = logits[rows]  # [r, vocab]
-    rep = _column([p.repetition_penalty for p in params])  # [r, 1]
-    seen = _token_counts([reqs[i].all_token_ids for i in rows], vocab) > 0  # [r, vocab]
+    dev = logits.device
+    rep = _column([p.repetition_penalty for p in params], dev)  # [r, 1]
+    seen = _token_counts([reqs[i].all_token_ids for i in rows], vocab, dev) > 0  # [r, vocab]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    counts = _token_counts([reqs[i].output_token_ids for i in rows], vocab)  # [r, vocab]
-    freq = _column([p.frequency_penalty for p in params])
-    pres = _column([p.presence_penalty for p in params])
+    counts = _token_counts([reqs[i].output_token_ids for i in rows], vocab, dev)  # [r, vocab]
+    freq = _column([p.frequency_penalty for p in params], dev)
+    pres = _column([p.presence_penalty for p in params], dev)
     x = torch.where(counts > 0, x - (freq * counts + pres), x)
-    return logits.index_copy(0, torch.tensor(rows), x)
+    return logits.index_copy(0, torch.tensor(rows, device=dev), x)
 
 
 def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -169,28 +170,32 @@ def _apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Te
                 values.append(bias)
     if not rows:
         return logits
-    return logits.index_put((torch.tensor(rows), torch.tensor(cols)),
-                            torch.tensor(values, dtype=logits.dtype), accumulate=True)
+    dev = logits.device
+    return logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                            torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def apply_grammar_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
     """Tokens a grammar rules out -> -inf, in the mask's rows only (a new tensor)."""
     if mask is None:
         return logits
-    rows = torch.tensor(mask.rows)
-    masked = torch.where(mask.allowed[:, :logits.shape[-1]], logits[rows], NEG_INF)
+    rows = torch.tensor(mask.rows, device=logits.device)
+    allowed = mask.allowed[:, :logits.shape[-1]].to(logits.device)
+    masked = torch.where(allowed, logits[rows], NEG_INF)
     return logits.index_copy(0, rows, masked)
 
 
-def _token_counts(token_ids: Sequence[list[int]], vocab: int) -> torch.Tensor:
+def _token_counts(token_ids: Sequence[list[int]], vocab: int,
+                  device: torch.device) -> torch.Tensor:
     """counts[i, t]: occurrences of token t in token_ids[i] (ids >= vocab ignored).
     [len(token_ids), vocab] fp32."""
     flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.long)
     rows = torch.repeat_interleave(torch.arange(len(token_ids)),
                                    torch.tensor([len(ids) for ids in token_ids]))
     keep = flat < vocab
-    counts = torch.zeros(len(token_ids), vocab)
-    return counts.index_put_((rows[keep], flat[keep]), torch.ones(()), accumulate=True)
+    counts = torch.zeros(len(token_ids), vocab, device=device)
+    index = (rows[keep].to(device), flat[keep].to(device))
+    return counts.index_put_(index, torch.ones((), device=device), accumulate=True)
 
 
 # ------------------------------------------------------------------ draws
@@ -203,7 +208,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
         return torch.argmax(x, dim=-1)
     chunks = x.reshape(n, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)  # [n, C, L]
     first = torch.argmax(chunks.amax(-1), dim=-1)  # [n]: the first chunk holding the max
-    inner = torch.argmax(chunks[torch.arange(n), first], dim=-1)  # [n]
+    inner = torch.argmax(chunks[torch.arange(n, device=x.device), first], dim=-1)  # [n]
     return first * ARGMAX_CHUNK + inner
 
 
@@ -216,7 +221,8 @@ def _logprobs(raw: torch.Tensor, reqs: Sequence[Request],
     if not rows:
         return out
     logprobs = ops.log_softmax(_rows(raw, rows))  # [len(rows), vocab]
-    chosen = torch.tensor([token_ids[row] for row in rows])[:, None]  # [len(rows), 1]
+    chosen = torch.tensor([token_ids[row] for row in rows],
+                          device=raw.device)[:, None]  # [len(rows), 1]
     chosen_logprobs = logprobs.gather(1, chosen)[:, 0].tolist()
     tops = _top_logprobs(logprobs, [reqs[row].params.logprobs for row in rows])
     for j, row in enumerate(rows):
@@ -244,5 +250,5 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x if len(rows) == x.shape[0] else x[rows]
 
 
-def _column(values: list[float]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32)[:, None]
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
