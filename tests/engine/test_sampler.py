@@ -197,9 +197,9 @@ def test_masks_match_the_float64_reference_and_the_old_one_but_at_rounding(vocab
     and then only by tokens of negligible mass."""
     num_rows = num_differ = 0
     for kind, logits in kinds(4, vocab, seed=vocab).items():
-        for top_k in (0, 2, 5, 50, 300, 3000, vocab):
-            for top_p in (1.0, 0.5, 0.9, 0.95, 0.999):
-                for min_p in (0.0, 0.01, 0.2):
+        for top_k in (0, 5, 300, vocab):
+            for top_p in (1.0, 0.5, 0.95, 0.999):
+                for min_p in (0.0, 0.2):
                     got = torch.isfinite(apply_top_k_top_p_min_p(logits, top_k, top_p, min_p))
                     assert torch.equal(got, new_kept(logits, top_k, top_p, min_p)), \
                         (kind, top_k, top_p, min_p)
@@ -208,15 +208,16 @@ def test_masks_match_the_float64_reference_and_the_old_one_but_at_rounding(vocab
                     old = torch.stack([torch.isfinite(ref_apply_top_k_top_p_min_p(
                         row, top_k, top_p, min_p)) for row in logits])
                     probs = torch.softmax(logits.double(), -1)
-                    differ = (got != old).any(-1)
-                    num_rows += len(logits)
-                    num_differ += int(differ.sum())
+                    if kind != "tied":
+                        num_rows += len(logits)
+                        num_differ += int((got != old).any(-1).sum())
                     mass = (probs * (got != old)).sum(-1) / (probs * old).sum(-1)
                     if kind == "tied":  # a tied group is kept whole, the old kept a part
                         assert not (old & ~got).any(), (kind, top_k, top_p, min_p)
                     else:
                         assert float(mass.max()) < 1e-4, (kind, top_k, top_p, min_p)
-    assert num_differ <= 0.05 * num_rows, (num_differ, num_rows)
+    print(f"rows whose mask differs from the old fp32 reference: {num_differ} / {num_rows}")
+    assert num_differ <= 0.02 * num_rows, (num_differ, num_rows)
 
 
 def test_a_nucleus_of_thousands_of_tokens():
