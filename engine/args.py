@@ -1,9 +1,9 @@
-"""Command-line flags for EngineConfig, shared by `duplex serve`, `duplex worker` and
-`duplex generate`, so every entry point spells the engine's options the same way."""
+"""Command-line flags for EngineConfig (one flat flag per field of its sections), shared by
+`duplex serve`, `duplex worker` and `duplex generate`, so every entry point spells the
+engine's options the same way."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from engine.config import WEIGHT_DTYPES, EngineConfig
 
@@ -55,7 +55,7 @@ _CHOICES = {"weights_dtype": WEIGHT_DTYPES}
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    for field in dataclasses.fields(EngineConfig):
+    for field in EngineConfig.flat_fields():
         flag = "--" + field.name.replace("_", "-")
         default = field.default
         if isinstance(default, bool):
@@ -70,9 +70,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if hasattr(args, f.name)}
-    return EngineConfig(**values)
+    """The one EngineConfig of a command line: every engine flag into its section."""
+    return EngineConfig.of(**{f.name: getattr(args, f.name) for f in EngineConfig.flat_fields()
+                              if hasattr(args, f.name)})
 
 
 def _scalar_type(annotation: str) -> type:

@@ -36,7 +36,7 @@ from engine.models import build_model, load
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec import SpecOptions, Speculator
+from engine.spec import Speculator
 from engine.stats import KVStats, KVTierStats, MoEStats
 from engine.step_policy import time_budget
 from kernels.batch_invariant import set_batch_invariant_mode
@@ -67,7 +67,7 @@ def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
-        if config.expert_parallel > 1 and not torch.distributed.is_initialized():
+        if config.ep.expert_parallel > 1 and not torch.distributed.is_initialized():
             raise ValueError("--expert-parallel N runs under `duplex serve` or `duplex worker`, "
                              "which form the group of N processes (engine/ep_group.py)")
         # one torch thread per core this process may run on (the supervisor splits the
@@ -85,21 +85,22 @@ class EngineCore:
         self.args = loaded.args
         self.model_name = loaded.name
         self.model_identity = loaded.identity
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         self.kv_layout = KV_LAYOUT + ("+hybrid" if _is_hybrid(config, self.args) else "")
         self._namespaces: dict[str | None, bytes] = {}
         self.tiers = KVTiers.from_config(config, self._namespace(None)) \
-            if config.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
+            if config.cache.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
         self.model = build_model(loaded.args, loaded.state_dict)
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.num_kv_blocks = config.num_kv_blocks or max(
-            2, config.kv_cache_bytes // ModelRunner.bytes_per_block(self.args, self.block_size,
-                                                                  self.dtype))
+        self.num_kv_blocks = config.cache.num_kv_blocks or max(
+            2, config.cache.kv_cache_bytes // ModelRunner.bytes_per_block(
+                self.args, self.block_size, self.dtype))
         self.eos_token_ids = _eos_token_ids(self.args, self.model_path)
         self.layout = HybridLayout.plan(
-            self.args.layer_windows, self.num_kv_blocks, self.block_size, config.max_num_seqs,
-            config.max_num_batched_tokens) if _is_hybrid(config, self.args) else None
+            self.args.layer_windows, self.num_kv_blocks, self.block_size,
+            config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) \
+            if _is_hybrid(config, self.args) else None
         if self.layout is not None:
             self.num_kv_blocks = self.layout.num_full_blocks
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype,
@@ -108,26 +109,26 @@ class EngineCore:
             TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
         self.pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
         self.kv = KVCacheManager(self.pool, self.block_size, self._namespace,
-                                 config.enable_prefix_caching, tiers=link) \
+                                 config.cache.enable_prefix_caching, tiers=link) \
             if self.layout is None else HybridKVCacheManager(
                 self.pool, BlockPool(self.layout.num_swa_blocks), self.layout, self.block_size,
-                self._namespace, config.enable_prefix_caching, tiers=link,
+                self._namespace, config.cache.enable_prefix_caching, tiers=link,
                 block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.dtype))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs,
+                                   config.scheduler.max_num_batched_tokens, self.max_model_len)
         self.cost_model = CostModel()  # fitted on every step; sizes steps with a time budget
-        if config.step_budget_ms > 0:
+        if config.scheduler.step_budget_ms > 0:
             self.scheduler.token_budget_fn = time_budget(self.cost_model, self.scheduler,
-                                                         config.step_budget_ms / 1000.0)
+                                                         config.scheduler.step_budget_ms / 1000.0)
         self.sampler = Sampler(config.seed)
-        self.spec = None if config.speculation == "off" else Speculator.build(
-            SpecOptions.from_config(config), model=self.model, runner=self.runner, kv=self.kv,
+        self.spec = None if config.spec.speculation == "off" else Speculator.build(
+            config.spec, model=self.model, runner=self.runner, kv=self.kv,
             load_model=self._load_draft_model, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
                                           self.eos_token_ids,
-                                          blocking=config.expert_parallel > 1)
+                                          blocking=config.ep.expert_parallel > 1)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
         self._stats = WorkerStats()
@@ -412,7 +413,7 @@ class _Sampled(NamedTuple):
 def _is_hybrid(config: EngineConfig, args) -> bool:
     """Hybrid KV (engine/hybrid_kv.py) for a model with sliding-window layers, unless turned
     off; not with speculation, whose rollback of rejected drafts needs released SWA blocks."""
-    return config.hybrid_kv and config.speculation == "off" and \
+    return config.cache.hybrid_kv and config.spec.speculation == "off" and \
         any(w is not None for w in args.layer_windows)
 
 

@@ -23,7 +23,6 @@ exception.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -67,8 +66,8 @@ _REANNOUNCE_EVERY = 4  # heartbeats between repeated Ready messages
 def role_config(config: EngineConfig, role: str) -> EngineConfig:
     """A decode worker receives KV blocks into its host tier: it gets one (as large as the
     device pool) when none is configured."""
-    if role == "decode" and config.enable_prefix_caching and config.kv_host_bytes <= 0:
-        return dataclasses.replace(config, kv_host_bytes=config.kv_cache_bytes)
+    if role == "decode" and config.cache.enable_prefix_caching and config.cache.kv_host_bytes <= 0:
+        return config.replace(kv_host_bytes=config.cache.kv_cache_bytes)
     return config
 
 
@@ -432,13 +431,13 @@ class Worker:
         return Ready(self.worker_id, self.role, core.model_name, core.max_model_len,
                      core.block_size, core.num_kv_blocks,
                      batch_invariant=self.config.batch_invariant,
-                     speculation=self.config.speculation, pid=os.getpid(),
+                     speculation=self.config.spec.speculation, pid=os.getpid(),
                      kv_address=self._intake.address if self._intake else "",
                      model_identity=core.model_identity,
                      kv_dtype=self.config.weights_dtype if core.model_identity else "",
                      kv_layout=core.kv_layout, num_threads=core.num_threads,
                      weights=core.weights_label,
-                     kv_shared=store_identity(self.config.kv_remote))
+                     kv_shared=store_identity(self.config.cache.kv_remote))
 
     async def _in_core_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"duplex worker: {e}", file=sys.stderr)
         return 2
     factory = resolve_core_factory(args.core)
-    if config.expert_parallel > 1 and args.core == DEFAULT_CORE:
+    if config.ep.expert_parallel > 1 and args.core == DEFAULT_CORE:
         if args.role != "unified":
             print("duplex worker: --expert-parallel runs as a unified worker", file=sys.stderr)
             return 2

@@ -8,6 +8,6 @@ flattened batch as everything else, and the output distribution never changes.
     step_cost.py    what verifying n tokens costs (measured at start-up)
     speculator.py   the engine-facing object: propose, clip, logit rows, verify, stats
 """
-from engine.spec.speculator import SpecOptions, Speculator
+from engine.spec.speculator import Speculator
 
-__all__ = ["SpecOptions", "Speculator"]
+__all__ = ["Speculator"]

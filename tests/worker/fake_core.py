@@ -32,8 +32,8 @@ class FakeCore:
         time.sleep(knobs.get("load_sleep_s", 0.0))
         self.model_name = "fake"
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
-        self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or 64
+        self.block_size = config.cache.block_size
+        self.num_kv_blocks = config.cache.num_kv_blocks or 64
         self.model_identity = self.kv_layout = ""  # no content-addressed KV
         self.num_threads, self.weights_label = 0, ""
         self.layout = self.scheduler = self.runner = None  # no KV to hand over, no chunking
