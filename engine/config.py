@@ -97,6 +97,11 @@ class CacheConfig:
         _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0", self.kv_cache_bytes)
         _require(self.kv_remote_bytes > 0, "kv_remote_bytes", "must be > 0",
                  self.kv_remote_bytes)
+        for field, off in (("kv_dir", None), ("kv_host_bytes", 0), ("kv_remote", None)):
+            _require(self.enable_prefix_caching or getattr(self, field) == off, field,
+                     "needs enable_prefix_caching (the tiers below the device pool hold "
+                     f"prefix-cache blocks): leave it at {off!r} or turn prefix caching on",
+                     getattr(self, field))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,7 +86,8 @@ class EngineCore:
         self.model_name = loaded.name
         self.model_identity = loaded.identity
         self.block_size = config.cache.block_size
-        self.kv_layout = KV_LAYOUT + ("+hybrid" if _is_hybrid(config, self.args) else "")
+        is_hybrid = uses_hybrid_kv(config, self.args)  # before the model is built: it may refuse
+        self.kv_layout = KV_LAYOUT + ("+hybrid" if is_hybrid else "")
         self._namespaces: dict[str | None, bytes] = {}
         self.tiers = KVTiers.from_config(config, self._namespace(None)) \
             if config.cache.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
@@ -100,7 +101,7 @@ class EngineCore:
         self.layout = HybridLayout.plan(
             self.args.layer_windows, self.num_kv_blocks, self.block_size,
             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) \
-            if _is_hybrid(config, self.args) else None
+            if is_hybrid else None
         if self.layout is not None:
             self.num_kv_blocks = self.layout.num_full_blocks
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype,
@@ -410,11 +411,18 @@ class _Sampled(NamedTuple):
     num_accepted: int  # of which accepted (they lead token_ids)
 
 
-def _is_hybrid(config: EngineConfig, args) -> bool:
+def uses_hybrid_kv(config: EngineConfig, args) -> bool:
     """Hybrid KV (engine/hybrid_kv.py) for a model with sliding-window layers, unless turned
-    off; not with speculation, whose rollback of rejected drafts needs released SWA blocks."""
-    return config.cache.hybrid_kv and config.spec.speculation == "off" and \
-        any(w is not None for w in args.layer_windows)
+    off. It stays on by default because it does nothing on a model without such layers; on
+    one with them, speculation is refused, not silently switched off: its rollback of
+    rejected drafts needs SWA blocks the window has already released."""
+    if not config.cache.hybrid_kv or all(w is None for w in args.layer_windows):
+        return False
+    if config.spec.is_on:
+        raise ValueError(f"--hybrid-kv cannot run with --speculation {config.spec.speculation} "
+                         "on a model with sliding-window layers (rolling back rejected drafts "
+                         "needs KV the window has released): pass --no-hybrid-kv")
+    return True
 
 
 def _eos_token_ids(args, model_path: str) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # torch stays unloaded in workers on fake cores
 log = logging.getLogger(__name__)
 
 ROLES = ("unified", "prefill", "decode")
-__all__ = ["DEADLINE_ERROR", "SHUTDOWN_ERROR", "Worker", "role_config"]
+__all__ = ["DEADLINE_ERROR", "SHUTDOWN_ERROR", "Worker", "check_role", "role_config"]
 SHUTDOWN_ERROR = "worker shutting down"
 DEFAULT_KV_BIND = "tcp://127.0.0.1:*"
 _HANDOFF_TICK_S = 0.25  # how often leases are checked while hand-offs are in flight
@@ -69,6 +69,14 @@ def role_config(config: EngineConfig, role: str) -> EngineConfig:
     if role == "decode" and config.cache.enable_prefix_caching and config.cache.kv_host_bytes <= 0:
         return config.replace(kv_host_bytes=config.cache.kv_cache_bytes)
     return config
+
+
+def check_role(core: Core, role: str) -> None:
+    """Refuse a prefill or decode role for a core whose KV cannot be handed over (hybrid
+    sliding-window KV) instead of quietly serving as a unified worker."""
+    if role != "unified" and core.runner is not None and core.layout is not None:
+        raise ValueError(f"a {role} worker cannot hand over hybrid (sliding-window) KV: serve "
+                         "this model with --no-hybrid-kv, or with one unified worker")
 
 
 class _HandedOver(NamedTuple):
@@ -184,12 +192,8 @@ class Worker:
         core = self._core
         if self._fair_prefill and core.scheduler is not None:
             core.scheduler.prefill_chunk_fn = fair_prefill(core.scheduler)
+        check_role(core, self.role)
         if core.runner is None:
-            return
-        if core.layout is not None and self.role != "unified":
-            log.warning("worker %s: hybrid (sliding-window) KV cannot be handed over; it "
-                        "serves as a unified worker", self.worker_id)
-            self.role = "unified"  # what Ready announces, so the router plans with it
             return
         if self.role == "prefill":
             self._sender = KVSender(core.kv.handoff, core.runner.kv, core.max_model_len,
