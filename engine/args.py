@@ -50,12 +50,15 @@ _HELP = {
 
 
 _ALIASES = {"weights_dtype": ("--dtype",)}  # vLLM's spelling
+# set by a worker-layout flag of their own (`--fair-prefill`: frontend/serve.py passes it to
+# each `duplex worker`), so no engine flag
+_NOT_FLAGS = ("fair_prefill",)
 _CHOICES = {"weights_dtype": WEIGHT_DTYPES}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    for field in EngineConfig.flat_fields():
+    for field in _flag_fields():
         flag = "--" + field.name.replace("_", "-")
         default = field.default
         if isinstance(default, bool):
@@ -71,8 +74,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The one EngineConfig of a command line: every engine flag into its section."""
-    return EngineConfig.of(**{f.name: getattr(args, f.name) for f in EngineConfig.flat_fields()
+    return EngineConfig.of(**{f.name: getattr(args, f.name) for f in _flag_fields()
                               if hasattr(args, f.name)})
+
+
+def _flag_fields() -> list:
+    return [f for f in EngineConfig.flat_fields() if f.name not in _NOT_FLAGS]
 
 
 def _scalar_type(annotation: str) -> type:

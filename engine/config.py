@@ -62,6 +62,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     step_budget_ms: float = 0.0  # 0 = no time budget, token budget only
+    # a running prompt's chunk leaves part of the step to waiting and decoding requests
+    # (engine.step_policy.fair_prefill). Off in the offline engine; a served worker takes it
+    # from its own --fair-prefill flag (engine/worker_cli.py), not from the engine flags
+    fair_prefill: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)

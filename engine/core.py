@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, available_cores, resolve_model_path
+from engine.config import EngineConfig, SchedulerConfig, available_cores, resolve_model_path
 from engine.cost_model import CostModel, step_features
 from engine.grammar import Grammars
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
@@ -38,7 +38,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import Speculator
 from engine.stats import KVStats, KVTierStats, MoEStats
-from engine.step_policy import time_budget
+from engine.step_policy import fair_prefill, time_budget
 from kernels.batch_invariant import set_batch_invariant_mode
 from kernels.cpu_fused import use_fused
 from kernels.quant import QuantEmbedding, QuantWeight
@@ -50,6 +50,39 @@ log = logging.getLogger("duplex.engine")
 KV_LAYOUT = "kv[layer,2,block,slot,kv_head,head_dim]"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def step_policies(config: SchedulerConfig, cost_model: CostModel) -> dict:
+    """The Scheduler's policies for this config: a time budget from the cost model when
+    step_budget_ms is set, the fair prefill share when asked for."""
+    budget = config.step_budget_ms / 1000.0
+    return dict(token_budget=time_budget(cost_model, budget) if budget > 0 else None,
+                prefill_chunk=fair_prefill() if config.fair_prefill else None)
+
+
+def _load_weights(config: EngineConfig, progress: bool):
+    """(loaded model, dtype, quantization, model path) of the config's model and precision."""
+    dtype, quant = resolve_precision(config)
+    model_path = resolve_model_path(config.model)
+    loaded = load(model_path, dtype, progress=progress, quant=quant)
+    if not any(isinstance(w, (QuantWeight, QuantEmbedding)) for w in loaded.state_dict.values()):
+        quant = "none"  # auto on float weights (an HF directory): the exact path
+    return loaded, dtype, quant, model_path
+
+
+def _size_kv_pool(config: EngineConfig, args, dtype: torch.dtype,
+                  is_hybrid: bool) -> tuple[int, HybridLayout | None]:
+    """(full-attention KV blocks, hybrid layout or None): num_kv_blocks, or as many blocks as
+    kv_cache_bytes holds; a hybrid layout splits them between full and window layers."""
+    cache = config.cache
+    num_blocks = cache.num_kv_blocks or max(
+        2, cache.kv_cache_bytes // ModelRunner.bytes_per_block(args, cache.block_size, dtype))
+    if not is_hybrid:
+        return num_blocks, None
+    layout = HybridLayout.plan(args.layer_windows, num_blocks, cache.block_size,
+                               config.scheduler.max_num_seqs,
+                               config.scheduler.max_num_batched_tokens)
+    return layout.num_full_blocks, layout
 
 
 def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
@@ -65,26 +98,22 @@ def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True, *,
+                 cost_model: CostModel | None = None) -> None:
+        """`cost_model`: the step-time model the time budget and speculation read (a fresh
+        one, fitted on every step, unless given)."""
         self.config = config
-        if config.ep.expert_parallel > 1 and not torch.distributed.is_initialized():
+        if config.ep.is_on and not torch.distributed.is_initialized():
             raise ValueError("--expert-parallel N runs under `duplex serve` or `duplex worker`, "
                              "which form the group of N processes (engine/ep_group.py)")
         # one torch thread per core this process may run on (the supervisor splits the
         # cores between workers on one host), set once here
         self.num_threads = config.num_threads or available_cores()
         torch.set_num_threads(self.num_threads)
-        self.dtype, self.quant = resolve_precision(config)
-        self.model_path = resolve_model_path(config.model)
-        loaded = load(self.model_path, self.dtype, progress=progress, quant=self.quant)
-        if not any(isinstance(w, (QuantWeight, QuantEmbedding))
-                   for w in loaded.state_dict.values()):
-            self.quant = "none"  # auto on float weights (an HF directory): the exact path
+        loaded, self.dtype, self.quant, self.model_path = _load_weights(config, progress)
         self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
             f"{self.quant} (quantized linears, fp32 activations)"
-        self.args = loaded.args
-        self.model_name = loaded.name
-        self.model_identity = loaded.identity
+        self.args, self.model_name, self.model_identity = loaded.args, loaded.name, loaded.identity
         self.block_size = config.cache.block_size
         is_hybrid = uses_hybrid_kv(config, self.args)  # before the model is built: it may refuse
         self.kv_layout = KV_LAYOUT + ("+hybrid" if is_hybrid else "")
@@ -94,51 +123,49 @@ class EngineCore:
         self.model = build_model(loaded.args, loaded.state_dict)
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.num_kv_blocks = config.cache.num_kv_blocks or max(
-            2, config.cache.kv_cache_bytes // ModelRunner.bytes_per_block(
-                self.args, self.block_size, self.dtype))
         self.eos_token_ids = _eos_token_ids(self.args, self.model_path)
-        self.layout = HybridLayout.plan(
-            self.args.layer_windows, self.num_kv_blocks, self.block_size,
-            config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) \
-            if is_hybrid else None
-        if self.layout is not None:
-            self.num_kv_blocks = self.layout.num_full_blocks
+        self.num_kv_blocks, self.layout = _size_kv_pool(config, self.args, self.dtype, is_hybrid)
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype,
                                   self.layout)
-        link = None if self.tiers is None else \
-            TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
-        self.pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
-        self.kv = KVCacheManager(self.pool, self.block_size, self._namespace,
-                                 config.cache.enable_prefix_caching, tiers=link) \
-            if self.layout is None else HybridKVCacheManager(
-                self.pool, BlockPool(self.layout.num_swa_blocks), self.layout, self.block_size,
-                self._namespace, config.cache.enable_prefix_caching, tiers=link,
-                block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.dtype))
+        self.pool, self.kv = self._build_kv()
+        self.cost_model = cost_model or CostModel()
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs,
-                                   config.scheduler.max_num_batched_tokens, self.max_model_len)
-        self.cost_model = CostModel()  # fitted on every step; sizes steps with a time budget
-        if config.scheduler.step_budget_ms > 0:
-            self.scheduler.token_budget_fn = time_budget(self.cost_model, self.scheduler,
-                                                         config.scheduler.step_budget_ms / 1000.0)
+                                   config.scheduler.max_num_batched_tokens, self.max_model_len,
+                                   **step_policies(config.scheduler, self.cost_model))
         self.sampler = Sampler(config.seed)
-        self.spec = None if config.spec.speculation == "off" else Speculator.build(
+        self.spec = None if not config.spec.is_on else Speculator.build(
             config.spec, model=self.model, runner=self.runner, kv=self.kv,
             load_model=self._load_draft_model, num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
-                                          self.eos_token_ids,
-                                          blocking=config.ep.expert_parallel > 1)
+                                          self.eos_token_ids, blocking=config.ep.is_on)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
-        self._stats = WorkerStats()
         self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0,
                               requests=0, aborted=0)
 
+    def _build_kv(self) -> tuple[BlockPool, KVCacheManager]:
+        """The device block pool and its manager (hybrid with a sliding-window layout), linked
+        to the tiers below when there are any."""
+        link = None if self.tiers is None else \
+            TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
+        pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
+        caching = self.config.cache.enable_prefix_caching
+        if self.layout is None:
+            return pool, KVCacheManager(pool, self.block_size, self._namespace, caching,
+                                        tiers=link)
+        return pool, HybridKVCacheManager(
+            pool, BlockPool(self.layout.num_swa_blocks), self.layout, self.block_size,
+            self._namespace, caching, tiers=link,
+            block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.dtype))
+
     # ------------------------------------------------------------------ requests
     def add_request(self, msg: AddRequest) -> None:
-        self._validate(msg)
+        if msg.req_id in self.requests:
+            raise ValueError(f"request id {msg.req_id!r} is already in use")
+        _check_request(msg, self.args.vocab_size, self.max_model_len,
+                       self.num_kv_blocks * self.block_size)
         max_tokens = self.max_model_len - len(msg.prompt_token_ids)
         if msg.params.max_tokens is not None:
             max_tokens = min(max_tokens, msg.params.max_tokens)
@@ -251,7 +278,10 @@ class EngineCore:
             out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
             delta = None if out is None else self._append(req, out)
             if req.spec_token_ids:
-                self._drop_rejected(req)
+                # verified: rejected drafts' KV is no longer computed (their slots are
+                # overwritten later); blocks that held only those slots are freed
+                req.rollback()
+                self.kv.trim(req)
             self.kv.publish(req)
             if delta is None:
                 continue
@@ -277,12 +307,6 @@ class EngineCore:
                            req.finish_reason if finished else None, error=error,
                            num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
                            accepted_draft_mask=mask if out.num_proposed else [])
-
-    def _drop_rejected(self, req: Request) -> None:
-        """After verification: the KV of rejected drafts is no longer computed (their slots
-        are overwritten later), and blocks that held only those slots are freed."""
-        req.rollback()
-        self.kv.trim(req)
 
     def _grammar_ended(self, req: Request) -> bool:
         """A constrained request ends when its grammar is complete (a stop token, or a
@@ -331,29 +355,7 @@ class EngineCore:
         loaded = load(resolve_model_path(path), self.dtype, progress=False, quant=self.quant)
         return build_model(loaded.args, loaded.state_dict)
 
-    # ------------------------------------------------------------------ checks and stats
-    def _validate(self, msg: AddRequest) -> None:
-        ids = msg.prompt_token_ids + msg.output_token_ids
-        if msg.req_id in self.requests:
-            raise ValueError(f"request id {msg.req_id!r} is already in use")
-        if msg.retention not in retention.CLASSES:
-            raise ValueError(f"unknown retention class {msg.retention!r}; expected one of "
-                             f"{list(retention.CLASSES)}")
-        if not msg.prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {self.args.vocab_size}): "
-                             f"{bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, and at least one must be left "
-                             "to generate")
-        capacity = self.num_kv_blocks * self.block_size
-        if len(ids) + 1 > capacity:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds only "
-                             f"{capacity}")
-
+    # ------------------------------------------------------------------ keys and stats
     def _namespace(self, cache_salt: str | None) -> bytes:
         """Key namespace of a tenant (cache_salt: hex of its salt); None: the model-level
         namespace, no tenant, which guards the disk tier's files."""
@@ -380,27 +382,10 @@ class EngineCore:
             num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
             num_requests_added=c["requests"], num_requests_aborted=c["aborted"],
-            kv=self._kv_stats(), cost=self.cost_model.stats(), grammar=self.grammar.stats(),
-            spec=self.spec.report() if self.spec is not None else None, moe=self._moe_stats())
-
-    def _moe_stats(self) -> MoEStats | None:
-        """Expert load per rank and imbalance for MoE models; None for dense ones."""
-        expert_load = getattr(self.model, "expert_load", None)
-        return expert_load().stats() if expert_load is not None else None
-
-    def _kv_stats(self) -> KVStats:
-        """The prefix cache: the device pool's figures, then every tier below it."""
-        served = {tier: KVTierStats(hit_tokens=float(num))
-                  for tier, num in self.kv.num_hit_tokens.items()}
-        block_bytes = ModelRunner.bytes_per_block(self.args, self.block_size, self.dtype)
-        num_cached = len(self.pool.key_to_block)
-        device = KVTierStats(hit_tokens=served[DEVICE].hit_tokens, entries=float(num_cached),
-                             bytes=float(num_cached * block_bytes),
-                             evictions=float(self.pool.num_evictions))
-        kv = KVStats(queried_tokens=float(self.kv.num_queried_tokens),
-                     blocks_cached=float(num_cached), device=device, host=served[HOST],
-                     disk=served[DISK], shared=served[SHARED], hybrid=self.kv.hybrid_stats())
-        return kv if self.tiers is None else self.tiers.kv_stats(kv)
+            kv=_kv_stats(self.kv, self.pool, self.tiers, ModelRunner.bytes_per_block(
+                self.args, self.block_size, self.dtype)),
+            cost=self.cost_model.stats(), grammar=self.grammar.stats(),
+            spec=self.spec.report() if self.spec is not None else None, moe=_moe_stats(self.model))
 
 
 class _Sampled(NamedTuple):
@@ -423,6 +408,47 @@ def uses_hybrid_kv(config: EngineConfig, args) -> bool:
                          "on a model with sliding-window layers (rolling back rejected drafts "
                          "needs KV the window has released): pass --no-hybrid-kv")
     return True
+
+
+def _check_request(msg: AddRequest, vocab_size: int, max_model_len: int,
+                   capacity: int) -> None:
+    """Refuse (ValueError) a request that can never run here: bad retention class, empty
+    prompt, ids outside the vocabulary, no room left in the context or the KV pool."""
+    ids = msg.prompt_token_ids + msg.output_token_ids
+    if msg.retention not in retention.CLASSES:
+        raise ValueError(f"unknown retention class {msg.retention!r}; expected one of "
+                         f"{list(retention.CLASSES)}")
+    if not msg.prompt_token_ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                         f"{max_model_len} tokens, and at least one must be left to generate")
+    if len(ids) + 1 > capacity:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds only "
+                         f"{capacity}")
+
+
+def _moe_stats(model) -> MoEStats | None:
+    """Expert load per rank and imbalance for MoE models; None for dense ones."""
+    expert_load = getattr(model, "expert_load", None)
+    return expert_load().stats() if expert_load is not None else None
+
+
+def _kv_stats(kv: KVCacheManager, pool: BlockPool, tiers: KVTiers | None,
+              block_bytes: int) -> KVStats:
+    """The prefix cache: the device pool's figures, then every tier below it."""
+    served = {tier: KVTierStats(hit_tokens=float(num)) for tier, num in kv.num_hit_tokens.items()}
+    num_cached = len(pool.key_to_block)
+    device = KVTierStats(hit_tokens=served[DEVICE].hit_tokens, entries=float(num_cached),
+                         bytes=float(num_cached * block_bytes),
+                         evictions=float(pool.num_evictions))
+    stats = KVStats(queried_tokens=float(kv.num_queried_tokens), blocks_cached=float(num_cached),
+                    device=device, host=served[HOST], disk=served[DISK], shared=served[SHARED],
+                    hybrid=kv.hybrid_stats())
+    return stats if tiers is None else tiers.kv_stats(stats)
 
 
 def _eos_token_ids(args, model_path: str) -> tuple[int, ...]:

@@ -172,7 +172,7 @@ def _rank_config(config: EngineConfig) -> EngineConfig:
 # ---------------------------------------------------------------------------- rank 0
 class LeaderCore:
     """The Core a worker drives (engine.worker.Core) for a whole EP group. It exposes no
-    scheduler or runner (None), so the worker treats the group as one unified worker."""
+    runner or kv (None), so the worker treats the group as one unified worker."""
 
     def __init__(self, core, ep, group: RankGroup, followers: list[subprocess.Popen]) -> None:
         self._core, self._ep, self._group, self._followers = core, ep, group, followers
@@ -184,7 +184,7 @@ class LeaderCore:
         self.model_identity = core.model_identity
         self.kv_layout = core.kv_layout
         self.num_threads, self.weights_label = core.num_threads, core.weights_label
-        self.layout = self.scheduler = self.runner = None
+        self.layout = self.runner = self.kv = None
         self._closed = False
 
     def add_request(self, msg: AddRequest) -> None:

@@ -44,13 +44,12 @@ from engine.messages import (INVALID, AbortRequests, AddRequest, FinishReason, H
 from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
 from engine.stats import HandoffStats, IntakeStats
-from engine.step_policy import fair_prefill
 from engine.zmq_io import Channel, worker_channel
 from kvstore.shared import store_identity
 
 if TYPE_CHECKING:  # torch stays unloaded in workers on fake cores
     from engine.model_runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from engine.kv_manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +85,9 @@ class _HandedOver(NamedTuple):
 
 class Core(Protocol):
     """What the worker needs of an engine: `engine.core.EngineCore`, the expert-parallel
-    group's `engine.ep_group.LeaderCore`, a fake in tests. A core without a `scheduler` or
-    `runner` of its own (None: the EP group) gets no fair prefill share and no KV hand-off
-    sides, so it serves every request itself."""
+    group's `engine.ep_group.LeaderCore`, a fake in tests. A core without a `runner` and
+    `kv` of its own (None: the EP group) gets no KV hand-off sides, so it serves every
+    request itself."""
     model_name: str
     max_model_len: int
     block_size: int
@@ -98,8 +97,8 @@ class Core(Protocol):
     num_threads: int
     weights_label: str
     layout: object | None  # a hybrid (sliding-window) KV layout: its KV cannot be handed over
-    scheduler: Scheduler | None
     runner: ModelRunner | None  # whose KV cache the hand-off sides read and write
+    kv: KVCacheManager | None  # whose leases (`kv.handoff`) they hold blocks with
 
     def add_request(self, msg: AddRequest) -> None: ...
     def abort_requests(self, req_ids: list[str], error: str = "") -> None: ...
@@ -118,8 +117,7 @@ class Worker:
     def __init__(self, config: EngineConfig, core_factory: CoreFactory, *, address: str,
                  worker_id: str, role: str = "unified", heartbeat_s: float = 0.5,
                  step_in_thread: bool = True, kv_bind: str = DEFAULT_KV_BIND,
-                 lease_s: float = LEASE_S, fair_prefill: bool = True,
-                 keys: CurveKeys | None = None) -> None:
+                 lease_s: float = LEASE_S, keys: CurveKeys | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.config = config
@@ -133,7 +131,6 @@ class Worker:
         self._step_in_thread = step_in_thread  # False only to measure what the thread costs
         self._kv_bind = kv_bind
         self._lease_s = lease_s
-        self._fair_prefill = fair_prefill
         self._keys = keys  # CURVE on the worker channel and the KV door (engine.curve)
         self._ctx: zmq.asyncio.Context | None = None
         self._sender: KVSender | None = None  # prefill role, real core
@@ -188,10 +185,8 @@ class Worker:
         self._attach_role()
 
     def _attach_role(self) -> None:
-        """Hand-off sides and the fair prefill share need a core's own scheduler and runner."""
+        """Hand-off sides need a core's own runner."""
         core = self._core
-        if self._fair_prefill and core.scheduler is not None:
-            core.scheduler.prefill_chunk_fn = fair_prefill(core.scheduler)
         check_role(core, self.role)
         if core.runner is None:
             return

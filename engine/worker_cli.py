@@ -101,10 +101,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from engine.ep_group import leader_core as factory
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
+    # the EP group schedules without the fair prefill share (its ranks replay one schedule)
+    config = config.replace(fair_prefill=args.fair_prefill and not config.ep.is_on)
     worker = Worker(private_kv_dir(role_config(config, args.role), worker_id), factory,
                     address=args.connect, worker_id=worker_id, role=args.role,
                     heartbeat_s=args.heartbeat_s, kv_bind=args.kv_bind,
-                    lease_s=args.handoff_lease_s, fair_prefill=args.fair_prefill, keys=keys)
+                    lease_s=args.handoff_lease_s, keys=keys)
     code = _run_on_uvloop(worker)
     if args.cost_model_out:
         _save_cost_model(worker, args.cost_model_out)

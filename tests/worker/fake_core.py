@@ -36,7 +36,7 @@ class FakeCore:
         self.num_kv_blocks = config.cache.num_kv_blocks or 64
         self.model_identity = self.kv_layout = ""  # no content-addressed KV
         self.num_threads, self.weights_label = 0, ""
-        self.layout = self.scheduler = self.runner = None  # no KV to hand over, no chunking
+        self.layout = self.runner = self.kv = None  # no KV to hand over
         self.requests: dict[str, tuple[AddRequest, int]] = {}  # req_id -> (msg, num generated)
         self.aborted_req_ids: list[str] = []
         self._pending: list[RequestDelta] = []  # abort finals, sent with the next step
