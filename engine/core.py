@@ -114,6 +114,7 @@ class EngineCore:
         self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
             f"{self.quant} (quantized linears, fp32 activations)"
         self.args, self.model_name, self.model_identity = loaded.args, loaded.name, loaded.identity
+        self.vocab_size = self.args.vocab_size
         self.block_size = config.cache.block_size
         is_hybrid = uses_hybrid_kv(config, self.args)  # before the model is built: it may refuse
         self.kv_layout = KV_LAYOUT + ("+hybrid" if is_hybrid else "")
@@ -135,7 +136,8 @@ class EngineCore:
         self.sampler = Sampler(config.seed)
         self.spec = None if not config.spec.is_on else Speculator.build(
             config.spec, model=self.model, runner=self.runner, kv=self.kv,
-            load_model=self._load_draft_model, num_kv_blocks=self.num_kv_blocks,
+            load_model=self._load_draft_model, cost_model=self.cost_model,
+            num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,

@@ -184,6 +184,7 @@ class LeaderCore:
         self.model_identity = core.model_identity
         self.kv_layout = core.kv_layout
         self.num_threads, self.weights_label = core.num_threads, core.weights_label
+        self.vocab_size, self.cost_model = core.vocab_size, core.cost_model
         self.layout = self.runner = self.kv = None
         self._closed = False
 

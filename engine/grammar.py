@@ -213,9 +213,6 @@ class Grammars:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def is_waiting(self, req_id: str) -> bool:
-        return req_id in self._waiting
-
     def _compile(self, constraint: Constraint):
         start = time.perf_counter()
         compiler = self._get_compiler()
@@ -246,17 +243,11 @@ class Grammars:
                 self._tokenizer(), vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            self._control_ids = self._tokens_with(info, set(range(0x20)))
-            self._tag_control_ids = self._tokens_with(info, set(range(0x20)) - {0x0A})
+            self._control_ids = _tokens_with(info, set(range(0x20)), self.vocab_size,
+                                             self.stop_token_ids)
+            self._tag_control_ids = _tokens_with(info, set(range(0x20)) - {0x0A},
+                                                 self.vocab_size, self.stop_token_ids)
         return self._compiler
-
-    def _tokens_with(self, info, banned_bytes: set[int]) -> torch.Tensor:
-        """[vocab] bool: tokens whose text holds one of banned_bytes (stop tokens never)."""
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        for token_id, text in enumerate(info.decoded_vocab[:self.vocab_size]):
-            mask[token_id] = any(byte in banned_bytes for byte in text)
-        mask[self.stop_token_ids] = False
-        return mask
 
     def _new_matcher(self, compiled):
         import xgrammar as xgr
@@ -379,3 +370,13 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     32 w + j, little-endian words) -> allowed [n, vocab_size] bool."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+
+
+def _tokens_with(info, banned_bytes: set[int], vocab_size: int,
+                 stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """[vocab] bool: tokens whose text holds one of banned_bytes (stop tokens never)."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    for token_id, text in enumerate(info.decoded_vocab[:vocab_size]):
+        mask[token_id] = any(byte in banned_bytes for byte in text)
+    mask[list(stop_token_ids)] = False
+    return mask

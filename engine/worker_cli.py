@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _save_cost_model(worker: Worker, path: str) -> None:
-    model = getattr(worker.core, "cost_model", None)
+    model = worker.core.cost_model if worker.core is not None else None
     if model is not None:
         with open(path, "w") as f:
             json.dump({"worker_id": worker.worker_id, "role": worker.role,

@@ -74,7 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                         help="the model, as --model takes it (vLLM's `serve MODEL`)")
     add_engine_arguments(parser)
-    group = parser.add_argument_group("server")
+    _add_server_arguments(parser.add_argument_group("server"))
+    _add_worker_arguments(parser.add_argument_group("workers"))
+
+
+def _add_server_arguments(group) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     group.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -111,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
     add_operator_arguments(group)
-    workers = parser.add_argument_group("workers")
+
+
+def _add_worker_arguments(workers) -> None:
     workers.add_argument("--prefill-workers", type=int, default=0, metavar="N",
                          help="prefill worker processes (with --decode-workers; default: one "
                               "unified worker)")

@@ -27,6 +27,7 @@ configured spec_token_cost makes the latter fixed).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import msgspec
@@ -34,15 +35,14 @@ import numpy as np
 import torch
 
 from engine.config import SpecConfig
+from engine.cost_model import CostModel
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
                                     keep_drafting_threshold, make_features)
-from engine.spec import step_cost as step_cost_module
-from engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, SelfDrafter,
-                                     relative_cost)
+from engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, RequestView,
+                                     SelfDrafter, relative_cost)
 from engine.spec.ngram import NgramDrafter
-from engine.spec.step_cost import StepCost
 from engine.spec.verify import Verified, target_probs, verify_greedy, verify_sampled
 from engine.stats import CalibrationBin, HeadStats, SpecStats
 
@@ -112,10 +112,12 @@ class AcceptanceStats:
 
 class Speculator:
     def __init__(self, config: SpecConfig, drafter, max_model_len: int,
-                 step_cost: StepCost) -> None:
+                 cost_model: CostModel) -> None:
+        """`cost_model`: the engine's, its forward-cost curve seeded (`build` does that)."""
         self.config = config
         self.drafter = drafter  # NgramDrafter or a ModelDrafterBase
-        self.step_cost = step_cost
+        self.cost_model = cost_model
+        step_cost = self.step_cost = cost_model.relative_cost
         self.max_model_len = max_model_len
         self.head = ConfidenceHead(prior_acceptance=PRIOR_ACCEPTANCE)
         self.stats = AcceptanceStats()
@@ -128,12 +130,15 @@ class Speculator:
 
     @classmethod
     def build(cls, config: SpecConfig, *, model, runner, kv, load_model: Callable,
-              num_kv_blocks: int, block_size: int, dtype: torch.dtype, max_model_len: int,
-              seed: int = 0) -> Speculator:
-        """The drafter config.speculation names, wired to the engine's model, runner and KV;
-        the step cost curve measured now unless config.spec_token_cost gives a line."""
-        step_cost = StepCost.linear(config.spec_token_cost) if config.spec_token_cost > 0 else \
-            step_cost_module.measure(model, runner, num_kv_blocks)
+              cost_model: CostModel, num_kv_blocks: int, block_size: int, dtype: torch.dtype,
+              max_model_len: int, seed: int = 0) -> Speculator:
+        """The drafter config.speculation names, wired to the engine's model, runner, KV and
+        cost model, whose forward-cost curve is measured now unless config.spec_token_cost
+        gives a line."""
+        if config.spec_token_cost > 0:
+            cost_model.seed_token_cost(config.spec_token_cost)
+        else:
+            cost_model.seed_forward_costs(*measure_forward_costs(runner, num_kv_blocks))
         if config.speculation == "ngram":
             drafter = NgramDrafter(max_n=8)
         elif config.speculation == "self":
@@ -150,7 +155,7 @@ class Speculator:
                                         relative_cost(draft.args, model.args), seed)
         else:
             raise ValueError(f"unknown speculation method {config.speculation!r}")
-        return cls(config, drafter, max_model_len, step_cost)
+        return cls(config, drafter, max_model_len, cost_model)
 
     # ------------------------------------------------------------------ 1 propose
     def propose(self, running: Sequence[Request]) -> None:
@@ -320,6 +325,32 @@ class Speculator:
                 for b in report["bins"]]
         head = HeadStats(num=float(report["num"]), log_loss=report["log_loss"],
                          brier=report["brier"], ece=report["ece"], bins=bins)
-        step_cost_tokens, step_cost = self.step_cost.stats()
+        step_cost_tokens, step_cost = self.cost_model.forward_costs()
         return msgspec.structs.replace(self.stats.stats(), head=head,
                                        step_cost_tokens=step_cost_tokens, step_cost=step_cost)
+
+
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # forward sizes measured at start-up
+
+
+@torch.inference_mode()
+def measure_forward_costs(runner, num_free_blocks: int, repeats: int = 3,
+                          context: int = 64) -> tuple[list[int], list[float]]:
+    """(rows, seconds): the model timed on one sequence of `context` cached tokens plus n
+    new ones, for n on GRID (as far as num_free_blocks allow), logits for every new row as
+    verification needs; the minimum of `repeats` runs, as interference on a shared machine
+    only adds. Writes KV into blocks no request owns yet (called before the first request)."""
+    grid = [n for n in GRID if -(-(context + n) // runner.block_size) <= num_free_blocks]
+    times = {}
+    for n in grid:
+        tokens = [1] * (context + n)
+        view = RequestView(tokens, list(range(-(-len(tokens) // runner.block_size))), context)
+        inputs = runner.prepare([ScheduledRequest(view, n)])
+        rows = list(range(n))
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.execute(inputs, rows)
+            runs.append(time.perf_counter() - start)
+        times[n] = min(runs)
+    return list(times), [times[n] for n in times]

@@ -26,6 +26,9 @@ DEFAULT_MAX_MODEL_LEN = 256
 
 
 class FakeCore:
+    vocab_size: int | None = None  # any token id
+    cost_model = None  # no step-time model
+
     def __init__(self, config: EngineConfig, **overrides: float) -> None:
         knobs = {**json.loads(os.environ.get("DUPLEX_FAKE_CORE", "{}")), **overrides}
         self.step_sleep_s: float = knobs.get("step_sleep_s", 0.0)
