@@ -129,7 +129,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype,
                                   self.layout)
         self.pool, self.kv = self._build_kv()
-        self.cost_model = cost_model or CostModel()
+        self.cost_model = cost_model if cost_model is not None else CostModel()
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens, self.max_model_len,
                                    **step_policies(config.scheduler, self.cost_model))

@@ -181,7 +181,7 @@ class Metrics:
 
     def _observe_phases(self, timings, num_tokens: int) -> None:
         """Queue / prefill / decode split of one request (only once it was scheduled)."""
-        queue_s = getattr(timings, "queue_s", 0.0)
+        queue_s = timings.queue_s
         if not queue_s:
             return
         self.queue_time.observe(queue_s)

@@ -8,6 +8,7 @@ call a helper that is not itself a kernel). Methods count properties and dunders
 from __future__ import annotations
 
 import ast
+import functools
 import statistics
 from pathlib import Path
 
@@ -20,6 +21,7 @@ MAX_MEDIAN_LINES = 8
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
+@functools.cache
 def _modules() -> list[tuple[str, ast.Module]]:
     return [(str(path.relative_to(ROOT)), ast.parse(path.read_text(), str(path)))
             for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))]
