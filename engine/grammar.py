@@ -213,6 +213,9 @@ class Grammars:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def is_waiting(self, req_id: str) -> bool:
+        return req_id in self._waiting
+
     def _compile(self, constraint: Constraint):
         start = time.perf_counter()
         compiler = self._get_compiler()
@@ -279,7 +282,7 @@ class Grammars:
         if not rows:
             return None
         start = time.perf_counter()
-        bitmask = self._bitmask(len(rows))
+        bitmask = _bitmask(len(rows), self.vocab_size)
         for i, row in enumerate(rows):
             req = reqs[row]
             self.sync(req)
@@ -319,7 +322,7 @@ class Grammars:
         self.sync(req)
         matcher = self._matchers[req.req_id].matcher
         drafts = req.spec_token_ids
-        bitmask = self._bitmask(len(drafts) + 1)
+        bitmask = _bitmask(len(drafts) + 1, self.vocab_size)
         for i, token_id in enumerate(drafts):
             matcher.fill_next_token_bitmask(bitmask, i)
             accepted = matcher.accept_token(token_id)
@@ -333,11 +336,6 @@ class Grammars:
             allowed &= ~banned
         self._count(start, len(drafts) + 1)
         return allowed
-
-    def _bitmask(self, num_rows: int) -> torch.Tensor:
-        import xgrammar as xgr
-
-        return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def _count(self, start: float, num_rows: int) -> None:
         self.mask_seconds += time.perf_counter() - start
@@ -370,6 +368,12 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     32 w + j, little-endian words) -> allowed [n, vocab_size] bool."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+
+
+def _bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    import xgrammar as xgr
+
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
 
 
 def _tokens_with(info, banned_bytes: set[int], vocab_size: int,
