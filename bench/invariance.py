@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.core import EngineCore
 
     def make_core(**kwargs):
-        return EngineCore(EngineConfig(model=args.model, **kwargs), progress=False)
+        return EngineCore(EngineConfig.of(model=args.model, **kwargs), progress=False)
 
     report = {}
     for mode in (False, True):

@@ -136,7 +136,7 @@ def ttft(args) -> dict:
     from bench.kv_tiers import bench_cached_ttft
 
     def factory(**fields):
-        return EngineCore(EngineConfig(**fields), progress=False)
+        return EngineCore(EngineConfig.of(**fields), progress=False)
 
     return bench_cached_ttft(factory, num_tokens=args.ttft_tokens)
 

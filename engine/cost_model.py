@@ -14,8 +14,17 @@ non-negative (a feature whose coefficient would go negative is dropped from that
 worker that never prefills simply keeps c_prefill at 0. Each step is predicted before it is
 observed; the median relative error of those predictions says how far to trust the model.
 
-Owns only numbers; the scheduler asks it through `engine.step_policy`, the planner
-(`duplex plan`) through `predict` and the JSON of `to_dict`.
+It also holds what one forward over n rows costs relative to a forward over one row, the
+curve speculation weighs draft lengths with (engine/spec/confidence.py). That curve is seeded
+at start-up, measured (engine/spec/speculator.py) or a line 1 + token_cost x n, and not taken
+from the linear fit: on a CPU it is not even monotone (with one thread 2 or 3 rows cost more
+than 5: the BLAS takes a row-by-row path, then a packed GEMM whose packing is itself a cost).
+
+    relative_cost(n): piecewise linear through the seeded points (n_i, t(n_i) / t(1)),
+                      extended along the last segment's slope past the last point.
+
+Owns only numbers; the scheduler asks it through `engine.step_policy`, speculation through
+`relative_cost`, the planner (`duplex plan`) through `predict` and the JSON of `to_dict`.
 """
 from __future__ import annotations
 
@@ -76,6 +85,9 @@ class CostModel:
         self.is_fitted = coef is not None
         self.num_samples = 0
         self._unfitted = 0  # samples observed since the last fit
+        self._forward_tokens = np.zeros(0)  # the seeded forward-cost curve (rows, x cost(1))
+        self._forward_costs = np.zeros(0)
+        self._forward_slope = 0.0
 
     @property
     def coef(self) -> np.ndarray:
@@ -138,6 +150,32 @@ class CostModel:
             else:
                 hi = mid - 1
         return lo
+
+    # ------------------------------------------------------------------ forward sizes
+    def seed_forward_costs(self, num_tokens: Sequence[int], seconds: Sequence[float]) -> None:
+        """Seed the forward-cost curve: measured seconds of forwards over num_tokens rows,
+        from one row on (replaces an earlier seed)."""
+        assert len(num_tokens) >= 2 and num_tokens[0] == 1, "points from n = 1 on"
+        self._forward_tokens = np.asarray(num_tokens, dtype=np.float64)
+        self._forward_costs = np.asarray(seconds, dtype=np.float64) / seconds[0]
+        self._forward_slope = float((self._forward_costs[-1] - self._forward_costs[-2]) /
+                                    (self._forward_tokens[-1] - self._forward_tokens[-2]))
+
+    def seed_token_cost(self, token_cost: float) -> None:
+        """Seed the curve as a line: a fixed part 1 plus token_cost per row."""
+        self.seed_forward_costs([1, 2], [1.0 + token_cost, 1.0 + 2 * token_cost])
+
+    def relative_cost(self, num_tokens: float) -> float:
+        """What a forward over num_tokens rows costs, as a multiple of one over one row."""
+        assert len(self._forward_tokens), "seed_forward_costs or seed_token_cost first"
+        if num_tokens > self._forward_tokens[-1]:
+            return float(self._forward_costs[-1] +
+                         self._forward_slope * (num_tokens - self._forward_tokens[-1]))
+        return float(np.interp(num_tokens, self._forward_tokens, self._forward_costs))
+
+    def forward_costs(self) -> tuple[list[float], list[float]]:
+        """The seeded curve: (rows of a forward, its cost as a multiple of one row's)."""
+        return [float(n) for n in self._forward_tokens], [float(c) for c in self._forward_costs]
 
     @property
     def median_rel_error(self) -> float:

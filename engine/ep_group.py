@@ -27,7 +27,6 @@ followers die with the leader through PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import logging
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.expert_parallel import free_port
 from engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
-from engine.platform import Platform, cpu
+from engine.platform import Platform, resolve
 from engine.stats import MoEStats
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ class RankGroup:
     for the orders and digests (host bytes)."""
 
     def __init__(self, config: EngineConfig, rank: int, platform: Platform | None = None) -> None:
-        platform = platform or cpu()
+        platform = platform or resolve(config.device)
         host, port = master_address(config)
         if host in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
@@ -86,9 +85,9 @@ class RankGroup:
             torch.cuda.set_device(platform.device)  # NCCL binds a rank to the current device
         dist.init_process_group(platform.collective_backend,
                                 init_method=f"tcp://{host}:{port}", rank=rank,
-                                world_size=config.expert_parallel,
+                                world_size=config.ep.expert_parallel,
                                 timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
-        self.rank, self.size = rank, config.expert_parallel
+        self.rank, self.size = rank, config.ep.expert_parallel
         self.control = dist.new_group(backend="gloo",
                                       timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
 
@@ -120,7 +119,7 @@ class RankGroup:
 
 def master_address(config: EngineConfig) -> tuple[str, int]:
     """--ep-master HOST:PORT, else MASTER_ADDR / MASTER_PORT from the environment."""
-    spec = config.ep_master or (f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    spec = config.ep.ep_master or (f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
                                 if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
                                 else None)
     if spec is None:
@@ -140,7 +139,7 @@ def build_rank_core(config: EngineConfig, group: RankGroup):
     from engine.expert_parallel import enable_expert_parallel
 
     core = EngineCore(config, progress=False)
-    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+    shared = {f.name: config.get(f.name) for f in EngineConfig.flat_fields()
               if f.name not in _PER_HOST_FIELDS}
     digest = hashlib.blake2b(msgspec.json.encode([shared, core.model_identity]),
                              digest_size=8).digest()
@@ -148,8 +147,8 @@ def build_rank_core(config: EngineConfig, group: RankGroup):
     if not hasattr(core.model, "set_expert_backend"):
         raise ValueError(f"--expert-parallel needs a mixture-of-experts model; "
                          f"{core.model_name} has no experts")
-    ep = enable_expert_parallel(core.model, num_redundant=config.ep_redundant_experts,
-                                interval_steps=config.eplb_interval_steps)
+    ep = enable_expert_parallel(core.model, num_redundant=config.ep.ep_redundant_experts,
+                                interval_steps=config.ep.eplb_interval_steps)
     return core, ep
 
 
@@ -170,14 +169,14 @@ def _rank_config(config: EngineConfig) -> EngineConfig:
     """With --num-threads 0, the local ranks share the cores evenly."""
     if config.num_threads:
         return config
-    local = config.ep_local_ranks or config.expert_parallel
-    return dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // local))
+    local = config.ep.ep_local_ranks or config.ep.expert_parallel
+    return config.replace(num_threads=max(1, (os.cpu_count() or 1) // local))
 
 
 # ---------------------------------------------------------------------------- rank 0
 class LeaderCore:
     """The Core a worker drives (engine.worker.Core) for a whole EP group. It exposes no
-    scheduler or runner (None), so the worker treats the group as one unified worker."""
+    runner or kv (None), so the worker treats the group as one unified worker."""
 
     def __init__(self, core, ep, group: RankGroup, followers: list[subprocess.Popen]) -> None:
         self._core, self._ep, self._group, self._followers = core, ep, group, followers
@@ -189,7 +188,8 @@ class LeaderCore:
         self.model_identity = core.model_identity
         self.kv_layout = core.kv_layout
         self.num_threads, self.weights_label = core.num_threads, core.weights_label
-        self.layout = self.scheduler = self.runner = None
+        self.vocab_size, self.cost_model = core.vocab_size, core.cost_model
+        self.layout = self.runner = self.kv = None
         self._closed = False
 
     def add_request(self, msg: AddRequest) -> None:
@@ -254,10 +254,10 @@ class LeaderCore:
 
 def leader_core(config: EngineConfig) -> LeaderCore:
     """Core factory of rank 0: start the local followers, form the group, build the core."""
-    if config.ep_master is None and "MASTER_ADDR" not in os.environ:
-        config = dataclasses.replace(config, ep_master=f"127.0.0.1:{free_port()}")
+    if config.ep.ep_master is None and "MASTER_ADDR" not in os.environ:
+        config = config.replace(ep_master=f"127.0.0.1:{free_port()}")
     config = _rank_config(config)
-    local = config.ep_local_ranks or config.expert_parallel
+    local = config.ep.ep_local_ranks or config.ep.expert_parallel
     followers = [_start_follower(config, rank) for rank in range(1, local)]
     try:
         group = RankGroup(config, 0)
@@ -267,7 +267,7 @@ def leader_core(config: EngineConfig) -> LeaderCore:
             process.kill()
         raise
     log.info("expert-parallel group ready: %d ranks (%d on this host), master %s",
-             config.expert_parallel, local, config.ep_master)
+             config.ep.expert_parallel, local, config.ep.ep_master)
     return LeaderCore(core, ep, group, followers)
 
 
@@ -284,15 +284,15 @@ def follow(config: EngineConfig, rank: int, *, started_by_leader: bool = False) 
     """Run rank `rank` until the leader says stop (0) or the group breaks (exception).
     A follower the leader started shares its process group, so it receives the supervisor's
     SIGTERM too: it ignores it and leaves when the leader says stop (or dies with it)."""
-    if not 0 < rank < config.expert_parallel:
-        raise ValueError(f"--ep-rank must be in [1, {config.expert_parallel}), got {rank}")
+    if not 0 < rank < config.ep.expert_parallel:
+        raise ValueError(f"--ep-rank must be in [1, {config.ep.expert_parallel}), got {rank}")
     if started_by_leader:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = _rank_config(config)
     group = RankGroup(config, rank)
     core, _ = build_rank_core(config, group)
-    log.info("expert-parallel rank %d/%d serving", rank, config.expert_parallel)
+    log.info("expert-parallel rank %d/%d serving", rank, config.ep.expert_parallel)
     try:
         while True:
             order = group.broadcast_order(None)

@@ -313,7 +313,7 @@ def _bench_rank(rank: int, num_ranks: int, path: str, out_dir: str, options: dic
     from engine.messages import AddRequest
     from engine.sampling_params import SamplingParams
 
-    core = EngineCore(EngineConfig(model=path, num_threads=1, enable_prefix_caching=False,
+    core = EngineCore(EngineConfig.of(model=path, num_threads=1, enable_prefix_caching=False,
                                    max_num_seqs=options["num_prompts"]), progress=False)
     steps_per_wave = options["max_tokens"]  # one prefill step, then one token per step
     ep = enable_expert_parallel(core.model, num_redundant=options["redundant"],

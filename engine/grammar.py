@@ -246,17 +246,11 @@ class Grammars:
                 self._tokenizer(), vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            self._control_ids = self._tokens_with(info, set(range(0x20)))
-            self._tag_control_ids = self._tokens_with(info, set(range(0x20)) - {0x0A})
+            self._control_ids = _tokens_with(info, set(range(0x20)), self.vocab_size,
+                                             self.stop_token_ids)
+            self._tag_control_ids = _tokens_with(info, set(range(0x20)) - {0x0A},
+                                                 self.vocab_size, self.stop_token_ids)
         return self._compiler
-
-    def _tokens_with(self, info, banned_bytes: set[int]) -> torch.Tensor:
-        """[vocab] bool: tokens whose text holds one of banned_bytes (stop tokens never)."""
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        for token_id, text in enumerate(info.decoded_vocab[:self.vocab_size]):
-            mask[token_id] = any(byte in banned_bytes for byte in text)
-        mask[self.stop_token_ids] = False
-        return mask
 
     def _new_matcher(self, compiled):
         import xgrammar as xgr
@@ -288,7 +282,7 @@ class Grammars:
         if not rows:
             return None
         start = time.perf_counter()
-        bitmask = self._bitmask(len(rows))
+        bitmask = _bitmask(len(rows), self.vocab_size)
         for i, row in enumerate(rows):
             req = reqs[row]
             self.sync(req)
@@ -328,7 +322,7 @@ class Grammars:
         self.sync(req)
         matcher = self._matchers[req.req_id].matcher
         drafts = req.spec_token_ids
-        bitmask = self._bitmask(len(drafts) + 1)
+        bitmask = _bitmask(len(drafts) + 1, self.vocab_size)
         for i, token_id in enumerate(drafts):
             matcher.fill_next_token_bitmask(bitmask, i)
             accepted = matcher.accept_token(token_id)
@@ -342,11 +336,6 @@ class Grammars:
             allowed &= ~banned
         self._count(start, len(drafts) + 1)
         return allowed
-
-    def _bitmask(self, num_rows: int) -> torch.Tensor:
-        import xgrammar as xgr
-
-        return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def _count(self, start: float, num_rows: int) -> None:
         self.mask_seconds += time.perf_counter() - start
@@ -379,3 +368,19 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     32 w + j, little-endian words) -> allowed [n, vocab_size] bool."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+
+
+def _bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    import xgrammar as xgr
+
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+
+
+def _tokens_with(info, banned_bytes: set[int], vocab_size: int,
+                 stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """[vocab] bool: tokens whose text holds one of banned_bytes (stop tokens never)."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    for token_id, text in enumerate(info.decoded_vocab[:vocab_size]):
+        mask[token_id] = any(byte in banned_bytes for byte in text)
+    mask[list(stop_token_ids)] = False
+    return mask

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import dataclasses
 import math
 import os
 import threading
@@ -54,9 +53,9 @@ _CLOSE_TIMEOUT_S = 60.0
 def private_kv_dir(config: EngineConfig, worker_id: str) -> EngineConfig:
     """`--kv-dir /ssd/kv/{worker}`: each worker its own private disk tier (a directory
     belongs to one process); the shared tier is `--kv-remote`."""
-    if not config.kv_dir or "{worker}" not in config.kv_dir:
+    if not config.cache.kv_dir or "{worker}" not in config.cache.kv_dir:
         return config
-    return dataclasses.replace(config, kv_dir=config.kv_dir.replace("{worker}", worker_id))
+    return config.replace(kv_dir=config.cache.kv_dir.replace("{worker}", worker_id))
 
 
 class KVTiers:
@@ -92,18 +91,18 @@ class KVTiers:
         """Tiers of an EngineConfig (None when every tier is off). `namespace` is the
         model-level key namespace (no tenant salt) that guards disk files and shared values."""
         disk = None
-        if config.kv_dir:
-            disk = DiskConfig(os.path.expanduser(config.kv_dir), namespace,
-                              config.kv_disk_bytes)
-        shared = SharedSpec(config.kv_remote, namespace, config.kv_remote_bytes) \
-            if config.kv_remote else None
-        if disk is None and shared is None and config.kv_host_bytes <= 0:
+        if config.cache.kv_dir:
+            disk = DiskConfig(os.path.expanduser(config.cache.kv_dir), namespace,
+                              config.cache.kv_disk_bytes)
+        shared = SharedSpec(config.cache.kv_remote, namespace, config.cache.kv_remote_bytes) \
+            if config.cache.kv_remote else None
+        if disk is None and shared is None and config.cache.kv_host_bytes <= 0:
             return None
-        policy = RetentionPolicy(config.chat_ttl_s, config.agent_ttl_s)
+        policy = RetentionPolicy(config.cache.chat_ttl_s, config.cache.agent_ttl_s)
         try:
-            return cls(config.kv_host_bytes, disk, policy, shared=shared)
+            return cls(config.cache.kv_host_bytes, disk, policy, shared=shared)
         except KVStoreError as exc:
-            raise KVStoreError(f"--kv-dir {config.kv_dir!r} cannot be used: {exc}") from exc
+            raise KVStoreError(f"--kv-dir {config.cache.kv_dir!r} cannot be used: {exc}") from exc
 
     async def _open(self, host_bytes: int, disk: DiskConfig | None,
                     shared: SharedSpec | None) -> KVStore:

@@ -67,7 +67,7 @@ class _Tracker:
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: bool = True,
                  progress: bool = True, **engine_kwargs) -> None:
-        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.config = EngineConfig.of(model=model, **engine_kwargs)
         self.engine = EngineCore(self.config, progress=progress)
         self.recipe = None
         if tokenizer:

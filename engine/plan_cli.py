@@ -200,7 +200,7 @@ def calibrate(model_path: str | None, num_threads: int = 0, max_tokens: int = 25
     from engine.messages import AddRequest
     from engine.sampling_params import SamplingParams
 
-    config = EngineConfig(model=model_path, max_num_batched_tokens=max_tokens,
+    config = EngineConfig.of(model=model_path, max_num_batched_tokens=max_tokens,
                           num_threads=num_threads, max_model_len=4096)
     core = EngineCore(config, progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

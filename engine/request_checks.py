@@ -5,7 +5,7 @@ channel (another frontend version, a bug, a hostile host), so it checks again: a
 that fails becomes one error delta with `error_kind=INVALID`, never an exception deep in a
 step that would kill the worker and every stream on it. SamplingParams checks its own value
 rules when it is decoded; this adds what needs the model (the vocabulary) and the bounds on
-sizes. The core's `_validate` still checks context and KV-pool length.
+sizes. The core (`engine.core._check_request`) still checks context and KV-pool length.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ MAX_STOP_TOKEN_IDS = 1024
 
 def check_add_request(msg: AddRequest, core) -> str | None:
     """Why `msg` can never run on `core`, or None when it may."""
-    vocab_size = _vocab_size(core)
+    vocab_size = core.vocab_size
     params = msg.params
     checks = (
         (bool(msg.req_id) and len(msg.req_id) <= MAX_REQ_ID_CHARS,
@@ -41,10 +41,3 @@ def check_add_request(msg: AddRequest, core) -> str | None:
         if bad:
             return f"{name} outside the vocabulary [0, {vocab_size}): {bad[:5]}"
     return None
-
-
-def _vocab_size(core) -> int | None:
-    size = getattr(core, "vocab_size", None)
-    if size is None:
-        size = getattr(getattr(core, "args", None), "vocab_size", None)
-    return size

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from engine.kv_manager import KVCacheManager
 from engine.request import Request
@@ -33,9 +33,17 @@ class SchedulerOutput(NamedTuple):
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+# (scheduler) -> this step's token budget, e.g. engine.step_policy.time_budget
+TokenBudget = Callable[["Scheduler"], int]
+# (scheduler, req, budget left) -> most tokens a running prompt may take this step, e.g.
+# engine.step_policy.fair_prefill (leaves waiting requests part of the step)
+PrefillChunk = Callable[["Scheduler", Request, int], int]
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, *, token_budget: TokenBudget | None = None,
+                 prefill_chunk: PrefillChunk | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,10 +51,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.token_budget_fn = None  # optional: () -> int, e.g. from a time-budget cost model
-        # optional: (req, budget left) -> most tokens a running prompt may take this step,
-        # e.g. engine.step_policy.fair_prefill (leaves waiting requests part of the step)
-        self.prefill_chunk_fn = None
+        self._token_budget_fn = token_budget  # None: max_num_batched_tokens every step
+        self._prefill_chunk_fn = prefill_chunk  # None: a prompt takes what the budget leaves
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -78,8 +84,8 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _token_budget(self) -> int:
-        if self.token_budget_fn is not None:
-            return max(1, min(self.max_num_batched_tokens, self.token_budget_fn()))
+        if self._token_budget_fn is not None:
+            return max(1, min(self.max_num_batched_tokens, self._token_budget_fn(self)))
         return self.max_num_batched_tokens
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
@@ -102,9 +108,9 @@ class Scheduler:
         return budget
 
     def _chunk_budget(self, req: Request, budget: int) -> int:
-        if self.prefill_chunk_fn is None or req.is_decoding:
+        if self._prefill_chunk_fn is None or req.is_decoding:
             return budget
-        return max(1, min(budget, self.prefill_chunk_fn(req, budget)))
+        return max(1, min(budget, self._prefill_chunk_fn(self, req, budget)))
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in arrival order; one whose disk reads are still in flight

@@ -1,12 +1,13 @@
 """How much one scheduler step may take on: the time budget and the fair prefill share.
 
-Two hooks the Scheduler calls at the start of a step (it owns neither policy):
+Two policies the Scheduler is built with and calls with itself during a step (it owns
+neither; EngineCore chooses them from SchedulerConfig):
 
-* `time_budget(...)` -> `scheduler.token_budget_fn`: the step's token budget is the decode
+* `time_budget(...)` -> `Scheduler(token_budget=...)`: the step's token budget is the decode
   tokens of the running requests plus as many prompt tokens as the cost model predicts fit
   in `--step-budget-ms` next to them (at least `min_chunk`, so prefill always progresses).
   Until the model has enough samples, the static `max_num_batched_tokens` applies.
-* `fair_prefill(...)` -> `scheduler.prefill_chunk_fn`: a running prompt's chunk leaves a
+* `fair_prefill(...)` -> `Scheduler(prefill_chunk=...)`: a running prompt's chunk leaves a
   token to each decoding request and, while requests wait, part of the budget to them, so
   a short prompt that arrives during a long prefill gets its first token within a step or
   two instead of after the whole long prompt, and running streams keep their pace (the
@@ -23,9 +24,9 @@ from engine.request import Request
 MIN_CHUNK = 16
 
 
-def time_budget(model: CostModel, scheduler, budget_s: float,
-                min_chunk: int = MIN_CHUNK) -> Callable[[], int]:
-    def token_budget() -> int:
+def time_budget(model: CostModel, budget_s: float,
+                min_chunk: int = MIN_CHUNK) -> Callable[[object], int]:
+    def token_budget(scheduler) -> int:
         limit = scheduler.max_num_batched_tokens
         decoding = [r for r in scheduler.running if r.is_decoding]
         num_decode = len(decoding)
@@ -41,11 +42,11 @@ def time_budget(model: CostModel, scheduler, budget_s: float,
     return token_budget
 
 
-def fair_prefill(scheduler, share: float = 0.5,
-                 min_chunk: int = MIN_CHUNK) -> Callable[[Request, int], int]:
+def fair_prefill(share: float = 0.5,
+                 min_chunk: int = MIN_CHUNK) -> Callable[[object, Request, int], int]:
     """A running prompt's chunk leaves one token for every decoding request and, while
     requests wait, `share` of the budget to them; never less than min_chunk."""
-    def chunk_limit(req: Request, budget: int) -> int:
+    def chunk_limit(scheduler, req: Request, budget: int) -> int:
         reserve = sum(1 for r in scheduler.running if r.is_decoding)
         if scheduler.waiting:
             reserve += int(budget * share)

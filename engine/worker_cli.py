@@ -95,16 +95,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"duplex worker: {e}", file=sys.stderr)
         return 2
     factory = resolve_core_factory(args.core)
-    if config.expert_parallel > 1 and args.core == DEFAULT_CORE:
+    if config.ep.expert_parallel > 1 and args.core == DEFAULT_CORE:
         if args.role != "unified":
             print("duplex worker: --expert-parallel runs as a unified worker", file=sys.stderr)
             return 2
         from engine.ep_group import leader_core as factory
     worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
+    # the EP group schedules without the fair prefill share (its ranks replay one schedule)
+    config = config.replace(fair_prefill=args.fair_prefill and not config.ep.is_on)
     worker = Worker(private_kv_dir(role_config(config, args.role), worker_id), factory,
                     address=args.connect, worker_id=worker_id, role=args.role,
                     heartbeat_s=args.heartbeat_s, kv_bind=args.kv_bind,
-                    lease_s=args.handoff_lease_s, fair_prefill=args.fair_prefill, keys=keys)
+                    lease_s=args.handoff_lease_s, keys=keys)
     code = _run_on_uvloop(worker)
     if args.cost_model_out:
         _save_cost_model(worker, args.cost_model_out)
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _save_cost_model(worker: Worker, path: str) -> None:
-    model = getattr(worker.core, "cost_model", None)
+    model = worker.core.cost_model if worker.core is not None else None
     if model is not None:
         with open(path, "w") as f:
             json.dump({"worker_id": worker.worker_id, "role": worker.role,

@@ -53,6 +53,18 @@ VLLM_NAMES = {
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._add_request_metrics(r)
+        self._add_latency_metrics(r)
+        self._add_token_metrics(r)
+        self._add_engine_metrics(r)
+        self._window: collections.deque[list[int]] = collections.deque()  # [second, tokens]
+        self.num_draft_proposed = 0  # totals for /v1/status (counters are write-only)
+        self.num_draft_accepted = 0
+        self.num_preemptions = 0  # the workers' own total, copied from their stats
+        r.register(_WorkerCounters(self))
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests by endpoint, refusals, finish reasons; in flight, running, waiting."""
         self.requests = Counter("duplex_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.rejected = Counter("duplex_requests_rejected", "Requests refused before running",
@@ -65,6 +77,9 @@ class Metrics:
                              registry=r)
         self.waiting = Gauge("duplex_requests_waiting", "Queue length: requests waiting on "
                              "the workers", registry=r)
+
+    def _add_latency_metrics(self, r: CollectorRegistry) -> None:
+        """Per-request latencies and their phases."""
         self.ttft = Histogram("duplex_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("duplex_time_per_output_token_seconds",
@@ -83,6 +98,9 @@ class Metrics:
         self.inference_time = Histogram("duplex_request_inference_time_seconds", "First "
                                         "scheduled to the end (prefill + decode)",
                                         buckets=_LATENCY_BUCKETS, registry=r)
+
+    def _add_token_metrics(self, r: CollectorRegistry) -> None:
+        """Tokens: per request, totals, cache hits, drafts."""
         self.request_prompt_tokens = Histogram("duplex_request_prompt_tokens", "Prompt tokens "
                                                "per request", buckets=_TOKEN_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram(
@@ -102,6 +120,9 @@ class Metrics:
                                       "Speculative draft tokens proposed", registry=r)
         self.draft_accepted = Counter("duplex_spec_draft_accepted_tokens",
                                       "Speculative draft tokens accepted", registry=r)
+
+    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
+        """The engine: KV pool, mode, workers, per-worker figures, MoE."""
         self.kv_blocks_used = Gauge("duplex_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_blocks_total = Gauge("duplex_kv_blocks_total", "KV blocks in the pool",
                                      registry=r)
@@ -127,11 +148,6 @@ class Metrics:
             "over MoE layers", ["worker", "over_layers"], registry=r)
         self.moe_rebalances = Gauge("duplex_moe_rebalances", "MoE: expert placements switched "
                                     "in by the load balancer", ["worker"], registry=r)
-        self._window: collections.deque[list[int]] = collections.deque()  # [second, tokens]
-        self.num_draft_proposed = 0  # totals for /v1/status (counters are write-only)
-        self.num_draft_accepted = 0
-        self.num_preemptions = 0  # the workers' own total, copied from their stats
-        r.register(_WorkerCounters(self))
 
     # ------------------------------------------------------------ observed per request
     def observe_delta(self, num_tokens: int, num_proposed: int, num_accepted: int) -> None:
@@ -165,7 +181,7 @@ class Metrics:
 
     def _observe_phases(self, timings, num_tokens: int) -> None:
         """Queue / prefill / decode split of one request (only once it was scheduled)."""
-        queue_s = getattr(timings, "queue_s", 0.0)
+        queue_s = timings.queue_s
         if not queue_s:
             return
         self.queue_time.observe(queue_s)

@@ -98,8 +98,8 @@ def longest_token_chars(recipe) -> int | None:
     """Characters of text one token can cover: the longest ordinary vocabulary entry (a
     byte-level entry has one symbol per byte, so at least one per character); control
     tokens never come from user text. None for a recipe without a tokenizer."""
-    tokenizer = getattr(recipe, "tokenizer", None)
-    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+    tokenizer = recipe.tokenizer
+    if tokenizer is None:
         return None
     added = set(tokenizer.get_added_vocab())
     return max((len(t) for t in tokenizer.get_vocab() if t not in added), default=None)

@@ -74,7 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                         help="the model, as --model takes it (vLLM's `serve MODEL`)")
     add_engine_arguments(parser)
-    group = parser.add_argument_group("server")
+    _add_server_arguments(parser.add_argument_group("server"))
+    _add_worker_arguments(parser.add_argument_group("workers"))
+
+
+def _add_server_arguments(group) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     group.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -111,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
     add_operator_arguments(group)
-    workers = parser.add_argument_group("workers")
+
+
+def _add_worker_arguments(workers) -> None:
     workers.add_argument("--prefill-workers", type=int, default=0, metavar="N",
                          help="prefill worker processes (with --decode-workers; default: one "
                               "unified worker)")
@@ -159,13 +165,13 @@ def run(args: argparse.Namespace) -> int:
             max_queued_sequences=args.max_queued_sequences,
             max_queued_prompt_tokens=args.max_queued_prompt_tokens,
             max_running_sequences=args.max_running_sequences
-            or config.max_num_seqs * max(1, args.decode_workers))
+            or config.scheduler.max_num_seqs * max(1, args.decode_workers))
         model_path = resolve_model_path(config.model)
         chat_template = options.chat_template
         ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)
         layout = layout_from_args(args)
         curve.load_keys(layout.worker_key, layout.worker_bind)  # a bad key fails here
-        if config.expert_parallel > 1 and layout.num_prefill:
+        if config.ep.expert_parallel > 1 and layout.num_prefill:
             raise ValueError("--expert-parallel runs with one unified worker; it cannot be "
                              "combined with --prefill-workers / --decode-workers yet")
     except (ValueError, OSError) as e:
@@ -224,7 +230,7 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
                  ssl_context is not None)
         scheme = "https" if ssl_context is not None else "http"
         await _announce_when_ready(engine, stop, f"{scheme}://{host}:{port}", options, layout,
-                                   config.expert_parallel)
+                                   config.ep.expert_parallel)
         await stop.wait()
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)

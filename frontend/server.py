@@ -139,11 +139,27 @@ class Engine(Protocol):
     def workers(self) -> dict[str, Ready]: ...  # the live workers
 
 
+class TextRecipe(Protocol):
+    """What the server needs of its recipe: `engine.text.recipe.Recipe` (fakes in tests
+    implement the same)."""
+    eos_token_ids: list[int]
+    vocab_size: int  # token ids run below it
+    template: str | None  # the model's chat template
+    tokenizer: object | None  # None: no vocabulary to measure token lengths with (fakes)
+
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True, template=None,
+                    continue_final_message=False) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
+    def encode_reply_start(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def new_detokenizer(self, skip_special_tokens: bool = True): ...
+
+
 class AppState:
     """What every handler shares. The engine client and recipe are built by `serve`
     (or fakes in tests); everything else is derived from them here."""
 
-    def __init__(self, engine: Engine, recipe, options: ServerOptions = ServerOptions(),
+    def __init__(self, engine: Engine, recipe: TextRecipe, options: ServerOptions = ServerOptions(),
                  metrics: Metrics | None = None, supervisor=None) -> None:
         self.engine = engine
         self.recipe = recipe
@@ -230,7 +246,7 @@ class AppState:
         """(prompt ids that end inside the start of a tool call, that start's text), for
         tool_choice 'required' / 'any' (name None) or a named tool."""
         source = template if template is not None else \
-            self.options.chat_template or getattr(self.recipe, "template", None)
+            self.options.chat_template or self.recipe.template
         if not tools_supported(source):
             raise invalid("this model's chat template has no tool calling, so a required or "
                           "named tool_choice cannot be honoured", param="tool_choice")
@@ -251,8 +267,8 @@ class AppState:
             check_prompt_chars(num_chars, info.max_model_len, self.max_token_chars, param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab_size = _vocab_size(self.recipe)
-        if vocab_size is not None and any(t >= vocab_size for t in token_ids):
+        vocab_size = self.recipe.vocab_size
+        if any(t >= vocab_size for t in token_ids):
             raise invalid(f"token ids must be below the vocabulary size {vocab_size}",
                           param=param)
 
@@ -322,12 +338,6 @@ class AppState:
         if self.supervisor is None:
             return 1, 1
         return len(self.engine.workers()), len(self.supervisor.status())
-
-
-def _vocab_size(recipe) -> int | None:
-    size = getattr(recipe, "vocab_size", None)
-    tokenizer = getattr(recipe, "tokenizer", None)
-    return size if size is not None or tokenizer is None else len(tokenizer)
 
 
 # ================================================================ the application

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-import dataclasses
 
 import msgspec
 
@@ -226,7 +225,7 @@ def worker_config(config: EngineConfig, num_workers: int) -> EngineConfig:
     workers (at least one thread each), so N workers do not oversubscribe the machine."""
     if config.num_threads or num_workers <= 1:
         return config
-    return dataclasses.replace(config, num_threads=max(1, available_cores() // num_workers))
+    return config.replace(num_threads=max(1, available_cores() // num_workers))
 
 
 def _free_port() -> int:

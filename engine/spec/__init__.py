@@ -5,9 +5,9 @@ flattened batch as everything else, and the output distribution never changes.
     draft_model.py  model drafters: a separate draft model, or the target's first layers
     verify.py       greedy verification and exact rejection sampling
     confidence.py   online acceptance predictor, calibration, load-aware stopping rule
-    step_cost.py    what verifying n tokens costs (measured at start-up)
-    speculator.py   the engine-facing object: propose, clip, logit rows, verify, stats
+    speculator.py   the engine-facing object: propose, clip, logit rows, verify, stats;
+                    it measures what verifying n tokens costs into the engine's CostModel
 """
-from engine.spec.speculator import SpecOptions, Speculator
+from engine.spec.speculator import Speculator
 
-__all__ = ["SpecOptions", "Speculator"]
+__all__ = ["Speculator"]

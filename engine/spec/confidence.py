@@ -26,8 +26,8 @@ that keeps A invertible); each batch moves the weights by A^-1 times the log-los
 gradient. Newton steps are invariant to feature scaling, so the fixed scalings above only
 matter for the prior. State is saved as JSON (never pickle).
 
-Stopping rule. A step costs step_cost(tokens in it) (step_cost.py: measured, relative to
-a one-token step); it yields, per decoding request, 1 token plus the survival probability
+Stopping rule. A step costs step_cost(tokens in it) (CostModel.relative_cost: measured at
+start-up, relative to a one-token step); it yields, per decoding request, 1 token plus the survival probability
 of each kept draft. `choose_lengths` keeps the drafts that maximise expected tokens per
 unit of cost. Where the cost is linear (fixed part 1, token_cost per token) that is the
 same as keeping a draft exactly when its survival exceeds token_cost x (the best
@@ -163,7 +163,7 @@ class ConfidenceHead:
 
 
 # ---------------------------------------------------------------------- stopping rule
-StepCostFn = Callable[[float], float]  # tokens in a forward -> its cost (step_cost.StepCost)
+StepCostFn = Callable[[float], float]  # tokens in a forward -> its cost (CostModel.relative_cost)
 
 
 def choose_lengths(survival: Sequence[Sequence[float]], step_cost: StepCostFn) -> list[int]:

@@ -27,22 +27,22 @@ configured spec_token_cost makes the latter fixed).
 """
 from __future__ import annotations
 
-import dataclasses
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
 import torch
 
+from engine.config import SpecConfig
+from engine.cost_model import CostModel
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
                                     keep_drafting_threshold, make_features)
-from engine.spec import step_cost as step_cost_module
-from engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, SelfDrafter,
-                                     relative_cost)
+from engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, RequestView,
+                                     SelfDrafter, relative_cost)
 from engine.spec.ngram import NgramDrafter
-from engine.spec.step_cost import StepCost
 from engine.spec.verify import Verified, target_probs, verify_greedy, verify_sampled
 from engine.stats import CalibrationBin, HeadStats, SpecStats
 
@@ -55,25 +55,6 @@ EXPLORE_BUDGET = 0.02
 PRIOR_ACCEPTANCE = 0.75
 _PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected) of the acceptance estimates
 _FORGET = 0.98  # per verification round, for the estimates that steer drafting
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecOptions:
-    method: str  # "ngram" | "self" | "draft"
-    num_draft_tokens: int = 5
-    use_confidence: bool = True  # per-token lengths from the head; else one length per step
-    token_cost: float = 0.0  # verify cost per token / fixed step cost; 0: measure the curve
-    draft_layers: int = 0  # self-draft depth; 0: a quarter of the target's layers
-    draft_model: str | None = None
-    rule: str = "exact"  # "wrong" only for the negative control
-
-    @classmethod
-    def from_config(cls, config) -> SpecOptions:
-        return cls(method=config.speculation, num_draft_tokens=config.num_draft_tokens,
-                   use_confidence=getattr(config, "spec_confidence", True),
-                   token_cost=getattr(config, "spec_token_cost", 0.0),
-                   draft_layers=getattr(config, "spec_draft_layers", 0),
-                   draft_model=config.draft_model)
 
 
 class _Pending(NamedTuple):
@@ -130,46 +111,51 @@ class AcceptanceStats:
 
 
 class Speculator:
-    def __init__(self, options: SpecOptions, drafter, max_model_len: int,
-                 step_cost: StepCost) -> None:
-        self.options = options
+    def __init__(self, config: SpecConfig, drafter, max_model_len: int,
+                 cost_model: CostModel) -> None:
+        """`cost_model`: the engine's, its forward-cost curve seeded (`build` does that)."""
+        self.config = config
         self.drafter = drafter  # NgramDrafter or a ModelDrafterBase
-        self.step_cost = step_cost
+        self.cost_model = cost_model
+        step_cost = self.step_cost = cost_model.relative_cost
         self.max_model_len = max_model_len
         self.head = ConfidenceHead(prior_acceptance=PRIOR_ACCEPTANCE)
         self.stats = AcceptanceStats()
         self.recent: dict[str, float] = {}  # req_id -> acceptance EMA
         self.pending: dict[str, _Pending] = {}
         self.num_idle_steps = 0  # decoding steps in a row without drafts
-        k = options.num_draft_tokens
+        k = config.num_draft_tokens
         explore_cost = step_cost(1 + k) - 1.0 + k * drafter.cost
         self.explore_every = max(16, int(explore_cost / EXPLORE_BUDGET))
 
     @classmethod
-    def build(cls, options: SpecOptions, *, model, runner, kv, load_model: Callable,
-              num_kv_blocks: int, block_size: int, dtype: torch.dtype, max_model_len: int,
-              seed: int = 0) -> Speculator:
-        """The drafter options.method names, wired to the engine's model, runner and KV;
-        the step cost curve measured now unless options.token_cost gives a line."""
-        step_cost = StepCost.linear(options.token_cost) if options.token_cost > 0 else \
-            step_cost_module.measure(model, runner, num_kv_blocks)
-        if options.method == "ngram":
+    def build(cls, config: SpecConfig, *, model, runner, kv, load_model: Callable,
+              cost_model: CostModel, num_kv_blocks: int, block_size: int, dtype: torch.dtype,
+              max_model_len: int, seed: int = 0) -> Speculator:
+        """The drafter config.speculation names, wired to the engine's model, runner, KV and
+        cost model, whose forward-cost curve is measured now unless config.spec_token_cost
+        gives a line."""
+        if config.spec_token_cost > 0:
+            cost_model.seed_token_cost(config.spec_token_cost)
+        else:
+            cost_model.seed_forward_costs(*measure_forward_costs(runner, num_kv_blocks))
+        if config.speculation == "ngram":
             drafter = NgramDrafter(max_n=8)
-        elif options.method == "self":
-            num_layers = options.draft_layers or max(1, len(model.layers) // 4)
+        elif config.speculation == "self":
+            num_layers = config.spec_draft_layers or max(1, len(model.layers) // 4)
             drafter = SelfDrafter(model, runner, kv.allocate_slots, num_layers, seed)
-        elif options.method == "draft":
-            if not options.draft_model:
+        elif config.speculation == "draft":
+            if not config.draft_model:
                 raise ValueError("speculation 'draft' needs draft_model (a local model path)")
-            draft = load_model(options.draft_model)
+            draft = load_model(config.draft_model)
             if draft.args.vocab_size != model.args.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft.args.vocab_size}) "
                                  f"differs from the target's ({model.args.vocab_size})")
             drafter = DraftModelDrafter(draft, num_kv_blocks, block_size, dtype,
                                         relative_cost(draft.args, model.args), seed)
         else:
-            raise ValueError(f"unknown speculation method {options.method!r}")
-        return cls(options, drafter, max_model_len, step_cost)
+            raise ValueError(f"unknown speculation method {config.speculation!r}")
+        return cls(config, drafter, max_model_len, cost_model)
 
     # ------------------------------------------------------------------ 1 propose
     def propose(self, running: Sequence[Request]) -> None:
@@ -198,7 +184,7 @@ class Speculator:
                 req.num_output_tokens < params.min_tokens:
             return 0
         # every draft kept still leaves room for the bonus token
-        return max(0, min(self.options.num_draft_tokens,
+        return max(0, min(self.config.num_draft_tokens,
                           req.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
 
@@ -229,13 +215,13 @@ class Speculator:
         if not any(limits):
             return
         keep_going = None
-        if self.options.use_confidence:
+        if self.config.spec_confidence:
             keep_going = self._keep_going_rule(reqs, explore)
         drafts = drafter.propose(reqs, limits, keep_going)
         features = [make_features(d.draft_prob, d.entropy, np.arange(len(d.token_ids)), 0,
                                   self._recent(req)) for req, d in zip(reqs, drafts)]
         lengths = [len(d.token_ids) for d in drafts]
-        if self.options.use_confidence:
+        if self.config.spec_confidence:
             lengths = self._lengths([d.token_ids for d in drafts], features, drafter.cost)
             if explore is not None:
                 lengths[explore] = len(drafts[explore].token_ids)
@@ -245,7 +231,7 @@ class Speculator:
     def _keep_going_rule(self, reqs: list[Request], explore: int | None):
         """The head's stopping rule while drafting: stop a request once the survival of
         its run falls below what one more draft token must earn."""
-        num_reqs, k = len(reqs), self.options.num_draft_tokens
+        num_reqs, k = len(reqs), self.config.num_draft_tokens
         cost = self.step_cost
         c = (cost(num_reqs * (1 + k)) - cost(num_reqs)) / (num_reqs * k)  # mean per token
         share = self.drafter.cost * cost(num_reqs) / num_reqs  # of one more draft forward
@@ -263,7 +249,7 @@ class Speculator:
 
     def _lengths(self, drafts: list[list[int]], features: list[np.ndarray],
                  draft_cost: float) -> list[int]:
-        if self.options.use_confidence:
+        if self.config.spec_confidence:
             survival = [np.cumprod(self.head.predict(f)) if len(f) else np.zeros(0)
                         for f in features]
             return choose_lengths(survival, self.step_cost)
@@ -309,7 +295,7 @@ class Speculator:
         else:
             probs = target_probs(logits, req.params)
             verified = verify_sampled(probs, drafts, pending.probs,
-                                      req.generator or default_generator, self.options.rule)
+                                      req.generator or default_generator)
         self._learn(req, pending.features, len(drafts), verified.num_accepted)
         return verified
 
@@ -339,6 +325,32 @@ class Speculator:
                 for b in report["bins"]]
         head = HeadStats(num=float(report["num"]), log_loss=report["log_loss"],
                          brier=report["brier"], ece=report["ece"], bins=bins)
-        step_cost_tokens, step_cost = self.step_cost.stats()
+        step_cost_tokens, step_cost = self.cost_model.forward_costs()
         return msgspec.structs.replace(self.stats.stats(), head=head,
                                        step_cost_tokens=step_cost_tokens, step_cost=step_cost)
+
+
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # forward sizes measured at start-up
+
+
+@torch.inference_mode()
+def measure_forward_costs(runner, num_free_blocks: int, repeats: int = 3,
+                          context: int = 64) -> tuple[list[int], list[float]]:
+    """(rows, seconds): the model timed on one sequence of `context` cached tokens plus n
+    new ones, for n on GRID (as far as num_free_blocks allow), logits for every new row as
+    verification needs; the minimum of `repeats` runs, as interference on a shared machine
+    only adds. Writes KV into blocks no request owns yet (called before the first request)."""
+    grid = [n for n in GRID if -(-(context + n) // runner.block_size) <= num_free_blocks]
+    times = {}
+    for n in grid:
+        tokens = [1] * (context + n)
+        view = RequestView(tokens, list(range(-(-len(tokens) // runner.block_size))), context)
+        inputs = runner.prepare([ScheduledRequest(view, n)])
+        rows = list(range(n))
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.execute(inputs, rows)
+            runs.append(time.perf_counter() - start)
+        times[n] = min(runs)
+    return list(times), [times[n] for n in times]

@@ -105,6 +105,11 @@ class Recipe:
         except ValueError:
             self.template = None
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run below this (the tokenizer's, added tokens included)."""
+        return len(self.tokenizer)
+
     @classmethod
     def from_model(cls, model_path: str) -> Recipe:
         """The (cached) recipe of a local GGUF file or Hugging Face directory."""

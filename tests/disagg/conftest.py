@@ -51,7 +51,7 @@ def engine_config(**overrides) -> EngineConfig:
     values = dict(model=tiny_model(), num_kv_blocks=96, max_model_len=MAX_MODEL_LEN,
                   max_num_batched_tokens=64, num_threads=1)
     values.update(overrides)
-    return EngineConfig(**values)
+    return EngineConfig.of(**values)
 
 
 def request(req_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> AddRequest:

@@ -10,7 +10,7 @@ import pytest
 from engine.cost_model import CostModel, StepFeatures, attended_pairs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.step_policy import MIN_CHUNK, fair_prefill, time_budget
+from engine.step_policy import MIN_CHUNK, time_budget
 
 from .conftest import engine_config, request
 
@@ -72,7 +72,7 @@ def test_chunk_sizing_respects_the_budget():
     prompt = _computed(Request("p", list(range(4096)), SamplingParams()), 1024)
     scheduler = SimpleNamespace(running=[prompt, *running], max_num_batched_tokens=2048)
     for budget_s in (0.02, 0.05, 0.2):
-        tokens = time_budget(model, scheduler, budget_s)() - len(running)
+        tokens = time_budget(model, budget_s)(scheduler) - len(running)
         decode_ktokens = len(running) * attended_pairs(299, 1) / 1000
 
         def cost(n: int) -> float:
@@ -83,8 +83,15 @@ def test_chunk_sizing_respects_the_budget():
             assert cost(tokens) <= budget_s * 1.001 < cost(tokens + 1)
         else:
             assert cost(MIN_CHUNK) > budget_s * 0.999
-    unfitted = time_budget(CostModel(), scheduler, 0.05)()
+    unfitted = time_budget(CostModel(), 0.05)(scheduler)
     assert unfitted == scheduler.max_num_batched_tokens
+
+
+class _Fixed(CostModel):
+    """A fitted cost model that ignores the steps it is shown."""
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        pass
 
 
 def test_engine_reports_its_cost_model_and_chunks_to_the_budget():
@@ -99,9 +106,10 @@ def test_engine_reports_its_cost_model_and_chunks_to_the_budget():
     assert cost.num_samples >= 8 and cost.step_s >= 0
     assert cost.median_rel_error >= 0
     # the tiny model's step times are noise on a shared box: size chunks with a model of
-    # known coefficients through the same hook, and check what the scheduler does with it
-    model = fitted_model(noise=0.0)
-    core.scheduler.token_budget_fn = time_budget(model, core.scheduler, 0.02)
+    # known coefficients that learns nothing more, and check what the scheduler does with it
+    model = _Fixed(coef=fitted_model(noise=0.0).coef)
+    core = EngineCore(engine_config(max_num_batched_tokens=128, step_budget_ms=20),
+                      progress=False, cost_model=model)
     allowed = model.max_prefill_tokens(0.02, limit=128)
     assert MIN_CHUNK < allowed < 128
     core.add_request(request("chunked", list(range(3, 203))))
@@ -118,9 +126,8 @@ def test_a_short_prompt_gets_its_first_token_during_a_long_prefill():
     from engine.core import EngineCore
 
     def first_token_steps(fair: bool) -> dict[str, int]:
-        core = EngineCore(engine_config(max_num_batched_tokens=32), progress=False)
-        if fair:
-            core.scheduler.prefill_chunk_fn = fair_prefill(core.scheduler)
+        core = EngineCore(engine_config(max_num_batched_tokens=32, fair_prefill=fair),
+                          progress=False)
         core.add_request(request("long", [(5 * i) % 300 + 1 for i in range(240)]))
         first: dict[str, int] = {}
         for step in range(40):

@@ -87,7 +87,7 @@ def make_core(model: str, **kwargs) -> EngineCore:
     """An engine on `model`, float32 unless told otherwise (the exact mode: references are
     transformers' fp32 outputs)."""
     kwargs.setdefault("weights_dtype", "float32")
-    return EngineCore(EngineConfig(model=model, **kwargs), progress=False)
+    return EngineCore(EngineConfig.of(model=model, **kwargs), progress=False)
 
 
 def _cache_of(out):

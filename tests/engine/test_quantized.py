@@ -44,11 +44,11 @@ def test_auto_keeps_the_files_bits(default_model):
 
 def test_int4_with_batch_invariant_is_refused():
     with pytest.raises(ValueError, match="batch_invariant"):
-        EngineConfig(weights_dtype="int4", batch_invariant=True)
+        EngineConfig.of(weights_dtype="int4", batch_invariant=True)
 
 
 def test_auto_under_batch_invariant_runs_float32(default_model):
-    core = EngineCore(EngineConfig(model=default_model, batch_invariant=True, num_kv_blocks=32),
+    core = EngineCore(EngineConfig.of(model=default_model, batch_invariant=True, num_kv_blocks=32),
                       progress=False)
     assert core.quant == "none" and not isinstance(core.model.layers[0].attn.qkv_weight,
                                                    QuantWeight)

@@ -185,7 +185,7 @@ def _until(predicate, timeout_s: float = 5.0) -> None:
 
 def test_kv_dir_with_worker_placeholder_is_private_per_worker():
     from engine.config import EngineConfig
-    config = EngineConfig(kv_dir="/ssd/kv/{worker}")
-    assert kv_tiers.private_kv_dir(config, "prefill-1").kv_dir == "/ssd/kv/prefill-1"
-    plain = EngineConfig(kv_dir="/ssd/kv")
+    config = EngineConfig.of(kv_dir="/ssd/kv/{worker}")
+    assert kv_tiers.private_kv_dir(config, "prefill-1").cache.kv_dir == "/ssd/kv/prefill-1"
+    plain = EngineConfig.of(kv_dir="/ssd/kv")
     assert kv_tiers.private_kv_dir(plain, "prefill-1") is plain

@@ -47,6 +47,7 @@ class FakeRecipe:
     vocab_size = 256 + OFFSET
     # enough of a Hermes-style template for tool_parser.tools_supported
     template = "{% if tools %}<tools>{{ tools }}</tools>{% endif %} ... <tool_call>"
+    tokenizer = None  # no vocabulary: the longest token's text is unknown
 
     def __init__(self) -> None:
         self.chat_calls: list[dict] = []

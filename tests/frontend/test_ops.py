@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.stats import KVStats, KVTierStats, MoEStats, SharedTierStats
 from frontend.openapi import ENDPOINTS
 from frontend.server import AppState, ServerOptions
-from frontend_fakes import FakeEngineClient
+from frontend_fakes import FakeEngineClient, FakeRecipe
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -145,7 +145,7 @@ def test_server_options_are_validated():
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
-    assert AppState(FakeEngineClient(), None).model_name == "fake-model"
+    assert AppState(FakeEngineClient(), FakeRecipe()).model_name == "fake-model"
 
 
 def _refs(node):

@@ -43,7 +43,7 @@ def _config(path: str, **overrides) -> EngineConfig:
     values = dict(model=path, num_kv_blocks=96, max_model_len=256, max_num_batched_tokens=32,
                   num_threads=1, expert_parallel=2, ep_redundant_experts=2,
                   eplb_interval_steps=3)
-    return EngineConfig(**{**values, **overrides})
+    return EngineConfig.of(**{**values, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -240,9 +240,9 @@ def test_options_that_depend_on_timing_are_refused():
     for field, value in (("kv_dir", "/tmp/x"), ("step_budget_ms", 50.0),
                          ("speculation", "ngram")):
         with pytest.raises(ValueError, match=f"{field} is not supported with expert_parallel"):
-            EngineConfig(expert_parallel=2, **{field: value})
+            EngineConfig.of(expert_parallel=2, **{field: value})
     with pytest.raises(ValueError, match="ep_local_ranks"):
-        EngineConfig(expert_parallel=2, ep_local_ranks=3)
+        EngineConfig.of(expert_parallel=2, ep_local_ranks=3)
 
 
 def test_an_engine_outside_a_group_is_refused(model_path):
@@ -264,7 +264,7 @@ def _order_and_disagree(rank: int, master: str, out_dir: str) -> None:
     from engine.ep_group import RankGroup, RanksDisagree, StepOrder
     from engine.messages import AbortRequests
 
-    group = RankGroup(EngineConfig(expert_parallel=2, ep_master=master), rank)
+    group = RankGroup(EngineConfig.of(expert_parallel=2, ep_master=master), rank)
     sent = StepOrder([AddRequest("a", [1, 2], GREEDY, deadline=0.0), AbortRequests(["b"])])
     order = group.broadcast_order(sent if rank == 0 else None)
     group.check_same("a digest", b"same0000")

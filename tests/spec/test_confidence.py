@@ -7,7 +7,7 @@ import pytest
 
 from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
                                     make_features)
-from engine.spec.step_cost import StepCost
+from engine.cost_model import CostModel
 
 TRUE_WEIGHTS = np.array([-1.0, 4.0, -1.0, -2.0, 1.5, -1.0, -0.5, 1.0])
 
@@ -66,21 +66,33 @@ def test_save_and_load_round_trip(tmp_path):
         ConfidenceHead.from_json(dict(loaded.to_json(), features=["bias"]))
 
 
+def _curve(num_tokens, costs):
+    model = CostModel()
+    model.seed_forward_costs(num_tokens, costs)
+    return model.relative_cost
+
+
+def _line(token_cost: float):
+    model = CostModel()
+    model.seed_token_cost(token_cost)
+    return model.relative_cost
+
+
 def test_choose_lengths_keeps_drafts_that_pay_for_their_verification():
-    line = StepCost.linear(0.1)  # cost(n) = (1 + 0.1 n) / 1.1
+    line = _line(0.1)  # cost(n) = (1 + 0.1 n) / 1.1
     # one stream, cheap tokens: keep while survival beats token_cost x tokens-per-cost
     assert choose_lengths([[0.9, 0.8, 0.7, 0.05]], line) == [3]
     # two streams: the long confident run is kept, the doubtful one dropped
     assert choose_lengths([[0.95, 0.9, 0.85], [0.1, 0.01]], line) == [3, 0]
     # a compute-bound batch: no coin-flip draft is worth verifying
-    assert choose_lengths([[0.5, 0.25]] * 32, StepCost.linear(0.2)) == [0] * 32
+    assert choose_lengths([[0.5, 0.25]] * 32, _line(0.2)) == [0] * 32
     assert choose_lengths([], line) == []
 
 
 def test_choose_lengths_looks_past_a_jump_in_the_cost_curve():
     # a second row costs 60 % more (a CPU BLAS leaving its one-row path), later rows 5 %:
     # one draft never pays, four likely ones do
-    jump = StepCost([1, 2, 5, 9], [1.0, 1.6, 1.75, 1.95])
+    jump = _curve([1, 2, 5, 9], [1.0, 1.6, 1.75, 1.95])
     assert choose_lengths([[0.5]], jump) == [0]
     assert choose_lengths([[0.95, 0.9, 0.85, 0.8]], jump) == [4]
     assert jump(2) == pytest.approx(1.6) and jump(13) == pytest.approx(2.15)
@@ -88,7 +100,7 @@ def test_choose_lengths_looks_past_a_jump_in_the_cost_curve():
 
 def test_best_uniform_length_switches_off_under_load():
     survival = np.cumprod([0.8] * 5)
-    line = StepCost.linear(0.12)
+    line = _line(0.12)
     assert best_uniform_length(survival, 1, 0, line) == 5
     assert best_uniform_length(np.cumprod([0.6] * 5), 32, 0, line) == 0
     assert best_uniform_length(survival, 0, 4, line) == 0

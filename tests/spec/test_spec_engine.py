@@ -92,7 +92,7 @@ def assert_blocks_exact(core) -> None:
     for req in core.scheduler.running:
         assert len(set(req.block_ids)) == len(req.block_ids), "a block owned twice"
         refs.update(req.block_ids)
-        need = -(-(req.num_tokens + core.config.num_draft_tokens) // core.block_size)
+        need = -(-(req.num_tokens + core.config.spec.num_draft_tokens) // core.block_size)
         assert len(req.block_ids) <= need
     for block_id in range(core.pool.num_blocks):
         assert core.pool.ref_cnt[block_id] == refs[block_id], f"block {block_id}"

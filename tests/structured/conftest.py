@@ -20,7 +20,7 @@ def _reuse_loaded_weights(monkeypatch):
 
 def make_core(model: str | None, **kwargs) -> EngineCore:
     core_module.load = _cached_load  # module fixtures run before the autouse patch
-    return EngineCore(EngineConfig(model=model, **kwargs), progress=False)
+    return EngineCore(EngineConfig.of(model=model, **kwargs), progress=False)
 
 
 CORPUS = ['{"name": "cat", "kind": "dog", "tags": ["a", "b"], "home": {"ok": true}}',

@@ -26,17 +26,20 @@ DEFAULT_MAX_MODEL_LEN = 256
 
 
 class FakeCore:
+    vocab_size: int | None = None  # any token id
+    cost_model = None  # no step-time model
+
     def __init__(self, config: EngineConfig, **overrides: float) -> None:
         knobs = {**json.loads(os.environ.get("DUPLEX_FAKE_CORE", "{}")), **overrides}
         self.step_sleep_s: float = knobs.get("step_sleep_s", 0.0)
         time.sleep(knobs.get("load_sleep_s", 0.0))
         self.model_name = "fake"
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
-        self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or 64
+        self.block_size = config.cache.block_size
+        self.num_kv_blocks = config.cache.num_kv_blocks or 64
         self.model_identity = self.kv_layout = ""  # no content-addressed KV
         self.num_threads, self.weights_label = 0, ""
-        self.layout = self.scheduler = self.runner = None  # no KV to hand over, no chunking
+        self.layout = self.runner = self.kv = None  # no KV to hand over
         self.requests: dict[str, tuple[AddRequest, int]] = {}  # req_id -> (msg, num generated)
         self.aborted_req_ids: list[str] = []
         self._pending: list[RequestDelta] = []  # abort finals, sent with the next step

@@ -27,7 +27,7 @@ EXPECTED = [79, 100, 43405, 198, 198, 57, 5248, 253]
 
 
 async def test_default_model_generates_through_a_worker_process():
-    supervisor = Supervisor(EngineConfig(num_kv_blocks=64, max_model_len=512,
+    supervisor = Supervisor(EngineConfig.of(num_kv_blocks=64, max_model_len=512,
                                          weights_dtype="float32"),
                             env={"PYTHONPATH": str(REPO)})
     client = EngineClient(supervisor.addresses[0], heartbeat_timeout_s=30.0)
