@@ -81,15 +81,6 @@ class Request:
                                                          self.num_output_tokens))
 
     @property
-    def draw_uniform(self) -> float:
-        """A seeded request's uniform in [0, 1) for this step's draw (engine/sampler.py):
-        53 bits of position_seed(seed, output position), the same on any worker and any
-        device for the same position. Only for seeded requests."""
-        assert self.params.seed is not None, "unseeded requests draw from the engine"
-        return (position_seed(self.params.seed ^ DRAW_SALT, self.num_output_tokens) >> 10) \
-            * 2.0 ** -53
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -198,9 +189,6 @@ class Request:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False
-
-
-DRAW_SALT = 0x5DEECE66D  # keeps the draw's stream apart from Request.generator's
 
 
 def position_seed(seed: int, position: int) -> int:

@@ -14,7 +14,7 @@ the two keep the same tokens except where fp32 rounding or a sort's tie order de
 (tests/engine/test_sampler.py measures how often).
 
 Draws: inverse CDF over the kept tokens with one uniform per row. A seeded request's
-uniform comes from (seed, output position) (Request.draw_uniform), so the token at
+uniform comes from (seed, output position) (`seeded_uniform`), so the token at
 position i is the same wherever and whenever it is sampled, whatever else is in the batch,
 and on any device; unseeded rows take theirs from the sampler's generator.
 """
@@ -27,12 +27,13 @@ import torch
 
 from engine.grammar import TokenMask
 from engine.messages import TokenLogprob
-from engine.request import Request
+from engine.request import Request, position_seed
 from kernels import cpu_sampler
 from kernels import ops
 
 ARGMAX_CHUNK = 64  # contiguous chunk of the two-level argmax
 NEG_INF = float("-inf")
+DRAW_SALT = 0x5DEECE66D
 
 
 class SamplerOutput(NamedTuple):
@@ -84,8 +85,16 @@ class Sampler:
                                            dtype=torch.float64)
         for row, req in enumerate(reqs):
             if req.params.seed is not None:
-                uniform[row] = req.draw_uniform
+                uniform[row] = seeded_uniform(req)
         return uniform
+
+
+def seeded_uniform(req: Request) -> float:
+    """A seeded request's uniform in [0, 1) for this step's draw: 53 bits of
+    position_seed(seed, output position), the same on any worker and any device for the
+    same position (salted: Request.generator's stream, which speculation draws from, is
+    seeded from the same pair)."""
+    return (position_seed(req.params.seed ^ DRAW_SALT, req.num_output_tokens) >> 10) * 2.0 ** -53
 
 
 # ------------------------------------------------------------------ truncation

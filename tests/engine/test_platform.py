@@ -108,3 +108,19 @@ def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
             ctx.query_start_loc, ctx.seq_lens]
     assert all(t.device.type == "meta" for t in step)
     assert inputs.sample_positions == [2] and ctx.query_lens == [3]
+
+
+def test_device_flags_are_checked_and_a_gpu_keeps_no_cpu_only_precision():
+    from engine.config import EngineConfig
+    from engine.core import resolve_precision
+    from engine.platform import Platform
+
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        EngineConfig.of(device="tpu")
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig.of(gpu_memory_utilization=1.5)
+    gpu = Platform(torch.device("cuda", 0), torch.bfloat16, "nccl")  # a description only
+    assert resolve_precision(EngineConfig.of(), gpu) == (torch.bfloat16, "none")
+    assert resolve_precision(EngineConfig.of(), plat.cpu())[1] == "auto"
+    with pytest.raises(ValueError, match="quantized kernels only"):
+        resolve_precision(EngineConfig.of(weights_dtype="int4"), gpu)

@@ -15,7 +15,7 @@ from engine import sampler as sampler_module
 from kernels import cpu_sampler
 from engine.messages import TokenLogprob
 from engine.request import Request
-from engine.sampler import Sampler, apply_top_k_top_p_min_p
+from engine.sampler import Sampler, apply_top_k_top_p_min_p, seeded_uniform
 from engine.sampling_params import SamplingParams
 from kernels import ops
 from kernels.batch_invariant import set_batch_invariant_mode
@@ -292,7 +292,7 @@ def test_greedy_seeded_and_logprobs_match_the_reference(vocab):
         if r.params.is_greedy:
             assert out.token_ids[row] == expected_ids[row], row
         elif r.params.seed is not None:
-            assert out.token_ids[row] == expected_draw(logits[row], r, r.draw_uniform), row
+            assert out.token_ids[row] == expected_draw(logits[row], r, seeded_uniform(r)), row
         else:
             assert new_kept_row(logits[row], r)[out.token_ids[row]], row
     assert out.logprobs == ref_logprobs(logits, reqs, out.token_ids)
@@ -314,11 +314,11 @@ def test_a_seeded_token_depends_on_its_seed_and_position_only():
     reqs = [req(SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i), output=[5] * i)
             for i in range(8)]
     first = Sampler(0)(logits, reqs).token_ids
-    assert first == [expected_draw(logits[i], r, r.draw_uniform) for i, r in enumerate(reqs)]
+    assert first == [expected_draw(logits[i], r, seeded_uniform(r)) for i, r in enumerate(reqs)]
     again = Sampler(99)(logits.flip(0), reqs[::-1]).token_ids  # another order, engine seed
     assert again[::-1] == first
     moved = req(SamplingParams(temperature=0.8, top_p=0.9, seed=100), output=[5] * 3)
-    assert moved.draw_uniform != reqs[0].draw_uniform, "the next position, another uniform"
+    assert seeded_uniform(moved) != seeded_uniform(reqs[0]), "the next position, another uniform"
 
 
 def test_greedy_and_logprobs():
