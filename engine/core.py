@@ -123,7 +123,8 @@ class EngineCore:
         # cores between workers on one host), set once here
         self.num_threads = config.num_threads or available_cores()
         torch.set_num_threads(self.num_threads)
-        loaded, self.dtype, self.quant, self.model_path = _load_weights(config, progress, self.platform)
+        loaded, self.dtype, self.quant, self.model_path = _load_weights(config, progress,
+                                                                        self.platform)
         self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
             f"{self.quant} (quantized linears, fp32 activations)"
         self.args, self.model_name, self.model_identity = loaded.args, loaded.name, loaded.identity
