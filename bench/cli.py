@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "baseline-server": ("bench.baseline_server",
                         "plain transformers OpenAI-compatible server to compare against"),
     "offline": ("bench.offline", "offline engine throughput, no server"),
+    "sampler": ("bench.sampler", "the batched sampler alone on a real model's logits"),
     "eplb": ("bench.eplb", "expert-parallel load balancing benchmark"),
     "frontend-overhead": ("bench.overhead", "CPU time the API frontend adds per token"),
     "spec": ("bench.spec", "speculative decoding: drafters, confidence head"),
