@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -142,6 +143,10 @@ def run_section(check: Check, name: str, fn: Callable[[Check], dict]) -> dict:
         result = dict(error=f"{type(error).__name__}: {error}",
                       traceback=traceback.format_exc(limit=12))
         status = "error"
+    finally:
+        gc.collect()  # the section's engines and tensors, before the next one sizes memory
+        if check.is_cuda:
+            torch.cuda.empty_cache()
     result.update(status=status, seconds=round(time.perf_counter() - start, 2))
     print(f"[gpu_check] {name}: {status} in {result['seconds']:.1f} s "
           f"({check.budget.elapsed():.0f} s of {check.args.budget_s:.0f})", flush=True)
@@ -156,7 +161,10 @@ def main_sections() -> list[tuple[str, Callable[[Check], dict]]]:
             ("pytest_gpu", wait_pytest), ("decode", decode), ("kernels", kernel_bench)]
 
 
-def run_all(args: argparse.Namespace) -> dict:
+def run_all(args: argparse.Namespace, on_section: Callable[[dict], None] | None = None
+            ) -> dict:
+    """The report; `on_section(report so far)` after each section (so that a run killed
+    from outside still leaves the sections it finished on disk)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the log is the device's reply
@@ -177,7 +185,15 @@ def run_all(args: argparse.Namespace) -> dict:
                                  "started_s": results[name]["started_s"]}
             continue
         results[name] = run_section(check, name, fn)
-    return dict(meta=meta(check), sections={name: results[name] for name in SECTIONS})
+        if on_section is not None:
+            on_section(report_of(check, results))
+    return report_of(check, results)
+
+
+def report_of(check: Check, results: dict[str, dict]) -> dict:
+    pending = dict(status="not run (the check stopped before it)", seconds=0.0)
+    return dict(meta=meta(check), sections={name: results.get(name, pending)
+                                            for name in SECTIONS})
 
 
 def meta(check: Check) -> dict:
@@ -712,6 +728,24 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, causal: 
     return out.transpose(1, 2).reshape(q.shape)
 
 
+def sdpa_variant(q, k, v, batch: int, causal: bool) -> tuple[Callable[[], torch.Tensor], str]:
+    """The first SDPA that runs: flash with grouped KV heads, flash on KV heads repeated to
+    the query heads (4x the KV bytes for Llama-8B's groups), else torch's own pick."""
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
+    tries = [(lambda: sdpa(q, k, v, batch, causal, "FLASH_ATTENTION"), "flash"),
+             (lambda: sdpa(q, k_rep, v_rep, batch, causal, "FLASH_ATTENTION"),
+              "flash, kv repeated"),
+             (lambda: sdpa(q, k, v, batch, causal, None), "default")]
+    for fn, label in tries:
+        try:
+            fn()
+            return fn, label
+        except RuntimeError:
+            continue
+    raise RuntimeError("no SDPA backend ran these inputs")
+
+
 def kernel_case(shape: str, batch: int, ctx: int, device: torch.device, dtype: torch.dtype,
                 bandwidth_gbs: float | None, num_queries: int = 1, iters: int = 20) -> dict:
     """Triton paged attention (split-KV for decode, kernels.attention for prefill) against
@@ -729,19 +763,12 @@ def kernel_case(shape: str, batch: int, ctx: int, device: torch.device, dtype: t
         triton_fn = lambda: paged_attention_triton(*paged, scale,  # noqa: E731
                                                    max_query_len=num_queries)
     causal = num_queries > 1
-    backend = "FLASH_ATTENTION"
-    try:
-        ref = sdpa(paged[0], k, v, batch, causal, backend)
-    except RuntimeError:
-        backend = None  # flash refused these inputs: torch's own choice
-        ref = sdpa(paged[0], k, v, batch, causal, backend)
-    got = triton_fn()
+    sdpa_fn, label = sdpa_variant(paged[0], k, v, batch, causal)
+    ref, got = sdpa_fn(), triton_fn()
     row = dict(shape=shape, batch=batch, context=ctx, queries=num_queries,
                max_abs_diff=float((got.float() - ref.float()).abs().max()),
-               sdpa_backend=backend or "default",
-               triton_ms=time_ms(triton_fn, device, iters),
-               sdpa_ms=time_ms(lambda: sdpa(paged[0], k, v, batch, causal, backend), device,
-                               iters))
+               sdpa_backend=label, triton_ms=time_ms(triton_fn, device, iters),
+               sdpa_ms=time_ms(sdpa_fn, device, iters))
     kv_bytes = 2 * k.numel() * k.element_size()
     row["floor_ms"] = None if not bandwidth_gbs else kv_bytes / (bandwidth_gbs * 1e9) * 1e3
     if num_queries == 1:
@@ -848,6 +875,17 @@ def _num(x, default: str = "-") -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
+def write_report(out: Path, report: dict) -> str:
+    """gpu_check.json and gpu_check.md under out (each written whole, then renamed)."""
+    text = markdown(report)
+    for name, content in (("gpu_check.json", json.dumps(report, indent=2, default=str)),
+                          ("gpu_check.md", text)):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(content)
+        tmp.replace(out / name)
+    return text
+
+
 # ---------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -864,13 +902,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    report = run_all(args)
     out = Path(args.out)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-    text = markdown(report)
-    (out / "gpu_check.md").write_text(text)
-    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_all(args, on_section=lambda partial: write_report(out, partial))
+    print(write_report(out, report))
     failed = [n for n, r in report["sections"].items() if r["status"] in ("error", "fail")
               or r["status"].startswith("fail")]
     return 1 if failed else 0
