@@ -125,6 +125,7 @@ class Check:
         self.out = Path(args.out)
         self.bandwidth_gbs: float | None = None  # from the probes; floors need it
         self.pytest_proc: subprocess.Popen | None = None
+        self.pytest_started_s = 0.0
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
 
 
@@ -132,7 +133,7 @@ def run_section(check: Check, name: str, fn: Callable[[Check], dict]) -> dict:
     """Run one section: timed, guarded, skipped once the budget is spent."""
     if name in CUDA_ONLY and not check.is_cuda:
         return dict(status="skipped: no CUDA", seconds=0.0)
-    if check.budget.left() <= 0:
+    if check.budget.left() <= 0 and fn is not wait_pytest:  # a started pytest is reaped
         return dict(status=f"skipped: time budget ({check.args.budget_s:.0f} s) spent",
                     seconds=0.0)
     start = time.perf_counter()
@@ -175,19 +176,29 @@ def run_all(args: argparse.Namespace, on_section: Callable[[dict], None] | None 
     torch.set_float32_matmul_precision("highest")
     only = set(args.only.split(",")) if args.only else set(SECTIONS)
     results: dict[str, dict] = {}
+    try:
+        run_sections(check, only, results, on_section)
+    finally:
+        if check.pytest_proc is not None and check.pytest_proc.poll() is None:
+            os.killpg(check.pytest_proc.pid, 9)  # never leave it holding the device
+    return report_of(check, results)
+
+
+def run_sections(check: Check, only: set[str], results: dict[str, dict],
+                 on_section: Callable[[dict], None] | None) -> None:
     for name, fn in main_sections():
         if name not in only:
             results.setdefault(name, dict(status="skipped: not in --only", seconds=0.0))
             continue
         if fn is wait_pytest:
-            if results.get(name, {}).get("status") == "started":
-                results[name] = {**run_section(check, name, fn),
-                                 "started_s": results[name]["started_s"]}
-            continue
-        results[name] = run_section(check, name, fn)
+            if results.get(name, {}).get("status") != "started":
+                continue  # skipped (no CUDA, no budget) or failed to start
+            results[name] = {**run_section(check, name, fn),
+                             "started_s": results[name]["started_s"]}
+        else:
+            results[name] = run_section(check, name, fn)
         if on_section is not None:
             on_section(report_of(check, results))
-    return report_of(check, results)
 
 
 def report_of(check: Check, results: dict[str, dict]) -> dict:
@@ -246,7 +257,6 @@ def probes(check: Check) -> dict:
     src = torch.randn(copy_bytes // 2, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_ms = time_ms(lambda: dst.copy_(src), dev, iters=5 if check.quick else 20)
-    del src, dst
     n = 256 if check.quick else 8192
     a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
     mm_ms = time_ms(lambda: a @ b, dev, iters=3 if check.quick else 10)
@@ -274,12 +284,14 @@ def start_pytest(check: Check) -> dict:
            "-o", "addopts=", *files]
     check.pytest_proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
-    return dict(status="started", started_s=round(check.budget.elapsed(), 1), files=files)
+    check.pytest_started_s = check.budget.elapsed()
+    return dict(status="started", started_s=round(check.pytest_started_s, 1), files=files)
 
 
 def wait_pytest(check: Check) -> dict:
     proc = check.pytest_proc
-    timeout = max(5.0, min(check.args.pytest_timeout_s, check.budget.left()))
+    ran_s = check.budget.elapsed() - check.pytest_started_s
+    timeout = max(5.0, min(check.args.pytest_timeout_s - ran_s, check.budget.left()))
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -290,8 +302,8 @@ def wait_pytest(check: Check) -> dict:
     tail = "\n".join(text.strip().splitlines()[-15:])
     counts = {kind: int(n) for n, kind in re.findall(
         r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", tail)}
-    status = "ok" if rc == 0 else f"fail (timed out after {timeout:.0f} s)" if rc is None \
-        else f"fail (exit {rc})"
+    status = "ok" if rc == 0 else f"fail (exit {rc})" if rc is not None else \
+        f"fail (timed out after {ran_s + timeout:.0f} s)"
     return dict(status=status, returncode=rc, counts=counts, tail=tail,
                 summary=", ".join(f"{n} {k}" for k, n in counts.items()) or tail[-200:])
 
@@ -605,8 +617,6 @@ def decode_cells(check: Check) -> list[tuple[str, int, int]]:
 def decode(check: Check) -> dict:
     """ms per decode step (host clock around core.step, which returns after the sampled ids
     reach the host) at each batch and context, beside its bytes / bandwidth floor."""
-    from engine.sampling_params import SamplingParams
-
     warmup, steps = (1, 2) if check.quick else (5, 20)
     cells, rows = decode_cells(check), []
     dtype = engine_dtype(check)
