@@ -441,42 +441,54 @@ def compare_runs(got: list[tuple[list[int], list[float]]],
                 token_agreement=agreeing / max(total, 1), max_logprob_diff=max_diff)
 
 
+def compare_model(check: Check, name: str, prompts: list[list[int]], params,
+                  arrivals: list[int], num_new: int) -> dict:
+    """One tiny model: transformers' fp32 greedy reference, then the engine in fp32 (and
+    bf16 on CUDA) on the same prompts in one mixed batch, compared with it."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny(check.tmp, name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(check.device)
+    ref = [hf_greedy(hf.eval(), p, num_new, check.device) for p in prompts]
+    del hf
+    row = {}
+    for dtype in ["float32"] + (["bfloat16"] if check.is_cuda else []):
+        core = make_engine(str(path), check.platform, weights_dtype=dtype,
+                           num_kv_blocks=256, max_num_batched_tokens=32, block_size=8)
+        row[dtype] = compare_runs(run_requests(core, prompts, params, arrivals), ref)
+        del core
+    fp32 = row["float32"]
+    row["float32_pass"] = fp32["equal"] and fp32["max_logprob_diff"] <= FP32_LOGPROB_ATOL
+    if "bfloat16" in row:
+        bf16 = row["bfloat16"]
+        row["bfloat16_pass"] = (
+            bf16["token_agreement"] >= BF16_TOLERANCE["min_token_agreement"]
+            and bf16["max_logprob_diff"] <= BF16_TOLERANCE["max_logprob_diff"])
+    return row
+
+
 def greedy(check: Check) -> dict:
     from engine.sampling_params import SamplingParams
-    from transformers import AutoModelForCausalLM
 
     num_new, lens = (3, (5, 17)) if check.quick else (16, (5, 17, 40, 3))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist() for n in lens]
     arrivals = [0, 0, 2, 3][:len(prompts)]
     params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True, logprobs=0)
-    dtypes = ["float32"] + (["bfloat16"] if check.is_cuda else [])
     models, ok = {}, True
     for name in TINY_MODELS:
         if check.budget.left() < 20:
             models[name] = dict(status="skipped: time budget spent")
             continue
         start = time.perf_counter()
-        path = build_tiny(check.tmp, name)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(check.device)
-        ref = [hf_greedy(hf.eval(), p, num_new, check.device) for p in prompts]
-        del hf
-        row = {}
-        for dtype in dtypes:
-            core = make_engine(str(path), check.platform, weights_dtype=dtype,
-                               num_kv_blocks=256, max_num_batched_tokens=32, block_size=8)
-            row[dtype] = compare_runs(run_requests(core, prompts, params, arrivals), ref)
-            del core
-        fp32 = row["float32"]
-        row["float32_pass"] = fp32["equal"] and fp32["max_logprob_diff"] <= FP32_LOGPROB_ATOL
-        if "bfloat16" in row:
-            bf16 = row["bfloat16"]
-            row["bfloat16_pass"] = (
-                bf16["token_agreement"] >= BF16_TOLERANCE["min_token_agreement"]
-                and bf16["max_logprob_diff"] <= BF16_TOLERANCE["max_logprob_diff"])
+        try:  # one model's failure (a transformers path this version lacks) is its row's
+            row = compare_model(check, name, prompts, params, arrivals, num_new)
+        except Exception as error:
+            row = dict(status=f"error: {type(error).__name__}: {str(error)[:300]}",
+                       float32_pass=False, traceback=traceback.format_exc(limit=8))
         ok &= row["float32_pass"] and row.get("bfloat16_pass", True)
         models[name] = dict(row, seconds=round(time.perf_counter() - start, 2))
-    done = [n for n, r in models.items() if "float32" in r]
+    done = [n for n, r in models.items() if "float32_pass" in r]
     return dict(status="ok" if ok and done else "fail", models=models, num_new=num_new,
                 prompt_lens=list(lens), bf16_tolerance=BF16_TOLERANCE,
                 fp32_logprob_atol=FP32_LOGPROB_ATOL,
@@ -630,23 +642,33 @@ def decode(check: Check) -> dict:
         block = 16
         num_blocks = max_batch * math.ceil((max_ctx + warmup + steps + 2) / block) + 16
         path = write_shape_dir(check.tmp, shape)
-        with random_weights(check.device, dtype_t) as info:
-            core = make_engine(str(path), check.platform, weights_dtype=dtype,
-                               num_kv_blocks=num_blocks, max_num_seqs=max_batch,
-                               max_num_batched_tokens=256 if check.quick else 8192,
-                               enable_prefix_caching=False, block_size=block)
+        try:
+            with random_weights(check.device, dtype_t) as info:
+                core = make_engine(str(path), check.platform, weights_dtype=dtype,
+                                   num_kv_blocks=num_blocks, max_num_seqs=max_batch,
+                                   max_num_batched_tokens=256 if check.quick else 8192,
+                                   enable_prefix_caching=False, block_size=block)
+        except Exception as error:
+            rows.append(dict(shape=shape, status=f"error: {type(error).__name__}: "
+                                                 f"{str(error)[:200]}"))
+            continue
         for batch, ctx in mine:
+            cell = dict(shape=shape, batch=batch, context=ctx)
             if check.budget.left() < 15:
-                rows.append(dict(shape=shape, batch=batch, context=ctx,
-                                 status="skipped: time budget spent"))
+                rows.append(dict(cell, status="skipped: time budget spent"))
                 continue
-            rows.append(dict(shape=shape, batch=batch, context=ctx, **time_decode(
-                core, batch, ctx, warmup, steps, info["weight_bytes"], check, dtype_t)))
+            try:
+                rows.append(dict(cell, **time_decode(core, batch, ctx, warmup, steps,
+                                                     info["weight_bytes"], check, dtype_t)))
+            except Exception as error:  # e.g. out of memory: the next cells still run
+                rows.append(dict(cell, status=f"error: {type(error).__name__}: "
+                                              f"{str(error)[:200]}"))
         del core
         if check.is_cuda:
             torch.cuda.empty_cache()
     timed = [r for r in rows if "ms_per_step" in r]
-    return dict(rows=rows, dtype=dtype, warmup_steps=warmup, timed_steps=steps,
+    failed = [r for r in rows if r.get("status", "").startswith("error")]
+    return dict(status="fail" if failed else "ok", rows=rows, dtype=dtype, warmup_steps=warmup, timed_steps=steps,
                 bandwidth_gbs=check.bandwidth_gbs,
                 summary=f"{len(timed)}/{len(cells)} cells timed" + (
                     "; ms/step (floor): " + ", ".join(
