@@ -123,7 +123,8 @@ class Check:
         self.is_cuda = self.platform.is_cuda
         self.budget = Budget(args.budget_s)
         self.out = Path(args.out)
-        self.bandwidth_gbs: float | None = None  # from the probes; floors need it
+        self.bandwidth_gbs: float | None = None  # from the probes; floors need them
+        self.bf16_tflops: float | None = None
         self.pytest_proc: subprocess.Popen | None = None
         self.pytest_started_s = 0.0
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
@@ -261,6 +262,7 @@ def probes(check: Check) -> dict:
     a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
     mm_ms = time_ms(lambda: a @ b, dev, iters=3 if check.quick else 10)
     check.bandwidth_gbs = 2 * copy_bytes / (copy_ms / 1e3) / 1e9
+    check.bf16_tflops = 2 * n**3 / (mm_ms / 1e3) / 1e12
     return dict(copy_bytes=copy_bytes, copy_ms=copy_ms, copy_gbs=check.bandwidth_gbs,
                 matmul_n=n, matmul_ms=mm_ms, bf16_tflops=2 * n**3 / (mm_ms / 1e3) / 1e12,
                 summary=f"copy {check.bandwidth_gbs:.0f} GB/s (read+write), bf16 matmul "
@@ -779,7 +781,8 @@ def sdpa_variant(q, k, v, batch: int, causal: bool) -> tuple[Callable[[], torch.
 
 
 def kernel_case(shape: str, batch: int, ctx: int, device: torch.device, dtype: torch.dtype,
-                bandwidth_gbs: float | None, num_queries: int = 1, iters: int = 20) -> dict:
+                bandwidth_gbs: float | None, num_queries: int = 1, iters: int = 20,
+                tflops: float | None = None) -> dict:
     """Triton paged attention (split-KV for decode, kernels.attention for prefill) against
     SDPA (flash where it runs, else torch's pick) and FlashInfer (decode, where installed)."""
     from kernels.attention import paged_attention_triton
@@ -801,8 +804,14 @@ def kernel_case(shape: str, batch: int, ctx: int, device: torch.device, dtype: t
                max_abs_diff=float((got.float() - ref.float()).abs().max()),
                sdpa_backend=label, triton_ms=time_ms(triton_fn, device, iters),
                sdpa_ms=time_ms(sdpa_fn, device, iters))
+    # floor: KV bytes read at the copy bandwidth; for a causal prefill also half the
+    # full QK^T and PV FLOPs at the measured bf16 matmul rate, whichever is longer
     kv_bytes = 2 * k.numel() * k.element_size()
-    row["floor_ms"] = None if not bandwidth_gbs else kv_bytes / (bandwidth_gbs * 1e9) * 1e3
+    floors = [] if not bandwidth_gbs else [kv_bytes / (bandwidth_gbs * 1e9) * 1e3]
+    if num_queries > 1 and tflops:
+        flops = 4 * batch * heads[0] * num_queries * ctx * heads[2] / 2
+        floors.append(flops / (tflops * 1e12) * 1e3)
+    row["floor_ms"] = max(floors) if floors else None
     if num_queries == 1:
         row.update(flashinfer_decode(paged, ctx, heads, scale, device, iters))
     return row
@@ -844,7 +853,8 @@ def kernel_bench(check: Check) -> dict:
             continue
         try:
             rows.append(kernel_case(shape, batch, ctx, check.device, torch.bfloat16,
-                                    check.bandwidth_gbs, num_queries=nq))
+                                    check.bandwidth_gbs, num_queries=nq,
+                                    tflops=check.bf16_tflops))
         except Exception as error:
             rows.append(dict(shape=shape, batch=batch, context=ctx, queries=nq,
                              status=f"error: {type(error).__name__}: {str(error)[:200]}"))

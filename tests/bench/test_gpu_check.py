@@ -18,12 +18,17 @@ def quick_args(out) -> argparse.Namespace:
 
 
 def test_kernel_case_agrees_with_sdpa_on_contiguous_kv():
+    # before the full run below: after it, triton's interpreter refused these kernels in
+    # one process ("Cannot call @triton.jit'd outside of the scope of a kernel")
     import kernels._triton  # noqa: F401  (the interpreter flag, before triton loads)
 
     row = gpu_check.kernel_case("smollm2-135m", 2, 40, torch.device("cpu"), torch.float32,
                                 bandwidth_gbs=10.0, iters=1)
     assert row["max_abs_diff"] < 1e-5
     assert row["triton_ms"] > 0 and row["sdpa_ms"] > 0 and row["floor_ms"] > 0
+    prefill = gpu_check.kernel_case("smollm2-135m", 2, 40, torch.device("cpu"), torch.float32,
+                                    bandwidth_gbs=10.0, num_queries=40, iters=1, tflops=1e-3)
+    assert prefill["max_abs_diff"] < 1e-5 and prefill["floor_ms"] > row["floor_ms"]
 
 
 def test_quick_cpu_run_reports_every_section(tmp_path):
