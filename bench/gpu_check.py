@@ -312,7 +312,7 @@ def wait_pytest(check: Check) -> dict:
 
 # ---------------------------------------------------------------------------- engines
 def make_engine(model_path: str, platform, **kwargs):
-    """The one place this check builds an EngineCore, from today's EngineConfig keywords
+    """The one place this check builds an EngineCore, from flat EngineConfig field names
     (model, num_kv_blocks, max_num_seqs, max_num_batched_tokens, weights_dtype,
     batch_invariant, enable_prefix_caching, block_size): adapt it here when the config
     changes. num_kv_blocks is always given, so a GPU's pool is not sized to 90 % of memory."""
@@ -320,8 +320,9 @@ def make_engine(model_path: str, platform, **kwargs):
     from engine.core import EngineCore
 
     kwargs.setdefault("num_kv_blocks", 512)
-    return EngineCore(EngineConfig(model=model_path, **kwargs), progress=False,
-                      platform=platform)
+    # main's sectioned config routes flat names through EngineConfig.of; a flat one takes them
+    build = getattr(EngineConfig, "of", EngineConfig)
+    return EngineCore(build(model=model_path, **kwargs), progress=False, platform=platform)
 
 
 def run_requests(core, prompts: list[list[int]], params, arrivals: list[int] | None = None
