@@ -47,10 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("probes", "pytest_gpu", "greedy", "batch_invariant", "sync_debug", "decode",
             "kernels")
 CUDA_ONLY = ("pytest_gpu", "sync_debug", "kernels")
-# bf16 engine vs the fp32 transformers reference: greedy runs agree up to their first
-# differing token on at least this share of all generated tokens, and on that agreeing
-# prefix each chosen token's logprob is within this much of the reference's
-BF16_TOLERANCE = dict(min_token_agreement=0.9, max_logprob_diff=0.25)
+# bf16 is judged against transformers' own bf16 run, both compared with the fp32 reference
+# by the share of generated tokens before each prompt's first difference: on these tiny
+# random models transformers' bf16 keeps only 30-81 % (CPU, 4 prompts x 16 tokens), so a
+# fixed share would fail for rounding alone. The engine passes when its share is at most
+# this much below transformers'; logprob gaps on the agreeing prefix are reported beside
+# transformers' own, not judged.
+BF16_TOLERANCE = dict(max_agreement_shortfall=0.15)
+GREEDY_PROMPT_LENS = (5, 17, 40, 3, 29, 11, 48, 8, 23, 36, 4, 14, 31, 19, 44, 6)
 FP32_LOGPROB_ATOL = 1e-3  # the CPU equality tests' tolerance (tests/engine/test_tiny_models.py)
 
 # ---------------------------------------------------------------------------- model shapes
@@ -451,11 +455,16 @@ def compare_model(check: Check, name: str, prompts: list[list[int]], params,
     from transformers import AutoModelForCausalLM
 
     path = build_tiny(check.tmp, name)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(check.device)
-    ref = [hf_greedy(hf.eval(), p, num_new, check.device) for p in prompts]
-    del hf
+    dtypes = ["float32"] + (["bfloat16"] if check.is_cuda else [])
+    hf_runs = {}
+    for dtype in dtypes:
+        hf = AutoModelForCausalLM.from_pretrained(  # eager: the same attention on any device
+            path, dtype=getattr(torch, dtype), attn_implementation="eager").to(check.device)
+        hf_runs[dtype] = [hf_greedy(hf.eval(), p, num_new, check.device) for p in prompts]
+        del hf
+    ref = hf_runs["float32"]
     row = {}
-    for dtype in ["float32"] + (["bfloat16"] if check.is_cuda else []):
+    for dtype in dtypes:
         core = make_engine(str(path), check.platform, weights_dtype=dtype,
                            num_kv_blocks=256, max_num_batched_tokens=32, block_size=8)
         row[dtype] = compare_runs(run_requests(core, prompts, params, arrivals), ref)
@@ -463,20 +472,21 @@ def compare_model(check: Check, name: str, prompts: list[list[int]], params,
     fp32 = row["float32"]
     row["float32_pass"] = fp32["equal"] and fp32["max_logprob_diff"] <= FP32_LOGPROB_ATOL
     if "bfloat16" in row:
-        bf16 = row["bfloat16"]
-        row["bfloat16_pass"] = (
-            bf16["token_agreement"] >= BF16_TOLERANCE["min_token_agreement"]
-            and bf16["max_logprob_diff"] <= BF16_TOLERANCE["max_logprob_diff"])
+        row["hf_bfloat16"] = compare_runs(hf_runs["bfloat16"], ref)
+        row["bfloat16_pass"] = row["bfloat16"]["token_agreement"] >= \
+            row["hf_bfloat16"]["token_agreement"] - BF16_TOLERANCE["max_agreement_shortfall"]
     return row
 
 
 def greedy(check: Check) -> dict:
     from engine.sampling_params import SamplingParams
 
-    num_new, lens = (3, (5, 17)) if check.quick else (16, (5, 17, 40, 3))
+    # 16 prompts: prefix agreement in bf16 is noisy (one early difference costs a prompt's
+    # whole run), so the bf16 judgement needs more of them than fp32 equality does
+    num_new, lens = (3, (5, 17)) if check.quick else (16, GREEDY_PROMPT_LENS)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist() for n in lens]
-    arrivals = [0, 0, 2, 3][:len(prompts)]
+    arrivals = [i % 4 for i in range(len(prompts))]  # mixed prefill and decode steps
     params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True, logprobs=0)
     models, ok = {}, True
     for name in TINY_MODELS:
@@ -879,13 +889,15 @@ def markdown(report: dict) -> str:
                      f"{str(summary).replace('|', '/')} |")
     greedy_r = report["sections"]["greedy"].get("models")
     if greedy_r:
-        lines += ["", "| model | fp32 equal | fp32 max Δlogprob | bf16 token agreement | "
-                  "bf16 max Δlogprob |", "|---|---|---|---|---|"]
+        lines += ["", "| model | fp32 equal | fp32 max Δlogprob | bf16 token agreement "
+                  "(transformers bf16) | bf16 max Δlogprob (transformers bf16) |",
+                  "|---|---|---|---|---|"]
         for name, r in greedy_r.items():
-            f, b = r.get("float32", {}), r.get("bfloat16", {})
+            f, b, h = r.get("float32", {}), r.get("bfloat16", {}), r.get("hf_bfloat16", {})
             lines.append(f"| {name} | {f.get('equal', r.get('status', '-'))} | "
                          f"{_num(f.get('max_logprob_diff'))} | "
-                         f"{_num(b.get('token_agreement'))} | {_num(b.get('max_logprob_diff'))} |")
+                         f"{_num(b.get('token_agreement'))} ({_num(h.get('token_agreement'))}) | "
+                         f"{_num(b.get('max_logprob_diff'))} ({_num(h.get('max_logprob_diff'))}) |")
     rows = report["sections"]["decode"].get("rows")
     if rows:
         lines += ["", "| shape | batch | context | ms/step | floor ms | × floor | prefill s |",
