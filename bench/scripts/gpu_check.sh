@@ -7,7 +7,7 @@
 #   command:   bash bench/scripts/gpu_check.sh
 #   carry:     [".gpu-wheels"]
 #   timeout_s: 420
-# It writes $OUT/gpu_check.json, $OUT/gpu_check.md and $OUT/gpu_check.log; the markdown table
+# It writes $OUT/gpu_check.{json,md,log}, pytest_gpu.log and nvidia_smi.txt; the markdown table
 # is also the last thing printed. Extra arguments go to bench.gpu_check (e.g. --budget-s 300).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
