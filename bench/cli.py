@@ -33,6 +33,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                "on the same GGUF"),
     "fuzz": ("bench.fuzz", "hypothesis bodies on every JSON endpoint of a real server: no 5xx"),
     "kernels": ("bench.kernels", "each triton kernel against torch eager (CUDA only)"),
+    "gpu": ("bench.gpu_check", "the GPU check of issue 17 in one command inside a time "
+            "budget: probes, pytest -m gpu, greedy equality, invariance, syncs, decode "
+            "ms/step beside its floor, attention kernels against SDPA"),
 }
 
 
