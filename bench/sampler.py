@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the JSON result here")
 
 
-def capture_logits(model: str | None, batch: int, steps: int = 6):
+def capture_logits(model: str | None, batch: int, steps: int = 8):
     """[batch * steps, vocab] fp32 logits the sampler saw while `batch` requests decoded."""
     import torch
 
@@ -64,7 +64,7 @@ def capture_logits(model: str | None, batch: int, steps: int = 6):
     llm.engine.sampler = Spy()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(48)] for _ in range(batch)]
-    llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=steps + 1,
+    llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=steps + 12,
                                          ignore_eos=True))
     return torch.cat(seen)
 
