@@ -144,34 +144,35 @@ static int64_t assign_buckets(struct work *w, float lo, int64_t num, float floor
     return n;
 }
 
-/* counts and masses per bucket of the tokens x >= floor in the window [lo, lo + num / PER_UNIT)
- * of depth (two interleaved histograms, so neighbouring tokens in one bucket do not wait on
- * each other) */
+/* counts (top-k) or masses (top-p) per bucket of the tokens x >= floor in the window
+ * [lo, lo + num / PER_UNIT) of depth (two interleaved histograms, so neighbouring tokens in
+ * one bucket do not wait on each other); the result in cnt[0] or mass[0] */
 static void fill_buckets(struct work *w, float lo, int64_t num, float floor, int need_mass) {
-    int64_t n = assign_buckets(w, lo, num, floor);
-    for (int h = 0; h < 2; h++) {
-        memset(w->cnt[h], 0, sizeof(int64_t) * num);
-        memset(w->mass[h], 0, sizeof(double) * num);
-    }
+    const int64_t n = assign_buckets(w, lo, num, floor);
+    const int32_t *in = w->inside;
+    const uint16_t *bk = w->bk;
     int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-        int32_t a = w->inside[j], c = w->inside[j + 1];
-        w->cnt[0][w->bk[a]]++;
-        w->cnt[1][w->bk[c]]++;
-        if (need_mass) {
-            w->mass[0][w->bk[a]] += w->e[a];
-            w->mass[1][w->bk[c]] += w->e[c];
+    if (need_mass) {
+        double *m0 = w->mass[0], *m1 = w->mass[1];
+        memset(m0, 0, sizeof(double) * num);
+        memset(m1, 0, sizeof(double) * num);
+        for (; j + 2 <= n; j += 2) {
+            m0[bk[in[j]]] += w->e[in[j]];
+            m1[bk[in[j + 1]]] += w->e[in[j + 1]];
         }
+        if (j < n) m0[bk[in[j]]] += w->e[in[j]];
+        for (int64_t b = 0; b < num; b++) m0[b] += m1[b];
+        return;
     }
-    if (j < n) {
-        int32_t a = w->inside[j];
-        w->cnt[0][w->bk[a]]++;
-        if (need_mass) w->mass[0][w->bk[a]] += w->e[a];
+    int64_t *c0 = w->cnt[0], *c1 = w->cnt[1];
+    memset(c0, 0, sizeof(int64_t) * num);
+    memset(c1, 0, sizeof(int64_t) * num);
+    for (; j + 2 <= n; j += 2) {
+        c0[bk[in[j]]]++;
+        c1[bk[in[j + 1]]]++;
     }
-    for (int64_t b = 0; b < num; b++) {
-        w->cnt[0][b] += w->cnt[1][b];
-        w->mass[0][b] += w->mass[1][b];
-    }
+    if (j < n) c0[bk[in[j]]]++;
+    for (int64_t b = 0; b < num; b++) c0[b] += c1[b];
 }
 
 /* the tokens of bucket b (as assigned last) into w->pairs, sorted by value (largest first);
