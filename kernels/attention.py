@@ -335,20 +335,10 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < seq_len
-        block = tl.load(block_tables_ptr + seq * stride_block_table + k_pos // block_size,
-                        mask=k_ok, other=0)
-        slot_off = (block.to(tl.int64) * stride_cache_block
-                    + (k_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head)
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        if HAS_SOFT_CAP:
-            s = soft_cap * tanh(s / soft_cap)
+        k, v, s = kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
+                                 k_pos, k_ok, dims, dim_ok, scale, soft_cap, block_size,
+                                 stride_block_table, stride_cache_block, stride_cache_slot,
+                                 stride_cache_head, HAS_SOFT_CAP, FP32_DOT)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -368,6 +358,30 @@ def _paged_attention_kernel(
     tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_o_token
              + head[:, None] * stride_o_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, k_pos, k_ok,
+                   dims, dim_ok, scale, soft_cap, block_size, stride_block_table,
+                   stride_cache_block, stride_cache_slot, stride_cache_head,
+                   HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One tile of a sequence's paged keys and values at positions k_pos (k_ok: inside the
+    sequence) and the scaled, soft-capped scores of q against them: (k, v, s)."""
+    block = tl.load(block_tables_ptr + seq * stride_block_table + k_pos // block_size,
+                    mask=k_ok, other=0)
+    slot_off = (block.to(tl.int64) * stride_cache_block
+                + (k_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head)
+    kv_mask = k_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    if HAS_SOFT_CAP:
+        s = soft_cap * tanh(s / soft_cap)
+    return k, v, s
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import require_triton, tl, triton
-from kernels.attention import check_inputs, paged_attention_triton, tanh
+from kernels.attention import check_inputs, kv_tile_scores, paged_attention_triton
 
 SPLIT_SIZE = 256  # key positions per split; a constant so that results are batch invariant
 BLOCK_N = 64  # key positions per tile inside a split (divides SPLIT_SIZE)
@@ -102,20 +102,10 @@ def _split_kv_kernel(
     for tile in range(start, end, BLOCK_N):
         k_pos = tile + tl.arange(0, BLOCK_N)
         k_ok = (k_pos < hi) & (k_pos >= first)
-        block = tl.load(block_tables_ptr + seq * stride_block_table + k_pos // block_size,
-                        mask=k_ok, other=0)
-        slot_off = (block.to(tl.int64) * stride_cache_block
-                    + (k_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head)
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        if HAS_SOFT_CAP:
-            s = soft_cap * tanh(s / soft_cap)
+        k, v, s = kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
+                                 k_pos, k_ok, dims, dim_ok, scale, soft_cap, block_size,
+                                 stride_block_table, stride_cache_block, stride_cache_slot,
+                                 stride_cache_head, HAS_SOFT_CAP, FP32_DOT)
         s = tl.where(k_ok[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
