@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("bench.serve", "drive an OpenAI-compatible server with a workload"),
@@ -60,8 +61,17 @@ class _LazyParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Wraps the description between benchmark names, never inside one (`frontend-overhead`)."""
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "benchmarks: " + ", ".join(SUBCOMMANDS)
+    parser.formatter_class = _Formatter
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK",
                                 parser_class=_LazyParser)
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.eplb.placement import Placement, compute_placement, even_slot_budget
+from engine.eplb.placement import Placement, compute_placement
 from engine.eplb.stats import ExpertLoadStats
 
 
