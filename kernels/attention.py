@@ -343,17 +343,7 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, FP32_DOT)
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows have l_i == 0
     tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_o_token
              + head[:, None] * stride_o_head + dims[None, :],
@@ -382,6 +372,22 @@ def kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 
     if HAS_SOFT_CAP:
         s = soft_cap * tanh(s / soft_cap)
     return k, v, s
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
+    """Fold one tile of masked scores s [rows, keys] and values v [keys, D] into the running
+    max m_i, sum l_i and output acc (rows with nothing visible yet keep m_i = -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP32_DOT:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit

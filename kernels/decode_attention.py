@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from kernels._triton import require_triton, tl, triton
-from kernels.attention import check_inputs, kv_tile_scores, paged_attention_triton
+from kernels.attention import (check_inputs, kv_tile_scores, online_softmax_step,
+                               paged_attention_triton)
 
 SPLIT_SIZE = 256  # key positions per split; a constant so that results are batch invariant
 BLOCK_N = 64  # key positions per tile inside a split (divides SPLIT_SIZE)
@@ -107,17 +108,7 @@ def _split_kv_kernel(
                                  stride_block_table, stride_cache_block, stride_cache_slot,
                                  stride_cache_head, HAS_SOFT_CAP, FP32_DOT)
         s = tl.where(k_ok[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, FP32_DOT)
     part = (seq * num_heads + head) * max_splits + split  # [BLOCK_G]
     tl.store(m_ptr + part, m_i, mask=row_ok)
     tl.store(l_ptr + part, l_i, mask=row_ok)
