@@ -270,7 +270,7 @@ def test_worker_sigkill_gives_one_terminal_error_per_stream_then_recovers(server
 
 def test_sigterm_drains_in_flight_requests_then_exits(server):
     out, started = [], threading.Event()
-    body = {"messages": QUESTION, "max_tokens": 6, "ignore_eos": True, "stream": True}
+    body = {"messages": QUESTION, "max_tokens": 96, "ignore_eos": True, "stream": True}
     thread = threading.Thread(target=_stream_until_end, args=(
         server.url + "/v1/chat/completions", body, started, out))
     thread.start()
