@@ -212,7 +212,8 @@ def test_speculation_is_switched_off_under_load(target):
                      spec_token_cost=1.0)
     _run(core, prompts, GREEDY)
     assert core.stats().spec.num_rounds <= NUM_NEW // core.spec.explore_every
-    core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False)
+    core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False,
+                     spec_token_cost=0.05)
     _run(core, prompts[:1], GREEDY)
     assert core.stats().spec.num_draft_accepted >= NUM_NEW // 4
 
@@ -220,7 +221,9 @@ def test_speculation_is_switched_off_under_load(target):
 def test_a_request_can_opt_out_of_speculation(target, reference):
     """speculate=False: that request never drafts (its tokens are the plain engine's), while a
     request beside it in the same batch still does."""
-    core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False)
+    # a configured cost line (verifying a token is cheap), not one measured on a busy box
+    core = make_core(target, block_size=8, speculation="ngram", spec_confidence=False,
+                     spec_token_cost=0.05)
     opted_out = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0,
                                speculate=False)
     core.add_request(AddRequest("off", _prompts()[0], opted_out))
