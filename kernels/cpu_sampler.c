@@ -1,7 +1,8 @@
 /* Batched sampling on the CPU: temperature, top-k, top-p, min-p and one categorical draw per
  * row of logits [n, vocab], in O(vocab) per row, without sorting a row.
  *
- * The kept set of a row (x = logits / temperature, m = max x, e_i = exp(x_i - m) in double):
+ * The kept set of a row (x = logits / temperature, m = max x, e_i = exp(x_i - m), the
+ * difference and its exp in float, every sum of e in double):
  *   top-k: x >= the k-th largest value (ties at the k-th all kept)
  *   top-p: x_j kept when the mass of the top-k-kept tokens strictly above x_j is < top_p * S,
  *          S their total mass: the smallest nucleus covering top_p, a tied group kept whole
@@ -12,10 +13,11 @@
  * How a threshold is found without a sort: the values are bucketed by depth below the max,
  * d = m - x, PER_UNIT buckets per unit of d, first over d in [0, SPAN_1) and, only when the
  * boundary lies deeper, over [SPAN_1, SPAN_2). Counts (top-k) or masses (top-p) per bucket are
- * walked from the top to the bucket holding the boundary; only that bucket's tokens are
- * sorted. Tokens deeper than SPAN_2 (e < 1e-35, mass below any top_p's resolution) are kept
- * when the walk ends without a boundary. Sums are in double, in a fixed order per row, so a
- * row's result does not depend on the batch. */
+ * walked from the top to the bucket holding the boundary; that bucket's tokens are split
+ * again into SUB finer buckets the same way, and only the finer bucket holding the boundary
+ * is sorted. Tokens deeper than SPAN_2 (e < 1e-35, mass below any top_p's resolution) are
+ * kept when the walk ends without a boundary. Sums are in double, in a fixed order per row,
+ * so a row's result does not depend on the batch. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,89 +27,174 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-__m512d _ZGVeN8v_exp(__m512d);
+__m512 _ZGVeN16v_expf(__m512);
 #endif
 
 #define PER_UNIT 64
 #define SPAN_1 16
 #define SPAN_2 80
 #define MAX_BUCKETS ((SPAN_2 - SPAN_1) * PER_UNIT)
+#define SUB 64         /* finer buckets in the boundary's bucket */
+#define SMALL_SORT 24  /* at most this many: insertion sort */
 #define DRAW_CHUNK 512
+#define TABLES 4       /* interleaved histograms: neighbouring tokens do not wait on each other */
+#define CUT 2          /* the exp pass sums the mass above depths CUT, 2 CUT, ... < SPAN_1 */
+#define NUM_CUTS (SPAN_1 / CUT)
+#define EXP_BLOCK 512
 
 struct pair {
     float x;
-    double e;
+    float e;
 };
 
 struct work {
     const float *x;  /* the row, temperature applied */
-    double *e;       /* exp(x - m) */
+    float *e;        /* exp(x - m) */
     int64_t vocab;
     float m;
-    uint16_t *bk;    /* each token's bucket in the current window, or OUTSIDE */
-    int32_t *inside; /* the tokens in the current window */
+    /* the tokens in the current window, in vocabulary order: value, exp and bucket */
+    float *xin, *ein;
+    int32_t *bin;
+    int64_t num_in;
+    double before;   /* the mass of the tokens x >= floor above the window */
     struct pair *pairs; /* one bucket's tokens */
-    int64_t cnt[2][MAX_BUCKETS];
-    double mass[2][MAX_BUCKETS];
+    struct pair *finer; /* one finer bucket's tokens */
+    uint8_t *sub;       /* each of pairs' finer bucket */
+    int64_t cnt[TABLES][MAX_BUCKETS];
+    double mass[TABLES][MAX_BUCKETS];
 };
 
-static __thread struct scratch scaled_buf, exp_buf, pair_buf, work_buf, bucket_buf, inside_buf;
+static __thread struct scratch scaled_buf, exp_buf, pair_buf, finer_buf, sub_buf, work_buf,
+    xin_buf, ein_buf, bin_buf;
 
 /* ------------------------------------------------------------------ vector passes */
+
+#if defined(__AVX512F__)
+static inline __m256 upper8(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+#endif
 
 static float row_max(const float *x, int64_t n) {
     float m = -INFINITY;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    __m512 acc = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + i));
-    m = _mm512_reduce_max_ps(acc);
+    __m512 a0 = _mm512_set1_ps(-INFINITY), a1 = a0, a2 = a0, a3 = a0; /* 4 chains */
+    for (; i + 64 <= n; i += 64) {
+        a0 = _mm512_max_ps(a0, _mm512_loadu_ps(x + i));
+        a1 = _mm512_max_ps(a1, _mm512_loadu_ps(x + i + 16));
+        a2 = _mm512_max_ps(a2, _mm512_loadu_ps(x + i + 32));
+        a3 = _mm512_max_ps(a3, _mm512_loadu_ps(x + i + 48));
+    }
+    for (; i + 16 <= n; i += 16) a0 = _mm512_max_ps(a0, _mm512_loadu_ps(x + i));
+    m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
 #endif
     for (; i < n; i++) m = x[i] > m ? x[i] : m;
     return m;
 }
 
-/* e[i] = exp(x[i] - m) in double */
-static void exps(const float *x, float m, double *e, int64_t n) {
-    const double md = m;
+/* y = x / temperature, and the max of y */
+static float scale_and_max(const float *x, float temperature, float *y, int64_t n) {
+    float m = -INFINITY;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512d mv = _mm512_set1_pd(md);
-    for (; i + 8 <= n; i += 8) {
-        __m512d d = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + i)), mv);
-        _mm512_storeu_pd(e + i, _ZGVeN8v_exp(d));
+    const __m512 t = _mm512_set1_ps(temperature);
+    __m512 a0 = _mm512_set1_ps(-INFINITY), a1 = a0;
+    for (; i + 32 <= n; i += 32) {
+        __m512 y0 = _mm512_div_ps(_mm512_loadu_ps(x + i), t);
+        __m512 y1 = _mm512_div_ps(_mm512_loadu_ps(x + i + 16), t);
+        _mm512_storeu_ps(y + i, y0);
+        _mm512_storeu_ps(y + i + 16, y1);
+        a0 = _mm512_max_ps(a0, y0);
+        a1 = _mm512_max_ps(a1, y1);
     }
+    m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
 #endif
-    for (; i < n; i++) e[i] = exp((double)x[i] - md);
+    for (; i < n; i++) {
+        y[i] = x[i] / temperature;
+        m = y[i] > m ? y[i] : m;
+    }
+    return m;
+}
+
+/* e[i] = exp(x[i] - m), in float, and their sum, in double in a fixed order; guess[c] ~ the
+ * sum of e over depth m - x < c * CUT (c in [1, NUM_CUTS)), summed in float: only a guess of
+ * where top-p's boundary lies (the walk checks it) */
+static double exps(const float *x, float m, float *e, int64_t n, float *guess) {
+    int64_t i = 0;
+    double s = 0.0;
+    for (int c = 0; c < NUM_CUTS; c++) guess[c] = 0.0f;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512d lo = _mm512_setzero_pd(), hi = lo;
+    __m512 cut[NUM_CUTS];
+    for (int c = 0; c < NUM_CUTS; c++) cut[c] = _mm512_setzero_ps();
+    for (; i + EXP_BLOCK <= n; i += EXP_BLOCK) {
+        for (int64_t j = i; j < i + EXP_BLOCK; j += 16)  /* the calls clobber every zmm */
+            _mm512_storeu_ps(e + j, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
+        for (int64_t j = i; j < i + EXP_BLOCK; j += 16) {
+            const __m512 v = _mm512_loadu_ps(e + j), d = _mm512_sub_ps(mv, _mm512_loadu_ps(x + j));
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(upper8(v)));
+#pragma GCC unroll 8
+            for (int c = 1; c < NUM_CUTS; c++) {
+                __mmask16 k = _mm512_cmp_ps_mask(d, _mm512_set1_ps((float)(c * CUT)),
+                                                 _CMP_LT_OQ);
+                cut[c] = _mm512_mask_add_ps(cut[c], k, cut[c], v);
+            }
+        }
+    }
+    s = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+    for (int c = 1; c < NUM_CUTS; c++) guess[c] = _mm512_reduce_add_ps(cut[c]);
+#endif
+    for (; i < n; i++) {
+        e[i] = expf(x[i] - m);
+        s += (double)e[i];
+        for (int c = 1; c < NUM_CUTS; c++)
+            if (m - x[i] < (float)(c * CUT)) guess[c] += e[i];
+    }
+    return s;
 }
 
 /* sum of e[i] over x[i] >= tau, i in [lo, hi), in a fixed order */
-static double kept_mass(const float *x, const double *e, float tau, int64_t lo, int64_t hi) {
+static double kept_mass(const float *x, const float *e, float tau, int64_t lo, int64_t hi) {
     double s = 0.0;
     int64_t i = lo;
 #if defined(__AVX512F__)
-    __m512d acc = _mm512_setzero_pd();
-    const __m256 t = _mm256_set1_ps(tau);
-    for (; i + 8 <= hi; i += 8) {
-        __mmask8 k = (__mmask8)_mm256_cmp_ps_mask(_mm256_loadu_ps(x + i), t, _CMP_GE_OQ);
-        acc = _mm512_mask_add_pd(acc, k, acc, _mm512_loadu_pd(e + i));
+    __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0; /* 4 chains */
+    const __m512 t = _mm512_set1_ps(tau);
+    for (; i + 32 <= hi; i += 32) {
+        __mmask16 k0 = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), t, _CMP_GE_OQ);
+        __mmask16 k1 = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i + 16), t, _CMP_GE_OQ);
+        __m512 e0 = _mm512_loadu_ps(e + i), e1 = _mm512_loadu_ps(e + i + 16);
+        a0 = _mm512_mask_add_pd(a0, (__mmask8)k0, a0,
+                                _mm512_cvtps_pd(_mm512_castps512_ps256(e0)));
+        a1 = _mm512_mask_add_pd(a1, (__mmask8)(k0 >> 8), a1,
+                                _mm512_cvtps_pd(upper8(e0)));
+        a2 = _mm512_mask_add_pd(a2, (__mmask8)k1, a2,
+                                _mm512_cvtps_pd(_mm512_castps512_ps256(e1)));
+        a3 = _mm512_mask_add_pd(a3, (__mmask8)(k1 >> 8), a3,
+                                _mm512_cvtps_pd(upper8(e1)));
     }
-    s = _mm512_reduce_add_pd(acc);
+    const __m256 t8 = _mm256_set1_ps(tau);
+    for (; i + 8 <= hi; i += 8) {
+        __mmask8 k = (__mmask8)_mm256_cmp_ps_mask(_mm256_loadu_ps(x + i), t8, _CMP_GE_OQ);
+        a0 = _mm512_mask_add_pd(a0, k, a0, _mm512_cvtps_pd(_mm256_loadu_ps(e + i)));
+    }
+    s = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
 #endif
-    for (; i < hi; i++) if (x[i] >= tau) s += e[i];
+    for (; i < hi; i++) if (x[i] >= tau) s += (double)e[i];
     return s;
 }
 
 /* ------------------------------------------------------------------ buckets */
 
-#define OUTSIDE 0xFFFF
-
-/* the bucket of x in the window starting at depth lo (num buckets), OUTSIDE when not in it
- * or below floor; float arithmetic, the same in the vector and the scalar code: monotone in
- * x, so a bucket's tokens are all larger than the next bucket's */
-static inline uint16_t bucket_of(float x, float m, float lo, int64_t num, float floor) {
+/* the bucket of x in the window starting at depth lo (num buckets), -1 when not in it or
+ * below floor; float arithmetic, the same in the vector and the scalar code: monotone in x,
+ * so a bucket's tokens are all larger than the next bucket's */
+static inline int32_t bucket_of(float x, float m, float lo, int64_t num, float floor) {
     float t = ((m - x) - lo) * (float)PER_UNIT;
-    return (x >= floor && t >= 0.0f && t < (float)num) ? (uint16_t)(int32_t)t : OUTSIDE;
+    return (x >= floor && t >= 0.0f && t < (float)num) ? (int32_t)t : -1;
 }
 
 static int by_value_desc(const void *a, const void *b) {
@@ -115,90 +202,152 @@ static int by_value_desc(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* every token's bucket into w->bk, the window's tokens' indices into w->inside; their count */
-static int64_t assign_buckets(struct work *w, float lo, int64_t num, float floor) {
+static void sort_desc(struct pair *p, int64_t n) {
+    int64_t j = 1;
+    while (j < n && p[j].x == p[0].x) j++;
+    if (j == n) return; /* one tied group (a bf16 model's logits have few distinct values) */
+    if (n > SMALL_SORT) {
+        qsort(p, n, sizeof(struct pair), by_value_desc);
+        return;
+    }
+    for (int64_t i = 1; i < n; i++) {
+        struct pair v = p[i];
+        int64_t j = i;
+        for (; j > 0 && p[j - 1].x < v.x; j--) p[j] = p[j - 1];
+        p[j] = v;
+    }
+}
+
+/* the window's tokens (x >= floor, depth in [lo, lo + num / PER_UNIT)) into w->xin, ein and
+ * bin, their count into w->num_in, the mass of those above it into w->before */
+static void assign_buckets(struct work *w, float lo, int64_t num, float floor) {
     const float m = w->m;
     int64_t i = 0, n = 0;
+    double before = 0.0;
 #if defined(__AVX512F__)
+    __m512d above_lo = _mm512_setzero_pd(), above_hi = above_lo;
     const __m512 mv = _mm512_set1_ps(m), lov = _mm512_set1_ps(lo), fl = _mm512_set1_ps(floor);
     const __m512 scale = _mm512_set1_ps((float)PER_UNIT), top = _mm512_set1_ps((float)num);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; i + 16 <= w->vocab; i += 16) {
         __m512 x = _mm512_loadu_ps(w->x + i);
         __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_sub_ps(mv, x), lov), scale);
-        __mmask16 in = _mm512_cmp_ps_mask(x, fl, _CMP_GE_OQ)
-                       & _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GE_OQ)
-                       & _mm512_cmp_ps_mask(t, top, _CMP_LT_OQ);
-        __m512i b = _mm512_mask_mov_epi32(_mm512_set1_epi32(OUTSIDE), in,
-                                          _mm512_cvttps_epi32(t));
-        _mm256_storeu_si256((__m256i *)(w->bk + i), _mm512_cvtepi32_epi16(b));
-        _mm512_mask_compressstoreu_epi32(w->inside + n, in,
-                                         _mm512_add_epi32(lane, _mm512_set1_epi32((int)i)));
+        const __mmask16 kept = _mm512_cmp_ps_mask(x, fl, _CMP_GE_OQ);
+        const __mmask16 deeper = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GE_OQ);
+        const __mmask16 in = kept & deeper & _mm512_cmp_ps_mask(t, top, _CMP_LT_OQ);
+        if (lo > 0.0f) {
+            const __mmask16 up = kept & ~deeper;
+            const __m512 v = _mm512_loadu_ps(w->e + i);
+            above_lo = _mm512_mask_add_pd(above_lo, (__mmask8)up, above_lo,
+                                          _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+            above_hi = _mm512_mask_add_pd(above_hi, (__mmask8)(up >> 8), above_hi,
+                                          _mm512_cvtps_pd(upper8(v)));
+        }
+        if (!in) continue;
+        /* compressed in registers, stored whole (the buffers have 16 spare lanes) */
+        _mm512_storeu_ps(w->xin + n, _mm512_maskz_compress_ps(in, x));
+        _mm512_storeu_ps(w->ein + n, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(w->e + i)));
+        _mm512_storeu_si512(w->bin + n, _mm512_maskz_compress_epi32(in, _mm512_cvttps_epi32(t)));
         n += __builtin_popcount(in);
     }
+    before = _mm512_reduce_add_pd(_mm512_add_pd(above_lo, above_hi));
 #endif
     for (; i < w->vocab; i++) {
-        w->bk[i] = bucket_of(w->x[i], m, lo, num, floor);
-        if (w->bk[i] != OUTSIDE) w->inside[n++] = (int32_t)i;
+        int32_t b = bucket_of(w->x[i], m, lo, num, floor);
+        if (w->x[i] >= floor && ((m - w->x[i]) - lo) * (float)PER_UNIT < 0.0f)
+            before += (double)w->e[i];
+        if (b < 0) continue;
+        w->xin[n] = w->x[i];
+        w->ein[n] = w->e[i];
+        w->bin[n++] = b;
     }
-    return n;
+    w->num_in = n;
+    w->before = before;
 }
 
 /* counts (top-k) or masses (top-p) per bucket of the tokens x >= floor in the window
- * [lo, lo + num / PER_UNIT) of depth (two interleaved histograms, so neighbouring tokens in
- * one bucket do not wait on each other); the result in cnt[0] or mass[0] */
+ * [lo, lo + num / PER_UNIT) of depth (TABLES interleaved histograms); the result in cnt[0]
+ * or mass[0] */
 static void fill_buckets(struct work *w, float lo, int64_t num, float floor, int need_mass) {
-    const int64_t n = assign_buckets(w, lo, num, floor);
-    const int32_t *in = w->inside;
-    const uint16_t *bk = w->bk;
+    assign_buckets(w, lo, num, floor);
+    const int64_t n = w->num_in;
+    const int32_t *bin = w->bin;
     int64_t j = 0;
     if (need_mass) {
-        double *m0 = w->mass[0], *m1 = w->mass[1];
-        memset(m0, 0, sizeof(double) * num);
-        memset(m1, 0, sizeof(double) * num);
-        for (; j + 2 <= n; j += 2) {
-            m0[bk[in[j]]] += w->e[in[j]];
-            m1[bk[in[j + 1]]] += w->e[in[j + 1]];
-        }
-        if (j < n) m0[bk[in[j]]] += w->e[in[j]];
-        for (int64_t b = 0; b < num; b++) m0[b] += m1[b];
+        double(*m)[MAX_BUCKETS] = w->mass;
+        for (int t = 0; t < TABLES; t++) memset(m[t], 0, sizeof(double) * num);
+        for (; j + TABLES <= n; j += TABLES)
+            for (int t = 0; t < TABLES; t++) m[t][bin[j + t]] += w->ein[j + t];
+        for (; j < n; j++) m[0][bin[j]] += w->ein[j];
+        for (int64_t b = 0; b < num; b++)
+            for (int t = 1; t < TABLES; t++) m[0][b] += m[t][b];
         return;
     }
-    int64_t *c0 = w->cnt[0], *c1 = w->cnt[1];
-    memset(c0, 0, sizeof(int64_t) * num);
-    memset(c1, 0, sizeof(int64_t) * num);
-    for (; j + 2 <= n; j += 2) {
-        c0[bk[in[j]]]++;
-        c1[bk[in[j + 1]]]++;
-    }
-    if (j < n) c0[bk[in[j]]]++;
-    for (int64_t b = 0; b < num; b++) c0[b] += c1[b];
+    int64_t(*c)[MAX_BUCKETS] = w->cnt;
+    for (int t = 0; t < TABLES; t++) memset(c[t], 0, sizeof(int64_t) * num);
+    for (; j + TABLES <= n; j += TABLES)
+        for (int t = 0; t < TABLES; t++) c[t][bin[j + t]]++;
+    for (; j < n; j++) c[0][bin[j]]++;
+    for (int64_t b = 0; b < num; b++)
+        for (int t = 1; t < TABLES; t++) c[0][b] += c[t][b];
 }
 
-/* the tokens of bucket b (as assigned last) into w->pairs, sorted by value (largest first);
- * their count */
+/* the tokens of bucket b (as assigned last) into w->pairs, in vocabulary order; their count */
 static int64_t collect(struct work *w, int64_t b) {
-    int64_t i = 0, n = 0;
+    int64_t j = 0, n = 0;
 #if defined(__AVX512F__)
-    const __m512i want = _mm512_set1_epi16((short)b);
-    for (; i + 32 <= w->vocab; i += 32) {
-        __mmask32 hit = _mm512_cmpeq_epi16_mask(_mm512_loadu_si512(w->bk + i), want);
+    const __m512i want = _mm512_set1_epi32((int)b);
+    for (; j + 16 <= w->num_in; j += 16) {
+        __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(w->bin + j), want);
         while (hit) {
-            int64_t k = i + __builtin_ctz(hit);
+            int64_t k = j + __builtin_ctz(hit);
             hit &= hit - 1;
-            w->pairs[n].x = w->x[k];
-            w->pairs[n++].e = w->e[k];
+            w->pairs[n].x = w->xin[k];
+            w->pairs[n++].e = w->ein[k];
         }
     }
 #endif
-    for (; i < w->vocab; i++) {
-        if (w->bk[i] == b) {
-            w->pairs[n].x = w->x[i];
-            w->pairs[n++].e = w->e[i];
+    for (; j < w->num_in; j++) {
+        if (w->bin[j] == b) {
+            w->pairs[n].x = w->xin[j];
+            w->pairs[n++].e = w->ein[j];
         }
     }
-    qsort(w->pairs, n, sizeof(struct pair), by_value_desc);
     return n;
+}
+
+/* the finer bucket of each of the n tokens of bucket b (window starting at depth lo) into
+ * w->sub: the same float arithmetic as bucket_of, so monotone in x as well */
+static void split_finer(struct work *w, int64_t n, float lo, int64_t b) {
+    for (int64_t j = 0; j < n; j++) {
+        float t = ((w->m - w->pairs[j].x) - lo) * (float)PER_UNIT;
+        float f = (t - (float)b) * (float)SUB;
+        w->sub[j] = f <= 0.0f ? 0 : f >= (float)SUB ? SUB - 1 : (uint8_t)(int32_t)f;
+    }
+}
+
+/* the tokens of finer bucket s of the n in w->pairs into w->finer, sorted by value (largest
+ * first); their count */
+static int64_t take_finer(struct work *w, int64_t n, int s) {
+    int64_t k = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (w->sub[j] == s) w->finer[k++] = w->pairs[j];
+    sort_desc(w->finer, k);
+    return k;
+}
+
+/* the k-th largest value (k >= 1) among the n tokens of bucket b */
+static float kth_in_bucket(struct work *w, int64_t n, float lo, int64_t b, int64_t k) {
+    int64_t cnt[SUB] = {0}, above = 0;
+    split_finer(w, n, lo, b);
+    for (int64_t j = 0; j < n; j++) cnt[w->sub[j]]++;
+    for (int s = 0; s < SUB; s++) {
+        if (above + cnt[s] >= k) {
+            take_finer(w, n, s);
+            return w->finer[k - above - 1].x;
+        }
+        above += cnt[s];
+    }
+    return -INFINITY; /* unreachable: the bucket holds at least k tokens */
 }
 
 /* ------------------------------------------------------------------ thresholds */
@@ -217,10 +366,8 @@ static float kth_value(struct work *w, int64_t k) {
         const struct window v = WINDOWS[win];
         fill_buckets(w, v.lo, v.num, -INFINITY, 0);
         for (int64_t b = 0; b < v.num; b++) {
-            if (above + w->cnt[0][b] >= k) {
-                collect(w, b);
-                return w->pairs[k - above - 1].x;
-            }
+            if (above + w->cnt[0][b] >= k)
+                return kth_in_bucket(w, collect(w, b), v.lo, b, k - above);
             above += w->cnt[0][b];
         }
     }
@@ -233,33 +380,73 @@ static float kth_value(struct work *w, int64_t k) {
     return w->pairs[k - 1].x;
 }
 
-/* top-p's threshold over the tokens x >= tau_k, whose mass is `total` */
-static float nucleus(struct work *w, double top_p, float tau_k, double total) {
-    const double target = top_p * total;
-    double above = 0.0; /* the mass of the tokens above the current one */
+/* the walk of top-p's boundary into bucket b (window starting at depth lo): over its finer
+ * buckets, then over the tied groups of the one holding it, largest first. 1 with *tau set
+ * when the boundary is in it; 0 when the walk's own sum falls short of the bucket's (go on to
+ * the next bucket) */
+static int walk_bucket(struct work *w, float lo, int64_t b, double target, double *above,
+                       float *tau) {
+    const int64_t n = collect(w, b);
+    double fine[SUB] = {0.0};
+    split_finer(w, n, lo, b);
+    for (int64_t j = 0; j < n; j++) fine[w->sub[j]] += w->pairs[j].e;
+    for (int s = 0; s < SUB; s++) {
+        if (*above + fine[s] < target) {
+            *above += fine[s];
+            continue;
+        }
+        const int64_t nf = take_finer(w, n, s);
+        for (int64_t j = 0; j < nf; j++) {
+            if (j == 0 || w->finer[j].x != w->finer[j - 1].x) {
+                if (*above >= target) return 1;
+                *tau = w->finer[j].x;
+            }
+            *above += w->finer[j].e;
+        }
+        if (*above >= target) return 1;
+    }
+    return 0;
+}
+
+/* top-p's threshold over the tokens x >= tau_k: the walk from the top through windows in
+ * order, from the mass above the first; NAN when that mass is already past the target (the
+ * first window starts too deep) */
+static float nucleus(struct work *w, double target, float tau_k, const struct window *windows,
+                     int num_windows) {
     float tau = -INFINITY;
-    for (int win = 0; win < 2; win++) {
-        const struct window v = WINDOWS[win];
+    double above = 0.0;
+    for (int win = 0; win < num_windows; win++) {
+        const struct window v = windows[win];
         fill_buckets(w, v.lo, v.num, tau_k, 1);
+        if (win == 0) above = w->before;
+        if (above >= target) return NAN;
         for (int64_t b = 0; b < v.num; b++) {
             if (above + w->mass[0][b] < target) {
                 above += w->mass[0][b];
                 continue;
             }
-            /* the boundary is in this bucket: walk its tied groups, largest first (if the
-             * walk's own sum falls short of the bucket's, go on to the next bucket) */
-            int64_t n = collect(w, b);
-            for (int64_t j = 0; j < n; j++) {
-                if (j == 0 || w->pairs[j].x != w->pairs[j - 1].x) {
-                    if (above >= target) return tau;
-                    tau = w->pairs[j].x;
-                }
-                above += w->pairs[j].e;
-            }
-            if (above >= target) return tau;
+            if (walk_bucket(w, v.lo, b, target, &above, &tau)) return tau;
         }
     }
     return -INFINITY; /* the boundary is below every window: keep the rest */
+}
+
+/* top-p's threshold without top-k: the walk starts at the deepest cut that the exp pass's
+ * guess puts above the boundary, so only the tokens past it are bucketed (a shallower cut
+ * when the guess was wrong) */
+static float nucleus_from_cuts(struct work *w, double top_p, double total, const float *guess) {
+    const double target = top_p * total;
+    int c = NUM_CUTS - 1;
+    while (c > 0 && !((double)guess[c] < target * (1.0 - 1e-3))) c--;
+    for (;; c--) {
+        const float lo = (float)(c * CUT);
+        const struct window windows[3] = {
+            {lo, CUT * PER_UNIT}, {lo + CUT, (SPAN_1 - lo - CUT) * PER_UNIT}, WINDOWS[1]};
+        const struct window last[2] = {windows[0], WINDOWS[1]};
+        const float tau = lo + CUT < SPAN_1 ? nucleus(w, target, -INFINITY, windows, 3)
+                                            : nucleus(w, target, -INFINITY, last, 2);
+        if (!isnan(tau) || c == 0) return tau;
+    }
 }
 
 /* min-p's threshold: the smallest x with e >= min_p */
@@ -270,7 +457,8 @@ static float min_p_floor(const struct work *w, double min_p) {
     const __m512d mp = _mm512_set1_pd(min_p);
     __m256 acc = _mm256_set1_ps(INFINITY);
     for (; i + 8 <= w->vocab; i += 8) {
-        __mmask8 k = _mm512_cmp_pd_mask(_mm512_loadu_pd(w->e + i), mp, _CMP_GE_OQ);
+        __mmask8 k = _mm512_cmp_pd_mask(_mm512_cvtps_pd(_mm256_loadu_ps(w->e + i)), mp,
+                                        _CMP_GE_OQ);
         acc = _mm256_mask_min_ps(acc, k, acc, _mm256_loadu_ps(w->x + i));
     }
     float lanes[8];
@@ -278,7 +466,7 @@ static float min_p_floor(const struct work *w, double min_p) {
     for (int j = 0; j < 8; j++) tau = lanes[j] < tau ? lanes[j] : tau;
 #endif
     for (; i < w->vocab; i++)
-        if (w->e[i] >= min_p && w->x[i] < tau) tau = w->x[i];
+        if ((double)w->e[i] >= min_p && w->x[i] < tau) tau = w->x[i];
     return tau;
 }
 
@@ -304,53 +492,59 @@ static int64_t draw(const struct work *w, float tau, double u) {
         }
         int64_t lo = c * DRAW_CHUNK, hi = lo + DRAW_CHUNK < n ? lo + DRAW_CHUNK : n;
         for (int64_t i = lo; i < hi; i++) {
-            if (w->x[i] >= tau && w->e[i] > 0.0) {
+            if (w->x[i] >= tau && w->e[i] > 0.0f) {
                 acc += w->e[i];
                 if (acc > target) return i;
             }
         }
     }
     for (int64_t i = n - 1; i > 0; i--)
-        if (w->x[i] >= tau && w->e[i] > 0.0) return i;
+        if (w->x[i] >= tau && w->e[i] > 0.0f) return i;
     return 0;
 }
 
 /* ------------------------------------------------------------------ rows */
 
+/* w's buffers for a row of vocab values x; -1 when out of memory */
+static int setup(struct work *w, const float *x, int64_t vocab) {
+    w->x = x;
+    w->vocab = vocab;
+    w->e = scratch_grow(&exp_buf, sizeof(float) * vocab);
+    w->pairs = scratch_grow(&pair_buf, sizeof(struct pair) * vocab);
+    w->finer = scratch_grow(&finer_buf, sizeof(struct pair) * vocab);
+    w->sub = scratch_grow(&sub_buf, vocab);
+    w->xin = scratch_grow(&xin_buf, sizeof(float) * (vocab + 16)); /* + 16: whole-vector stores */
+    w->ein = scratch_grow(&ein_buf, sizeof(float) * (vocab + 16));
+    w->bin = scratch_grow(&bin_buf, sizeof(int32_t) * (vocab + 16));
+    return w->e && w->pairs && w->finer && w->sub && w->xin && w->ein && w->bin ? 0 : -1;
+}
+
 static int one_row(const float *logits, int64_t vocab, float temperature, int64_t top_k,
                    double top_p, double min_p, double u, int64_t *token, float *threshold) {
-    float *scaled = NULL;
     const float *x = logits;
+    float *scaled = NULL;
     if (temperature != 1.0f) {
         scaled = scratch_grow(&scaled_buf, sizeof(float) * vocab);
         if (!scaled) return -1;
-        for (int64_t i = 0; i < vocab; i++) scaled[i] = logits[i] / temperature;
         x = scaled;
     }
     struct work *w = scratch_grow(&work_buf, sizeof(struct work));
-    double *e = scratch_grow(&exp_buf, sizeof(double) * vocab);
-    struct pair *pairs = scratch_grow(&pair_buf, sizeof(struct pair) * vocab);
-    uint16_t *bk = scratch_grow(&bucket_buf, sizeof(uint16_t) * (vocab + 32));
-    int32_t *inside = scratch_grow(&inside_buf, sizeof(int32_t) * (vocab + 16));
-    if (!w || !e || !pairs || !bk || !inside) return -1;
-    w->bk = bk;
-    w->inside = inside;
-    w->x = x;
-    w->e = e;
-    w->vocab = vocab;
-    w->pairs = pairs;
-    w->m = row_max(x, vocab);
+    if (!w || setup(w, x, vocab) != 0) return -1;
+    w->m = scaled ? scale_and_max(logits, temperature, scaled, vocab) : row_max(x, vocab);
     if (w->m == -INFINITY) { /* nothing allowed: the caller guarantees this never happens */
         *threshold = -INFINITY;
         *token = 0;
         return 0;
     }
-    exps(x, w->m, e, vocab);
+    float guess[NUM_CUTS];
+    const double total = exps(x, w->m, w->e, vocab, guess);
     float tau_k = -INFINITY, tau_p = -INFINITY, tau_m = -INFINITY;
     if (top_k > 0 && top_k < vocab) tau_k = kth_value(w, top_k);
     if (top_p < 1.0) {
-        double total = kept_mass(x, e, tau_k, 0, vocab);
-        tau_p = nucleus(w, top_p, tau_k, total);
+        if (tau_k == -INFINITY)
+            tau_p = nucleus_from_cuts(w, top_p, total, guess);
+        else
+            tau_p = nucleus(w, top_p * kept_mass(x, w->e, tau_k, 0, vocab), tau_k, WINDOWS, 2);
     }
     if (min_p > 0.0) tau_m = min_p_floor(w, min_p);
     float tau = tau_k > tau_p ? tau_k : tau_p;

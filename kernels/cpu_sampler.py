@@ -5,19 +5,20 @@
 
 Rows of logits x [n, vocab] fp32, per-row parameters: temperature (fp32), top_k (0: off),
 top_p (>= 1: off), min_p (0: off), and a uniform in [0, 1) for the draw (None: thresholds
-only). With y = x / temperature, m = max y and e = exp(y - m) in float64, a row keeps
-y >= threshold, the largest of:
+only). With y = x / temperature, m = max y and e = exp(y - m) (in fp32; every sum of e in
+fp64), a row keeps y >= threshold, the largest of:
 
     top-k  the k-th largest y (ties at the k-th kept)
     top-p  the smallest y whose top-k-kept mass strictly above it is < top_p * (their total)
     min-p  the smallest y with e >= min_p
 
 and draws token i with probability e_i / (the kept tokens' sum) by inverse CDF. The kept set
-is defined in exact arithmetic (float64 sums), so a tied group is kept or dropped whole and
-a sort's order never decides; the kernel and the reference agree except where a row's
-boundary lies within float64 rounding of top_p (the sums run in different orders). The C
-kernel buckets each row by depth below its max instead of sorting it (O(vocab) per row) and
-splits rows over threads; each row's result is independent of the batch.
+is defined by values, not positions (float64 sums), so a tied group is kept or dropped whole
+and a sort's order never decides; the kernel and the reference agree except where a row's
+boundary lies within rounding of top_p (the sums run in different orders, and the two
+vector exps may differ in the last bit). The C kernel buckets each row by depth below its max
+instead of sorting it (O(vocab) per row) and splits rows over threads; each row's result is
+independent of the batch.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def sample_ref(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     y = x / temperature[:, None]
     s = torch.sort(y, dim=-1, descending=True).values  # [n, vocab]
     m = s[:, :1]
-    e = torch.exp(s.double() - m.double())  # [n, vocab]
+    e = torch.exp(s - m).double()  # [n, vocab]: the exp in fp32, every sum in fp64
     last = vocab - 1
     has_k = (top_k > 0) & (top_k < vocab)
     kth = s.gather(1, (top_k - 1).clamp(0, last)[:, None])[:, 0]
@@ -87,7 +88,7 @@ def sample_ref(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     threshold = torch.maximum(torch.maximum(tau_k, tau_p), tau_m)
     token = torch.zeros(n, dtype=torch.long, device=x.device)
     if uniform is not None:
-        w = torch.where(y >= threshold[:, None], torch.exp(y.double() - m.double()), 0.0)
+        w = torch.where(y >= threshold[:, None], torch.exp(y - m).double(), 0.0)
         cdf = w.cumsum(-1)
         target = uniform.to(x.device).double()[:, None] * cdf[:, -1:]
         token = torch.minimum((cdf <= target).sum(-1), (cdf < cdf[:, -1:]).sum(-1))
