@@ -35,8 +35,9 @@ class Harness:
             self.core = (core_factory or FakeCore)(config, **knobs)
             return self.core
 
-        self.worker = Worker(EngineConfig(), build, address=frontend.address, worker_id="w0",
-                             heartbeat_s=HEARTBEAT_S, step_in_thread=step_in_thread)
+        self.worker = Worker(EngineConfig.of(heartbeat_s=HEARTBEAT_S), build,
+                             address=frontend.address, worker_id="w0",
+                             step_in_thread=step_in_thread)
         self.task = asyncio.create_task(self.worker.run())
 
     async def ready(self) -> Ready:
