@@ -4,8 +4,9 @@ engine's options the same way."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from engine.config import WEIGHT_DTYPES, EngineConfig
+from engine.config import WEIGHT_DTYPES, EngineConfig, WorkerConfig
 
 _HELP = {
     "model": "local GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)",
@@ -55,8 +56,9 @@ _HELP = {
 
 _ALIASES = {"weights_dtype": ("--dtype",)}  # vLLM's spelling
 # set by a worker-layout flag of their own (`--fair-prefill`: frontend/serve.py passes it to
-# each `duplex worker`), so no engine flag
-_NOT_FLAGS = ("fair_prefill",)
+# each `duplex worker`), so no engine flag; nor the worker section, which `duplex worker`
+# builds from its own flags (engine/worker_cli.py)
+_NOT_FLAGS = ("fair_prefill", *(f.name for f in dataclasses.fields(WorkerConfig)))
 _CHOICES = {"weights_dtype": WEIGHT_DTYPES}
 
 

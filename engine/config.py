@@ -5,10 +5,12 @@
       .cache         CacheConfig           KV pool, prefix cache, hybrid KV, RAM/disk/shared tiers
       .spec          SpecConfig            speculative decoding
       .ep            ExpertParallelConfig  expert-parallel group
+      .worker        WorkerConfig          a served worker: role, heartbeat, KV door, lease
 
 Each section checks its own fields; EngineConfig checks the combinations across them and
 refuses one that cannot work with a one-line reason naming the fields. Built once from the
-CLI (engine/args.py), it travels to workers as JSON. A config is never patched after the
+CLI (engine/args.py; the worker section from `duplex worker`'s own flags,
+engine/worker_cli.py), it travels to workers as JSON. A config is never patched after the
 fact: what start-up derives from it (the number of KV blocks when `num_kv_blocks` is 0, the
 hybrid layout) lives on `EngineCore`, which computes it once from the config and the model.
 """
@@ -25,6 +27,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 SPECULATION = ("off", "ngram", "draft", "self")
+ROLES = ("unified", "prefill", "decode")
+DEFAULT_KV_BIND = "tcp://127.0.0.1:*"  # the decode role's KV door: a free loopback port
+HANDOFF_LEASE_S = 15.0  # longest a prefill worker holds blocks for a decode worker's ack
 
 
 def default_model_path() -> str:
@@ -161,6 +166,27 @@ class ExpertParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """A served worker's own policy (engine/worker.py); the offline engine ignores it. Set by
+    `duplex worker`'s flags, one per process, so the expert-parallel ranks do not compare
+    it. What identifies a worker (its address, id and CURVE key) stays out: those differ
+    per process and a key is a secret that must not ride in a JSON config on a command line."""
+    role: str = "unified"  # "unified" | "prefill" | "decode"
+    heartbeat_s: float = 0.5  # seconds between heartbeats to the frontend
+    kv_bind: str = DEFAULT_KV_BIND  # decode role: the KV door prefill workers connect to
+    handoff_lease_s: float = HANDOFF_LEASE_S  # prefill role: longest wait for a decode's ack
+
+    def __post_init__(self) -> None:
+        _require(self.role in ROLES, "role", "must be unified, prefill or decode", self.role)
+        _require(self.heartbeat_s > 0.0, "heartbeat_s", "must be > 0", self.heartbeat_s)
+        _require(self.handoff_lease_s > 0.0, "handoff_lease_s", "must be > 0",
+                 self.handoff_lease_s)
+        _require(re.fullmatch(r"tcp://.+:(\d+|\*)|ipc://.+", self.kv_bind) is not None,
+                 "kv_bind", "must be tcp://HOST:PORT (PORT may be *) or ipc://PATH",
+                 self.kv_bind)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything a worker needs to build its engine: the model-level settings here, the rest
     in one frozen section per concern. Travels to worker processes as JSON (msgspec encodes
@@ -184,6 +210,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
     ep: ExpertParallelConfig = dataclasses.field(default_factory=ExpertParallelConfig)
+    worker: WorkerConfig = dataclasses.field(default_factory=WorkerConfig)
 
     def __post_init__(self) -> None:
         _require(self.weights_dtype in WEIGHT_DTYPES, "weights_dtype",
@@ -197,6 +224,9 @@ class EngineConfig:
         _require(not (self.batch_invariant and self.weights_dtype in ("int4", "int8")),
                  "weights_dtype", "cannot be int4 or int8 with batch_invariant (its fixed-order "
                  "matmuls need float weights; use auto or float32)", self.weights_dtype)
+        _require(not self.ep.is_on or self.worker.role == "unified", "role", "must be unified "
+                 "with expert_parallel > 1 (the group serves every request itself)",
+                 self.worker.role)
         if self.ep.is_on:  # the ranks replay one schedule: nothing may depend on time
             for field, off in (("kv_dir", None), ("kv_remote", None), ("step_budget_ms", 0.0),
                                ("speculation", "off")):
@@ -233,7 +263,7 @@ class EngineConfig:
 
 
 SECTIONS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "spec": SpecConfig,
-            "ep": ExpertParallelConfig}
+            "ep": ExpertParallelConfig, "worker": WorkerConfig}
 _OWNER = {f.name: section for section, kind in SECTIONS.items()
           for f in dataclasses.fields(kind)}
 

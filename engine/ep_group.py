@@ -27,6 +27,7 @@ followers die with the leader through PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -41,7 +42,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, WorkerConfig
 from engine.expert_parallel import free_port
 from engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
 from engine.platform import Platform, resolve
@@ -52,7 +53,9 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 600.0  # every rank loads the model before the first collective
 STEP_TIMEOUT_S = 300.0  # longest wait in a collective once serving
 # may differ between ranks (the model by path: its weight digest is compared instead)
-_PER_HOST_FIELDS = ("model", "num_threads", "ep_local_ranks", "ep_master")
+# not compared between ranks: per host, or (the worker section) the leader's own
+_PER_HOST_FIELDS = ("model", "num_threads", "ep_local_ranks", "ep_master",
+                    *(f.name for f in dataclasses.fields(WorkerConfig)))
 
 
 class StepOrder(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -47,13 +47,13 @@ import zmq.asyncio
 
 from engine.messages import (AddRequest, BadFrame, HandoffFailed, KvAck, KvBlocks, KvCancel,
                              KvDone, KvNeed, KvOffer, KvReject, FinishReason, RequestDelta)
+from engine.config import HANDOFF_LEASE_S
 from engine.curve import CurveKeys
 from engine.kv_manager import KVHandoff, KVLease
 from engine.zmq_io import Channel, kv_client_channel, kv_server_channel
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 15.0  # longest a prefill worker holds blocks for a decode worker after 1st token
 MAX_BLOCKS_PER_MESSAGE = 64
 SEND_TIMEOUT_S = 2.0  # a KV send that cannot leave this fast fails the hand-off
 INTAKE_TIMEOUT_S = 120.0  # an offer never completed is forgotten after this long
@@ -135,8 +135,8 @@ class KVSender:
     (same thread, before the next), `pump` between steps, `cancel` on aborts."""
 
     def __init__(self, kv: KVHandoff, kv_cache, max_model_len: int, ctx: zmq.asyncio.Context,
-                 worker_id: str, *, wakeup: Callable[[], None], lease_s: float = LEASE_S,
-                 keys: CurveKeys | None = None) -> None:
+                 worker_id: str, *, wakeup: Callable[[], None],
+                 lease_s: float = HANDOFF_LEASE_S, keys: CurveKeys | None = None) -> None:
         self._kv = kv
         self._kv_cache = kv_cache  # the runner's [layers, 2, blocks, slot, kv_head, head_dim]
         self._max_model_len = max_model_len

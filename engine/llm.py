@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import AddRequest, FinishReason, RequestDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.text.messages import Chat
 from engine.text.output import OutputStream
 
 
@@ -91,7 +92,9 @@ class LLM:
             raise ValueError("LLM.chat needs the tokenizer (LLM(tokenizer=True))")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        token_lists = [self.recipe.encode_chat(c, tools=tools) for c in conversations]
+        # user dicts: validated here, once (engine/text/messages.py)
+        token_lists = [self.recipe.encode_chat(Chat.from_dicts(c, tools))
+                       for c in conversations]
         return self._run(token_lists, params, use_tqdm)
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

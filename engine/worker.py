@@ -40,7 +40,7 @@ import zmq.asyncio
 from engine.config import EngineConfig
 from engine.curve import CurveKeys
 from engine.deadlines import DEADLINE_ERROR, Deadlines
-from engine.kv_transfer import LEASE_S, prefill_part
+from engine.kv_transfer import prefill_part
 from engine.messages import (INVALID, AbortRequests, AddRequest, FinishReason, Outputs, Ready,
                              RequestDelta, Shutdown, WorkerStats)
 from engine.request_checks import check_add_request
@@ -57,18 +57,17 @@ if TYPE_CHECKING:  # torch stays unloaded in workers on fake cores
 
 log = logging.getLogger(__name__)
 
-ROLES = ("unified", "prefill", "decode")
 __all__ = ["DEADLINE_ERROR", "SHUTDOWN_ERROR", "Worker", "check_role", "role_config"]
 SHUTDOWN_ERROR = "worker shutting down"
-DEFAULT_KV_BIND = "tcp://127.0.0.1:*"
 _STATS_REFRESH_S = 0.1  # most age of the stats snapshot heartbeats carry while stepping
 
 
-def role_config(config: EngineConfig, role: str) -> EngineConfig:
+def role_config(config: EngineConfig) -> EngineConfig:
     """A decode worker receives KV blocks into its host tier: it gets one (as large as the
     device pool) when none is configured."""
-    if role == "decode" and config.cache.enable_prefix_caching and config.cache.kv_host_bytes <= 0:
-        return config.replace(kv_host_bytes=config.cache.kv_cache_bytes)
+    cache = config.cache
+    if config.worker.role == "decode" and cache.enable_prefix_caching and cache.kv_host_bytes <= 0:
+        return config.replace(kv_host_bytes=cache.kv_cache_bytes)
     return config
 
 
@@ -110,21 +109,19 @@ CoreFactory = Callable[[EngineConfig], Core]
 
 
 class Worker:
+    """Serves `config` with the core `core_factory` builds from it; its role, heartbeat, KV
+    door and hand-off lease are `config.worker`. `address`, `worker_id` and `keys` say who
+    it is and where it connects (per process, a key is a secret: not config)."""
+
     def __init__(self, config: EngineConfig, core_factory: CoreFactory, *, address: str,
-                 worker_id: str, role: str = "unified", heartbeat_s: float = 0.5,
-                 step_in_thread: bool = True, kv_bind: str = DEFAULT_KV_BIND,
-                 lease_s: float = LEASE_S, keys: CurveKeys | None = None) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+                 worker_id: str, step_in_thread: bool = True,
+                 keys: CurveKeys | None = None) -> None:
         self.config = config
         self.worker_id = worker_id
-        self.role = role
+        self.role = config.worker.role
         self._core_factory = core_factory
         self._address = address
-        self._heartbeat_s = heartbeat_s
         self._step_in_thread = step_in_thread  # False only to measure what the thread costs
-        self._kv_bind = kv_bind
-        self._lease_s = lease_s
         self._keys = keys  # CURVE on the worker channel and the KV door (engine.curve)
         self._ctx: zmq.asyncio.Context | None = None
         self._link: WorkerLink | None = None
@@ -136,14 +133,14 @@ class Worker:
         self._outbox: list[RequestDelta] = []  # deltas made between steps, sent with the next
         self._lifetime = _Lifetime()
         self._is_stepping = False
-        self._snapshot = _StatsSnapshot(min(heartbeat_s / 2, _STATS_REFRESH_S))
+        self._snapshot = _StatsSnapshot(min(config.worker.heartbeat_s / 2, _STATS_REFRESH_S))
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
         """Serve until Shutdown (returns 0) or a fatal error (sends WorkerError, returns 1)."""
         ctx = self._ctx = zmq.asyncio.Context()
         self._link = WorkerLink(worker_channel(ctx, self._address, self.worker_id, self._keys),
-                                self.worker_id, self._heartbeat_s)
+                                self.worker_id, self.config.worker.heartbeat_s)
         try:
             await self._start_core()
             await self._serve_with_background_tasks()
@@ -173,9 +170,8 @@ class Worker:
         await self._in_core_thread(_warm_up, self._core, self.worker_id)
         self._snapshot.stats = self._core.stats()
         self._handoff = HandoffSides.for_role(
-            self._core, self.role, self._ctx, self.worker_id, wakeup=self._wakeup.set,
-            deliver=lambda req: self._post(_HandedOver(req)), kv_bind=self._kv_bind,
-            lease_s=self._lease_s, keys=self._keys)
+            self._core, self.config.worker, self._ctx, self.worker_id, wakeup=self._wakeup.set,
+            deliver=lambda req: self._post(_HandedOver(req)), keys=self._keys)
 
     async def _close_core(self) -> None:
         """Let the core flush and release what it holds (KV writes, an EP group), in its own

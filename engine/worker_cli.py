@@ -10,8 +10,10 @@ it to the frontend; prefill workers connect to it to hand over KV blocks. With
 `--ep-rank R` runs one of the other ranks, which talks only to the group.
 
 The supervisor starts it as `python -m engine.worker_cli ... --config-json '{...}'`, where the
-JSON EngineConfig replaces the engine flags. Hidden flags: `--core module:attr` picks another
-core factory (tests use a fake), `--parent-pid` makes the worker die with that parent.
+JSON EngineConfig replaces the engine flags; the worker flags (--role, --heartbeat-s,
+--kv-bind, --handoff-lease-s) always make its worker section, so one JSON serves every role.
+Hidden flags: `--core module:attr` picks another core factory (tests use a fake),
+`--parent-pid` makes the worker die with that parent.
 """
 from __future__ import annotations
 
@@ -27,12 +29,11 @@ import sys
 import msgspec
 
 from engine.args import add_engine_arguments, engine_config_from_args
-from engine.config import EngineConfig
+from engine.config import ROLES, EngineConfig, WorkerConfig
 from engine.kv_tiers import private_kv_dir
 from engine.curve import load_keys
-from engine.kv_transfer import LEASE_S
 from engine.logs import setup_logging_from_env
-from engine.worker import DEFAULT_KV_BIND, ROLES, CoreFactory, Worker, role_config
+from engine.worker import CoreFactory, Worker, role_config
 
 DEFAULT_CORE = "engine.core:EngineCore"
 _PR_SET_PDEATHSIG = 1
@@ -54,12 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routing id of this worker (default: ROLE-PID)")
     parser.add_argument("--config-json", default=None, metavar="JSON",
                         help="an EngineConfig as JSON; replaces the engine flags")
-    parser.add_argument("--heartbeat-s", type=float, default=0.5,
+    parser.add_argument("--heartbeat-s", type=float, default=WorkerConfig.heartbeat_s,
                         help="seconds between heartbeats")
-    parser.add_argument("--kv-bind", default=DEFAULT_KV_BIND, metavar="ADDRESS",
+    parser.add_argument("--kv-bind", default=WorkerConfig.kv_bind, metavar="ADDRESS",
                         help="decode role: address of the KV door prefill workers connect to "
                              "(tcp://HOST:PORT, port * = any free one)")
-    parser.add_argument("--handoff-lease-s", type=float, default=LEASE_S, metavar="S",
+    parser.add_argument("--handoff-lease-s", type=float, metavar="S",
+                        default=WorkerConfig.handoff_lease_s,
                         help="prefill role: longest time blocks are held for a decode worker's "
                              "acknowledgement before the hand-off fails")
     parser.add_argument("--cost-model-out", default=None, metavar="JSON",
@@ -80,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
     setup_logging_from_env("info")  # text, or JSON when its server runs --log-format json
     if args.parent_pid is not None:
         _die_with_parent(args.parent_pid)
-    config = _config_from(args)
+    try:
+        config = _config_from(args)
+    except ValueError as e:  # a refused field: its one-line reason
+        print(f"duplex worker: {e}", file=sys.stderr)
+        return 2
     if args.ep_rank:
         from engine.ep_group import follow
 
@@ -88,25 +94,19 @@ def run(args: argparse.Namespace) -> int:
     if args.connect is None:
         print("duplex worker: --connect is required", file=sys.stderr)
         return 2
+    options = config.worker
     try:
-        keys = load_keys(args.worker_key, args.connect, args.kv_bind if args.role == "decode"
-                         else None)
+        keys = load_keys(args.worker_key, args.connect,
+                         options.kv_bind if options.role == "decode" else None)
     except (OSError, ValueError) as e:
         print(f"duplex worker: {e}", file=sys.stderr)
         return 2
     factory = resolve_core_factory(args.core)
-    if config.ep.expert_parallel > 1 and args.core == DEFAULT_CORE:
-        if args.role != "unified":
-            print("duplex worker: --expert-parallel runs as a unified worker", file=sys.stderr)
-            return 2
+    if config.ep.is_on and args.core == DEFAULT_CORE:
         from engine.ep_group import leader_core as factory
-    worker_id = args.worker_id or f"{args.role}-{os.getpid()}"
-    # the EP group schedules without the fair prefill share (its ranks replay one schedule)
-    config = config.replace(fair_prefill=args.fair_prefill and not config.ep.is_on)
-    worker = Worker(private_kv_dir(role_config(config, args.role), worker_id), factory,
-                    address=args.connect, worker_id=worker_id, role=args.role,
-                    heartbeat_s=args.heartbeat_s, kv_bind=args.kv_bind,
-                    lease_s=args.handoff_lease_s, keys=keys)
+    worker_id = args.worker_id or f"{options.role}-{os.getpid()}"
+    worker = Worker(private_kv_dir(role_config(config), worker_id), factory,
+                    address=args.connect, worker_id=worker_id, keys=keys)
     code = _run_on_uvloop(worker)
     if args.cost_model_out:
         _save_cost_model(worker, args.cost_model_out)
@@ -130,9 +130,20 @@ def resolve_core_factory(spec: str) -> CoreFactory:
 
 
 def _config_from(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags (or --config-json), with the worker section from the worker flags;
+    the EP group schedules without the fair prefill share (its ranks replay one schedule)."""
     if args.config_json is None:
-        return engine_config_from_args(args)
-    return msgspec.json.decode(args.config_json, type=EngineConfig)
+        config = engine_config_from_args(args)
+    else:
+        config = msgspec.json.decode(args.config_json, type=EngineConfig)
+    return config.replace(fair_prefill=args.fair_prefill and not config.ep.is_on,
+                          **worker_fields_from_args(args))
+
+
+def worker_fields_from_args(args: argparse.Namespace) -> dict:
+    """The worker section's fields by flat name, as the worker flags set them."""
+    return {"role": args.role, "heartbeat_s": args.heartbeat_s, "kv_bind": args.kv_bind,
+            "handoff_lease_s": args.handoff_lease_s}
 
 
 def _run_on_uvloop(worker: Worker) -> int:

@@ -18,6 +18,7 @@ from engine.stats import HandoffStats, IntakeStats
 if TYPE_CHECKING:
     import zmq.asyncio
 
+    from engine.config import WorkerConfig
     from engine.curve import CurveKeys
 
 _TICK_S = 0.25  # how often leases are checked while hand-offs are in flight
@@ -37,19 +38,22 @@ class HandoffSides:
         self.intake = intake
 
     @classmethod
-    def for_role(cls, core, role: str, ctx: zmq.asyncio.Context, worker_id: str, *,
-                 wakeup: Callable[[], None], deliver: Callable[[AddRequest], None],
-                 kv_bind: str, lease_s: float, keys: CurveKeys | None) -> HandoffSides:
-        """The side of `role` on `core`'s KV cache; `deliver` takes each request handed over
-        to a decode worker, `wakeup` wakes the worker loop when a hand-off needs it."""
+    def for_role(cls, core, options: WorkerConfig, ctx: zmq.asyncio.Context, worker_id: str,
+                 *, wakeup: Callable[[], None], deliver: Callable[[AddRequest], None],
+                 keys: CurveKeys | None) -> HandoffSides:
+        """The side of `options.role` on `core`'s KV cache; `deliver` takes each request
+        handed over to a decode worker, `wakeup` wakes the worker loop when a hand-off
+        needs it."""
+        role = options.role
         check_role(core, role)
         if core.runner is None or role == "unified":
             return cls()
         if role == "prefill":
             return cls(sender=KVSender(core.kv.handoff, core.runner.kv, core.max_model_len,
-                                       ctx, worker_id, wakeup=wakeup, lease_s=lease_s,
+                                       ctx, worker_id, wakeup=wakeup,
+                                       lease_s=options.handoff_lease_s,
                                        keys=keys))
-        return cls(intake=KVIntake(core.kv.handoff, core.runner.kv, ctx, kv_bind,
+        return cls(intake=KVIntake(core.kv.handoff, core.runner.kv, ctx, options.kv_bind,
                                    deliver=deliver, is_live=core.has_request, keys=keys))
 
     @property

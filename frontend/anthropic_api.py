@@ -18,6 +18,8 @@ import msgspec
 from aiohttp import web
 
 from engine.messages import FinishReason
+from engine.text import messages as normalized
+from engine.text.messages import Chat
 from engine.text.tool_formats import tool_format
 from engine.text.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from frontend import structured
@@ -76,11 +78,11 @@ class AnthropicApi:
         tools = [tool_dict(t) for t in body.tools] if body.tools else None
         messages = chat_messages(body)
         prefill = bool(body.messages) and body.messages[-1].role == "assistant"
-        content = messages[-1].get("content") if prefill else None
-        if isinstance(content, str) and content != content.rstrip():
+        content = messages[-1]["content"] if prefill else ""
+        if content != content.rstrip():
             raise invalid("final assistant content cannot end with trailing whitespace",
                           param=f"messages[{len(body.messages) - 1}].content")
-        ids = self.state.encode_chat(messages, tools, continue_final_message=prefill)
+        ids = self.state.encode_chat(Chat(messages, tools), continue_final_message=prefill)
         choice = body.tool_choice
         if not tools or choice is None or choice.type not in ("any", "tool"):
             return ids, ""
@@ -122,12 +124,13 @@ class AnthropicApi:
 
 # ================================================================ request conversion
 def chat_messages(body: CountTokensRequest) -> list[dict]:
-    """Anthropic system + messages -> OpenAI-shaped dicts (tool results become tool turns)."""
+    """Anthropic system + messages -> normalized messages (engine/text/messages.py), straight
+    from the decoded structs (tool results become tool turns)."""
     out: list[dict] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "\n".join(
             block.text for block in body.system)
-        out.append({"role": "system", "content": system})
+        out.append(normalized.message("system", system))
     for i, message in enumerate(body.messages):
         out += _convert(message, f"messages[{i}]")
     return out
@@ -135,27 +138,23 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
 
 def _convert(message: AnthropicMessage, where: str) -> list[dict]:
     if isinstance(message.content, str):
-        return [{"role": message.role, "content": message.content}]
+        return [normalized.message(message.role, message.content)]
     texts, calls, results = [], [], []
     for j, block in enumerate(message.content):
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock) and message.role == "assistant":
-            calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+            calls.append(normalized.tool_call(block.name, block.input, block.id))
         elif isinstance(block, ToolResultBlock) and message.role == "user":
-            results.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": _tool_result_text(block)})
+            results.append(normalized.message("tool", _tool_result_text(block),
+                                              tool_call_id=block.tool_use_id))
         else:
             raise invalid(f"{where}.content[{j}]: a {message.role} message cannot hold a "
                           f"{type(block).__name__} block", param=f"{where}.content[{j}].type")
     text = "\n".join(texts)
     if message.role == "assistant":
-        turn: dict = {"role": "assistant", "content": text if text or not calls else None}
-        if calls:
-            turn["tool_calls"] = calls
-        return [turn]
-    return results + ([{"role": "user", "content": text}] if texts or not results else [])
+        return [normalized.message("assistant", text, tool_calls=calls)]
+    return results + ([normalized.message("user", text)] if texts or not results else [])
 
 
 def _tool_result_text(block: ToolResultBlock) -> str:
@@ -189,10 +188,11 @@ def _check_thinking(thinking: dict | None) -> None:
 
 
 def tool_dict(tool: AnthropicTool) -> dict:
+    """An Anthropic tool -> a normalized tool."""
     function: dict = {"name": tool.name, "parameters": tool.input_schema}
     if tool.description is not None:
         function["description"] = tool.description
-    return {"type": "function", "function": function}
+    return normalized.tool(function)
 
 
 # ================================================================ response formatting

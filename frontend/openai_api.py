@@ -15,6 +15,8 @@ import msgspec
 from aiohttp import web
 
 from engine.sampling_params import SamplingParams
+from engine.text import messages as normalized
+from engine.text.messages import Chat
 from engine.text.tool_formats import tool_format
 from engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
 from frontend import structured
@@ -75,7 +77,7 @@ class OpenAIApi:
         check_n(body.n, state.options.max_n)
         tools = [tool_dict(t) for t in body.tools] if body.tools else None
         _check_tool_choice(body)
-        prompt_ids = state.encode_chat(chat_messages(body.messages), tools,
+        prompt_ids = state.encode_chat(Chat(chat_messages(body.messages), tools),
                                        body.add_generation_prompt, body.chat_template,
                                        continue_final_message=body.continue_final_message)
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
@@ -208,33 +210,30 @@ class OpenAIApi:
             ids = self.state.encode_prompt(body.prompt)
         else:
             tools = [tool_dict(t) for t in body.tools] if body.tools else None
-            ids = self.state.encode_chat(chat_messages(body.messages), tools,
+            ids = self.state.encode_chat(Chat(chat_messages(body.messages), tools),
                                          body.add_generation_prompt)
         return ids
 
 
 # ================================================================ request conversion
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages -> the plain dicts the recipe renders (developer counts as system)."""
-    return [_message_dict(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    """OpenAI messages -> normalized messages (engine/text/messages.py), straight from the
+    decoded structs: what their types do not say is checked here, once."""
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
 
 
-def _message_dict(m: ChatMessage, where: str) -> dict:
+def _message(m: ChatMessage, where: str) -> dict:
     content = _content_text(m.content, f"{where}.content")
     if content is None and not (m.role == "assistant" and m.tool_calls):
         raise invalid(f"{where}.content is required for role {m.role!r}",
                       param=f"{where}.content")
-    msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": content}
-    if m.name:
-        msg["name"] = m.name
-    if m.tool_calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name,
-                                           "arguments": c.function.arguments}}
-                             for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        msg["tool_call_id"] = m.tool_call_id
-    return msg
+    if m.tool_calls and m.role != "assistant":
+        raise invalid(f"{where}.tool_calls is only allowed on assistant messages",
+                      param=f"{where}.tool_calls")
+    calls = [normalized.tool_call(c.function.name, c.function.arguments, c.id)
+             for c in m.tool_calls or []]
+    return normalized.message(m.role, content, name=m.name or None, tool_calls=calls,
+                              tool_call_id=m.tool_call_id)
 
 
 def _content_text(content, where: str) -> str | None:
@@ -250,13 +249,14 @@ def _content_text(content, where: str) -> str | None:
 
 
 def tool_dict(tool: Tool) -> dict:
+    """An OpenAI tool -> a normalized tool (parameters default to an empty object)."""
     fn = tool.function
     function: dict = {"name": fn.name}
     if fn.description is not None:
         function["description"] = fn.description
     function["parameters"] = fn.parameters if fn.parameters is not None else {
         "type": "object", "properties": {}}
-    return {"type": "function", "function": function}
+    return normalized.tool(function)
 
 
 def _check_tool_choice(body: ChatCompletionRequest) -> None:

@@ -20,6 +20,8 @@ import msgspec
 from aiohttp import web
 
 from engine.messages import FinishReason
+from engine.text.errors import RecipeError
+from engine.text.messages import Chat
 from engine.text.tool_formats import tool_format
 from engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
 from frontend import structured
@@ -104,7 +106,7 @@ class ResponsesApi:
         state = self.state
         state.check_model(body.model)
         tools = [_chat_tool(t, i) for i, t in enumerate(body.tools or [])] or None
-        prompt_ids = state.encode_chat(messages, tools)
+        prompt_ids = state.encode_chat(_chat(messages, tools))
         max_tokens = resolve_max_tokens(body.max_output_tokens, len(prompt_ids),
                                         state.max_model_len, "max_output_tokens")
         params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
@@ -173,6 +175,14 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
     if body.reasoning is not None and body.reasoning.get("effort") not in (None, "none"):
         raise invalid("reasoning is not supported: the model has no reasoning mode",
                       param="reasoning")
+
+
+def _chat(messages: list[dict], tools: list[dict] | None) -> Chat:
+    """Input items are untyped dicts (and stored turns): validated here, once."""
+    try:
+        return Chat.from_dicts(messages, tools)
+    except RecipeError as e:
+        raise invalid(str(e), param="input") from None
 
 
 def _input_messages(items) -> list[dict]:

@@ -24,8 +24,8 @@ from aiohttp import web
 
 from engine.args import add_engine_arguments, engine_config_from_args
 from engine import curve
-from engine.config import DEFAULT_MODEL_NAME, EngineConfig, resolve_model_path
-from engine.kv_transfer import LEASE_S
+from engine.config import (DEFAULT_MODEL_NAME, HANDOFF_LEASE_S, EngineConfig,
+                           resolve_model_path)
 from engine.logs import LOG_FORMAT_ENV, setup_logging
 from frontend.offload import SWITCH_INTERVAL_S
 from frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
@@ -47,7 +47,7 @@ class WorkerLayout:
     num_decode: int = 0
     length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     handoff_failure: str = "recompute"
-    handoff_lease_s: float = LEASE_S
+    handoff_lease_s: float = HANDOFF_LEASE_S
     fair_prefill: bool = True
     worker_bind: str | None = None  # None: a private ipc socket
     worker_key: str | None = None  # CURVE key file (engine.curve); needed off this host
@@ -137,7 +137,8 @@ def _add_worker_arguments(workers) -> None:
     workers.add_argument("--handoff-failure", choices=["recompute", "fail"],
                          default="recompute", help="when a KV hand-off or a worker fails: "
                          "recompute the stream on a live worker, or fail it")
-    workers.add_argument("--handoff-lease-s", type=float, default=LEASE_S, metavar="S",
+    workers.add_argument("--handoff-lease-s", type=float, default=HANDOFF_LEASE_S,
+                         metavar="S",
                          help="longest a prefill worker holds blocks for a decode worker")
     workers.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction,
                          default=True, help="long prompts leave part of each step to short "

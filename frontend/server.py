@@ -26,6 +26,7 @@ from aiohttp import web
 from engine.logs import REQUEST_ID
 from engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
 from engine.stats import KVStats, MoEStats
+from engine.text.messages import Chat
 from engine.text.tool_formats import TOOL_FORMATS
 from engine.text.tool_parser import forced_call_prefix, tools_supported
 from frontend import anthropic_api, openai_api, openapi, ws
@@ -147,7 +148,7 @@ class TextRecipe(Protocol):
     template: str | None  # the model's chat template
     tokenizer: object | None  # None: no vocabulary to measure token lengths with (fakes)
 
-    def encode_chat(self, messages, tools=None, add_generation_prompt=True, template=None,
+    def encode_chat(self, chat: Chat, add_generation_prompt=True, template=None,
                     continue_final_message=False) -> list[int]: ...
     def encode_prompt(self, text: str) -> list[int]: ...
     def encode_reply_start(self, text: str) -> list[int]: ...
@@ -220,23 +221,24 @@ class AppState:
                            f"serves {self.model_name!r}", param="model", code="model_not_found")
 
     # ------------------------------------------------------------ tokenizing
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, template: str | None = None,
+    def encode_chat(self, chat: Chat, add_generation_prompt: bool = True,
+                    template: str | None = None,
                     continue_final_message: bool = False) -> list[int]:
-        if not messages:
+        """Prompt ids of a normalized chat (built from the request's structs, see
+        engine/text/messages.py); the template's refusals become 400s."""
+        if not chat.messages:
             raise invalid("messages must not be empty", param="messages")
         if template is not None and not self.options.allow_request_chat_template:
             raise invalid("a per-request chat_template is disabled on this server (the "
                           "operator can allow it with --allow-request-chat-template)",
                           param="chat_template", code="chat_template_disabled")
-        self._check_chars(text_chars(messages) + text_chars(tools), "messages")
+        self._check_chars(text_chars(chat.messages) + text_chars(chat.tools), "messages")
         template = template if template is not None else self.options.chat_template
         try:
             if continue_final_message:  # keyword only when used: fakes need not know it
-                return self.recipe.encode_chat(messages, tools=tools, template=template,
+                return self.recipe.encode_chat(chat, template=template,
                                                continue_final_message=True)
-            return self.recipe.encode_chat(messages, tools=tools,
-                                           add_generation_prompt=add_generation_prompt,
+            return self.recipe.encode_chat(chat, add_generation_prompt=add_generation_prompt,
                                            template=template)
         except (ValueError, TypeError) as e:  # RecipeError is a ValueError
             raise invalid(f"cannot apply the chat template: {e}", param="messages") from None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import WSMsgType, web
 
+from engine.text.messages import Chat
 from frontend.auth import WS_PROTOCOL
 from frontend.body_limits import check_depth
 from frontend.errors import ApiError
@@ -161,7 +162,7 @@ class _Session:
 
     def _job(self, frame: WsChat, req_id: str) -> Job:
         state = self.state
-        prompt_ids = state.encode_chat(chat_messages(frame.messages))
+        prompt_ids = state.encode_chat(Chat(chat_messages(frame.messages)))
         max_tokens = resolve_max_tokens(frame.max_tokens, len(prompt_ids), state.max_model_len)
         params = params_from_fields(frame, max_tokens, state.stop_token_ids)
         return Job(req_id=req_id, prompt_token_ids=prompt_ids, params=params,

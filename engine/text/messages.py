@@ -1,13 +1,30 @@
-"""Chat message validation: OpenAI-shaped dicts in, plain JSON-typed dicts out.
+"""The normalized chat: the one form of messages and tools the recipe renders.
 
-Owns: what a valid message and tool definition is. The output is what the recipe renders
-(engine/text/recipe.py): roles mapped to the template's four, content flattened to one string,
-tool-call arguments parsed into a dict when they are a JSON object, keys in the client's order.
+Owns: what a valid message and tool definition is, and the `Chat` that carries them to
+engine/text/recipe.py. A normalized message is a plain JSON-typed dict (what a chat template
+reads, so a key it lacks stays undefined to the template):
+
+    {"role": "system" | "user" | "assistant" | "tool",   # developer is system
+     "content": str,                                     # text parts joined with newlines
+     "name"?, "tool_call_id"?: str,
+     "tool_calls"?: [{"id"?: str, "type": "function",
+                      "function": {"name": str, "arguments": dict | str}}],  # a dict when
+                                                         # the arguments are a JSON object
+     "thinking"?, "reasoning_content"?, "reasoning"?: str}
+
+and a tool is `{"type": "function", "function": {"name": str, "description"?: str,
+"parameters"?: dict}}`. Two ways in, one validation each:
+
+* `Chat.from_dicts(messages, tools)`: plain dicts from a user (the offline API, the Responses
+  API's untyped items) are validated here (`normalize_messages`, `normalize_tools`; keys
+  keep the client's order, as templates may iterate or dump them);
+* `message`, `tool_call`, `tool`: built from typed API structs the frontend already validated
+  while decoding them (frontend/protocol.py), so they only build.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.text.errors import RecipeError, short
 
@@ -15,6 +32,46 @@ ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant", "tool": "tool"}
 _MAX_JSON_DEPTH = 64
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+class Chat(NamedTuple):
+    """A conversation in the normalized form (module docstring); the only input the recipe
+    renders."""
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+    @classmethod
+    def from_dicts(cls, messages: Any, tools: Any = None) -> Chat:
+        """Validated from OpenAI-style plain dicts; a RecipeError names what is wrong."""
+        return cls(normalize_messages(messages), normalize_tools(tools))
+
+
+def message(role: str, content: str | None, *, name: str | None = None,
+            tool_calls: list[dict] | None = None, tool_call_id: str | None = None) -> dict:
+    """A normalized message from already-typed fields (`role` one of ROLES; `tool_calls`
+    built with `tool_call`)."""
+    out: dict = {"role": ROLES[role], "content": content or ""}
+    if name is not None:
+        out["name"] = name
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    if tool_call_id is not None:
+        out["tool_call_id"] = tool_call_id
+    return out
+
+
+def tool_call(name: str, arguments: str | dict, call_id: str | None = None) -> dict:
+    """A normalized tool call; `arguments` as JSON text (kept as text unless it is an
+    object) or an already-decoded JSON object."""
+    out: dict = {} if call_id is None else {"id": call_id}
+    parsed = arguments if isinstance(arguments, dict) else _parsed_object(arguments)
+    return {**out, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
+def tool(function: dict) -> dict:
+    """A normalized tool from a function definition of JSON values (name, description,
+    parameters, in the order its API gives them)."""
+    return {"type": "function", "function": function}
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -97,7 +154,11 @@ def _arguments(where: str, arguments: Any) -> Any:
     """Arguments as a dict when they are a JSON object (templates expect one), else the string."""
     if isinstance(arguments, dict):
         return _json_value(where, arguments)
-    arguments = _string(where, arguments)
+    return _parsed_object(_string(where, arguments))
+
+
+def _parsed_object(arguments: str) -> dict | str:
+    """JSON text as a dict when it is an object, else the text itself."""
     try:
         parsed = json.loads(arguments)
     except (ValueError, RecursionError):  # nested past the parser's depth: keep the text

@@ -1,7 +1,8 @@
 """The recipe: chat messages become exactly the token ids the model expects, injection-safe.
 
 Owns: the two-pass rendering of a chat and the encoder that lets only the template's own text
-produce control tokens. Message validation is engine/text/messages.py, the placeholders of the
+produce control tokens. It renders only a normalized `Chat` (engine/text/messages.py, which
+validates what users hand in), the placeholders of the
 symbolic render engine/text/symbolic.py, the budgeted Jinja sandbox engine/text/sandbox.py.
 
 How template text is told apart from user text
@@ -38,19 +39,19 @@ from datetime import datetime
 
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.errors import RecipeError
-from engine.text.messages import normalize_messages, normalize_tools
+from engine.text.messages import Chat
 from engine.text.sandbox import RenderLimits, compile_template, render_template
 from engine.text.symbolic import Ledger, Rendered
 from engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
                                    text_encoder)
 
-__all__ = ["Recipe", "RecipeError", "RenderLimits", "Rendered", "render_chat"]
+__all__ = ["Chat", "Recipe", "RecipeError", "RenderLimits", "Rendered", "render_chat"]
 
 
 def render_chat(template_source: str, messages: list[dict], tools: list[dict] | None,
                 add_generation_prompt: bool, variables: dict,
                 limits: RenderLimits = RenderLimits()) -> Rendered:
-    """Render validated messages (see `normalize_messages`) with template-written stretches
+    """Render normalized messages and tools (a `Chat`'s) with template-written stretches
     marked: the faithful text, labelled through the symbolic render (module docstring)."""
     template = compile_template(template_source, limits.template_chars)
     deadline = time.monotonic() + limits.seconds   # for both renders together
@@ -115,17 +116,17 @@ class Recipe:
         """The (cached) recipe of a local GGUF file or Hugging Face directory."""
         return _recipe_for(os.path.realpath(model_path))
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, template: str | None = None) -> Rendered:
-        """The chat as text, with the stretches the template wrote (validates everything)."""
+    def render_chat(self, chat: Chat, add_generation_prompt: bool = True,
+                    template: str | None = None) -> Rendered:
+        """The chat as text, with the stretches the template wrote."""
         source = self.template if template is None else template
         if source is None:
             raise RecipeError("the model has no chat template; pass `template`")
-        return render_chat(source, normalize_messages(messages), normalize_tools(tools),
+        return render_chat(source, _checked(chat).messages, chat.tools,
                            bool(add_generation_prompt), self._variables, self.limits)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, template: str | None = None,
+    def encode_chat(self, chat: Chat, add_generation_prompt: bool = True,
+                    template: str | None = None,
                     continue_final_message: bool = False) -> list[int]:
         """Token ids of a chat: control tokens only where the template wrote them.
 
@@ -134,15 +135,15 @@ class Recipe:
         the generation prompt and the reply's text follows as plain text (never a control
         token), so the model continues it instead of starting a new turn."""
         if continue_final_message:
-            history, prefix = _split_final_assistant(messages)
-            return (self.encode_chat(history, tools, True, template)
+            history, prefix = _split_final_assistant(_checked(chat))
+            return (self.encode_chat(history, True, template)
                     + self._text_ids(prefix, at_start=False))
-        rendered = self.render_chat(messages, tools, add_generation_prompt, template)
+        rendered = self.render_chat(chat, add_generation_prompt, template)
         return self._encode_rendered(rendered)
 
-    def count_chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
-                          add_generation_prompt: bool = True, template: str | None = None) -> int:
-        return len(self.encode_chat(messages, tools, add_generation_prompt, template))
+    def count_chat_tokens(self, chat: Chat, add_generation_prompt: bool = True,
+                          template: str | None = None) -> int:
+        return len(self.encode_chat(chat, add_generation_prompt, template))
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain completion prompt: no control tokens from the text; BOS only if the
@@ -209,15 +210,22 @@ class Recipe:
         return list(encoding.ids)
 
 
-def _split_final_assistant(messages: list[dict]) -> tuple[list[dict], str]:
-    if not messages or messages[-1].get("role") != "assistant":
+def _checked(chat: Chat) -> Chat:
+    if not isinstance(chat, Chat):
+        raise TypeError(f"the recipe renders a Chat (Chat.from_dicts validates plain dicts), "
+                        f"got {type(chat).__name__}")
+    return chat
+
+
+def _split_final_assistant(chat: Chat) -> tuple[Chat, str]:
+    messages = chat.messages
+    if not messages or messages[-1]["role"] != "assistant":
         raise RecipeError("continuing the final message needs a final assistant message")
-    last = messages[-1]
-    if last.get("tool_calls") or not isinstance(last.get("content"), str):
+    if messages[-1].get("tool_calls"):
         raise RecipeError("the final assistant message to continue must be plain text")
     if len(messages) == 1:
         raise RecipeError("continuing the final message needs a message before it")
-    return list(messages[:-1]), last["content"]
+    return chat._replace(messages=list(messages[:-1])), messages[-1]["content"]
 
 
 def _inside(spans: list[tuple[int, int]], starts: list[int], offset: tuple[int, int]) -> bool:

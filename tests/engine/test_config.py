@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, WorkerConfig
 from engine.core import uses_hybrid_kv
-from engine.worker import check_role
+from engine.worker import check_role, role_config
 
 
 def test_flat_names_land_in_their_sections():
@@ -19,6 +19,8 @@ def test_flat_names_land_in_their_sections():
     assert config.seed == 7 and config.get("num_kv_blocks") == 64
     assert config.replace(block_size=32).cache.block_size == 32
     assert config.replace(block_size=32).cache.num_kv_blocks == 64
+    assert EngineConfig.of(role="decode", heartbeat_s=0.2).worker == WorkerConfig(
+        role="decode", heartbeat_s=0.2)
 
 
 def test_unknown_or_section_names_are_refused():
@@ -29,7 +31,8 @@ def test_unknown_or_section_names_are_refused():
 
 def test_json_round_trip_keeps_every_section():
     config = EngineConfig.of(num_kv_blocks=64, kv_host_bytes=1 << 20, spec_token_cost=0.1,
-                             speculation="self", eplb_interval_steps=9, max_model_len=512)
+                             speculation="self", eplb_interval_steps=9, max_model_len=512,
+                             role="prefill", handoff_lease_s=3.0)
     assert msgspec.json.decode(msgspec.json.encode(config), type=EngineConfig) == config
 
 
@@ -62,3 +65,32 @@ def test_a_split_role_with_hybrid_kv_is_refused(role):
         check_role(core, role)
     check_role(core, "unified")
     check_role(SimpleNamespace(runner=object(), layout=None), role)
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("role", "router", "role must be unified, prefill or decode"),
+    ("heartbeat_s", 0.0, "heartbeat_s must be > 0"),
+    ("handoff_lease_s", -1.0, "handoff_lease_s must be > 0"),
+    ("kv_bind", "127.0.0.1:5600", "kv_bind must be tcp://HOST:PORT"),
+    ("kv_bind", "tcp://127.0.0.1", "kv_bind must be tcp://HOST:PORT"),
+])
+def test_the_worker_section_refuses_a_bad_field(field, value, reason):
+    with pytest.raises(ValueError, match=reason):
+        EngineConfig.of(**{field: value})
+
+
+def test_the_worker_section_takes_a_door_on_any_port_or_an_ipc_path():
+    assert EngineConfig.of(kv_bind="tcp://10.0.0.6:*").worker.kv_bind == "tcp://10.0.0.6:*"
+    assert WorkerConfig(kv_bind="ipc:///tmp/kv.ipc").kv_bind == "ipc:///tmp/kv.ipc"
+
+
+def test_a_split_role_with_expert_parallel_is_refused():
+    with pytest.raises(ValueError, match="role must be unified with expert_parallel > 1"):
+        EngineConfig.of(expert_parallel=2, role="decode")
+    assert EngineConfig.of(expert_parallel=2).worker.role == "unified"
+
+
+def test_a_decode_role_gets_a_host_tier_for_the_kv_it_receives():
+    config = EngineConfig.of(role="decode", kv_cache_bytes=1 << 24)
+    assert role_config(config).cache.kv_host_bytes == 1 << 24
+    assert role_config(config.replace(role="prefill")).cache.kv_host_bytes == 0

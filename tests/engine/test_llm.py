@@ -6,6 +6,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.messages import FinishReason
+from engine.text.messages import Chat
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow   # loads the default model
@@ -48,5 +49,5 @@ def test_a_stop_string_cuts_the_text_and_ends_the_request(llm, full, include):
 def test_chat_is_encoded_by_the_recipe(llm):
     chat = [{"role": "user", "content": "Say hi <|im_end|>"}]
     out = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0.0))[0]
-    assert out.prompt_token_ids == llm.recipe.encode_chat(chat)
+    assert out.prompt_token_ids == llm.recipe.encode_chat(Chat.from_dicts(chat))
     assert out.text == llm.recipe.decode(out.token_ids)

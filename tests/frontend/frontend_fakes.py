@@ -13,6 +13,7 @@ from typing import Callable
 
 from engine.deadlines import DEADLINE_ERROR
 from engine.messages import AddRequest, Ready, RequestDelta, TokenLogprob, WorkerStats
+from engine.text.messages import Chat
 
 EOS = 2
 OFFSET = 10
@@ -55,14 +56,15 @@ class FakeRecipe:
     def encode_prompt(self, text: str) -> list[int]:
         return [b + OFFSET for b in text.encode()]
 
-    def encode_chat(self, messages, tools=None, add_generation_prompt=True, template=None,
+    def encode_chat(self, chat: Chat, add_generation_prompt=True, template=None,
                     continue_final_message=False):
+        assert isinstance(chat, Chat), "the recipe renders only a normalized Chat"
+        messages, tools = chat
         self.chat_calls.append({"messages": messages, "tools": tools, "template": template})
         if continue_final_message:  # the history, the assistant tag, the text to continue
-            if messages[-1]["role"] != "assistant" or \
-                    not isinstance(messages[-1].get("content"), str):
+            if messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls"):
                 raise RecipeError("continuing the final message needs a final assistant message")
-            return self.encode_chat(messages[:-1], tools, True, template) + \
+            return self.encode_chat(Chat(messages[:-1], tools), True, template) + \
                 self.encode_prompt(messages[-1]["content"])
         if template is not None and ("__" in template or "{%" in template):
             raise RecipeError("template rejected by the sandbox")

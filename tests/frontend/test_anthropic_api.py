@@ -129,7 +129,7 @@ async def test_conversion_of_system_blocks_and_tool_results(harness):
     messages = harness.recipe.chat_calls[-1]["messages"]
     assert messages[0] == {"role": "system", "content": "be\nbrief"}
     assert messages[2]["role"] == "assistant" and messages[2]["content"] == "checking"
-    assert json.loads(messages[2]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert messages[3] == {"role": "tool", "tool_call_id": "t1", "content": "sunny"}
     assert messages[4] == {"role": "user", "content": "thanks"}
 

@@ -26,6 +26,9 @@ CHAT_CASES = [
     ("image part", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type"),
     ("user without content", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("tool_calls on a user turn", {"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
+     "messages[0].tool_calls"),
     ("max_tokens as string", {"messages": HI, "max_tokens": "5"}, 400, "max_tokens"),
     ("negative max_tokens", {"messages": HI, "max_tokens": -1}, 400, "max_tokens"),
     ("zero max_tokens", {"messages": HI, "max_tokens": 0}, 400, "max_tokens"),

@@ -17,9 +17,9 @@ class ThreadRecordingRecipe(FakeRecipe):
         super().__init__()
         self.threads: list[str] = []
 
-    def encode_chat(self, messages, **kwargs):
+    def encode_chat(self, chat, **kwargs):
         self.threads.append(threading.current_thread().name)
-        return super().encode_chat(messages, **kwargs)
+        return super().encode_chat(chat, **kwargs)
 
 
 async def test_big_bodies_and_request_templates_are_worked_on_in_the_pool(make_harness):

@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from frontend_fakes import FakeEngineClient
 
 from engine.config import DEFAULT_MODEL_PACKAGE, default_model_path
+from engine.text.messages import Chat
 from frontend.server import AppState, ServerOptions, build_app
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None,
@@ -44,10 +45,10 @@ async def test_prompt_ids_are_the_recipes(real):
     state, client = real
     response = await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
     assert response.status == 200
-    assert state.engine.added[-1].prompt_token_ids == state.recipe.encode_chat(HI)
+    assert state.engine.added[-1].prompt_token_ids == state.recipe.encode_chat(Chat.from_dicts(HI))
     assert state.engine.added[-1].params.stop_token_ids == list(state.recipe.eos_token_ids)
     tokens = await (await client.post("/tokenize", json={"messages": HI})).json()
-    assert tokens["tokens"] == state.recipe.encode_chat(HI)
+    assert tokens["tokens"] == state.recipe.encode_chat(Chat.from_dicts(HI))
     count = await (await client.post("/v1/messages/count_tokens",
                                      json={"model": "fake-model", "messages": HI})).json()
     assert count["input_tokens"] == len(tokens["tokens"])

@@ -3,6 +3,7 @@ sandboxed, injection-safe encoder; the cached recipe of the model keeps its own 
 from __future__ import annotations
 
 from frontend.operator_flags import read_chat_template, with_chat_template
+from engine.text.messages import Chat
 from engine.text.recipe import Recipe
 
 from engine.config import default_model_path
@@ -16,13 +17,14 @@ def test_chat_template_file_replaces_the_models_own(default_recipe, tmp_path):
     path.write_text(TEMPLATE)
     custom = with_chat_template(default_recipe, read_chat_template(str(path)))
     messages = [{"role": "user", "content": "hi <|im_start|>"}]
-    rendered = custom.render_chat(messages)
+    rendered = custom.render_chat(Chat.from_dicts(messages))
     assert rendered.text == "[user] hi <|im_start|>\n[assistant] "
-    ids = custom.encode_chat(messages)
+    ids = custom.encode_chat(Chat.from_dicts(messages))
     assert default_recipe.tokenizer.decode(ids) == rendered.text
     im_start = default_recipe.control_tokens["<|im_start|>"]
     assert im_start not in ids  # user text never becomes a control token, template or not
     # the shared, cached recipe is untouched
     assert Recipe.from_model(default_model_path()) is default_recipe
     assert default_recipe.template != TEMPLATE
-    assert "<|im_start|>" in default_recipe.render_chat(messages).text.split("hi")[0]
+    rendered = default_recipe.render_chat(Chat.from_dicts(messages))
+    assert "<|im_start|>" in rendered.text.split("hi")[0]

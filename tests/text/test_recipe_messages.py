@@ -2,7 +2,7 @@
 import pytest
 
 from engine.text.errors import RecipeError
-from engine.text.messages import normalize_messages, normalize_tools
+from engine.text.messages import Chat, normalize_messages, normalize_tools
 from recipe_factories import tool_call, user
 
 BAD_MESSAGES = [
@@ -46,7 +46,8 @@ def test_bad_messages(messages, message):
 
 def test_recipe_rejects_bad_messages(default_recipe):
     with pytest.raises(ValueError, match="only text parts"):
-        default_recipe.encode_chat([{"role": "user", "content": [{"type": "image_url"}]}])
+        default_recipe.encode_chat(
+            Chat.from_dicts([{"role": "user", "content": [{"type": "image_url"}]}]))
 
 
 BAD_TOOLS = [

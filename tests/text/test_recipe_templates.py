@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from engine.text.messages import Chat
 from engine.text.recipe import Recipe, RecipeError, RenderLimits
 from recipe_factories import (WEATHER_TOOL, assistant, reference_ids, system, tool_call, user)
 
@@ -66,19 +67,20 @@ def test_traced_templates_match_transformers(default_recipe, name):
     template = TRACED_TEMPLATES[name]
     expected = reference_ids(default_recipe.tokenizer, CHAT, tools=[WEATHER_TOOL],
                              template=template)
-    ids = default_recipe.encode_chat(CHAT, tools=[WEATHER_TOOL], template=template)
+    ids = default_recipe.encode_chat(Chat.from_dicts(CHAT, [WEATHER_TOOL]), template=template)
     assert ids == expected
 
 
 def test_strftime_now(default_recipe):
-    text = default_recipe.render_chat([user("hi")], template="{{ strftime_now('%Y-%m-%d') }}").text
+    text = default_recipe.render_chat(Chat.from_dicts([user("hi")]),
+                                      template="{{ strftime_now('%Y-%m-%d') }}").text
     assert text == time.strftime("%Y-%m-%d")
 
 
 def test_raise_exception_becomes_recipe_error(default_recipe):
     template = "{% if messages[0].role != 'system' %}{{ raise_exception('System first!') }}{% endif %}"
     with pytest.raises(RecipeError, match="System first!"):
-        default_recipe.encode_chat([user("hi")], template=template)
+        default_recipe.encode_chat(Chat.from_dicts([user("hi")]), template=template)
 
 
 @pytest.mark.parametrize("template, content", [
@@ -89,15 +91,16 @@ def test_raise_exception_becomes_recipe_error(default_recipe):
 ])
 def test_untraceable_transforms_are_refused(default_recipe, template, content):
     with pytest.raises(RecipeError, match="cannot trace"):
-        default_recipe.encode_chat([user(content)], template=template)
+        default_recipe.encode_chat(Chat.from_dicts([user(content)]), template=template)
 
 
 def test_model_without_template(default_tokenizer):
     recipe = Recipe(default_tokenizer)
     recipe.template = None
     with pytest.raises(RecipeError, match="no chat template"):
-        recipe.encode_chat([user("hi")])
-    assert recipe.encode_chat([user("hi")], template="{{ messages[0].content }}") == [6004]
+        recipe.encode_chat(Chat.from_dicts([user("hi")]))
+    assert recipe.encode_chat(Chat.from_dicts([user("hi")]),
+                              template="{{ messages[0].content }}") == [6004]
 
 
 HOSTILE_TEMPLATES = {
@@ -172,7 +175,7 @@ HOSTILE_TEMPLATES = {
 def test_hostile_templates_fail_fast(default_recipe, name):
     started = time.monotonic()
     with pytest.raises(RecipeError):
-        default_recipe.encode_chat([user("hi")], template=HOSTILE_TEMPLATES[name])
+        default_recipe.encode_chat(Chat.from_dicts([user("hi")]), template=HOSTILE_TEMPLATES[name])
     assert time.monotonic() - started < default_recipe.limits.seconds * 2 + 0.5
 
 
@@ -180,21 +183,23 @@ def test_time_limit(default_tokenizer):
     recipe = Recipe(default_tokenizer, limits=RenderLimits(seconds=0.05, steps=10 ** 9))
     started = time.monotonic()
     with pytest.raises(RecipeError, match="longer than"):
-        recipe.encode_chat([user("hi")], template=HOSTILE_TEMPLATES["nested loops"])
+        recipe.encode_chat(Chat.from_dicts([user("hi")]),
+                           template=HOSTILE_TEMPLATES["nested loops"])
     assert time.monotonic() - started < 1.0
 
 
 def test_output_limit(default_tokenizer):
     recipe = Recipe(default_tokenizer, limits=RenderLimits(chars=1000))
     with pytest.raises(RecipeError, match="over 1000 chars"):
-        recipe.encode_chat([user("hi")], template="{% for i in range(100) %}{{ 'x' * 20 }}"
-                                                  "{% endfor %}")
+        recipe.encode_chat(Chat.from_dicts([user("hi")]),
+                           template="{% for i in range(100) %}{{ 'x' * 20 }}{% endfor %}")
 
 
 def test_hostile_template_leaves_recipe_usable(default_recipe):
     with pytest.raises(RecipeError):
-        default_recipe.encode_chat([user("hi")], template=HOSTILE_TEMPLATES["nested loops"])
-    assert default_recipe.encode_chat([user("hi")]) == reference_ids(
+        default_recipe.encode_chat(Chat.from_dicts([user("hi")]),
+                                   template=HOSTILE_TEMPLATES["nested loops"])
+    assert default_recipe.encode_chat(Chat.from_dicts([user("hi")])) == reference_ids(
         default_recipe.tokenizer, [user("hi")])
 
 

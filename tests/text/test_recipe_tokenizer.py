@@ -8,6 +8,7 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 from engine.config import default_model_path
 from engine.text import tokenizer as tokenizer_module
 from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.messages import Chat
 from engine.text.recipe import Recipe
 from engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
                                 special_token_ids, text_encoder)
@@ -54,7 +55,7 @@ def test_encode_prompt_is_plain_text(default_recipe):
 
 
 def test_decode_and_detokenizer(default_recipe):
-    ids = default_recipe.encode_chat([user("hi 🙂")])
+    ids = default_recipe.encode_chat(Chat.from_dicts([user("hi 🙂")]))
     assert default_recipe.decode(ids) == "system\nYou are a helpful AI assistant named SmolLM, " \
         "trained by Hugging Face\nuser\nhi 🙂\nassistant\n"
     detokenizer = default_recipe.new_detokenizer(skip_special_tokens=False)
@@ -78,7 +79,7 @@ def test_merges_that_build_a_control_token_are_split():
                                 chat_template="{% for m in messages %}ab{{ m.content }}{% endfor %}")
     recipe = Recipe(tokenizer)
     assert tokenizer("abab", add_special_tokens=False)["input_ids"] == [2, 2]
-    assert recipe.encode_chat([user("ab")]) == [2, 0, 1]
+    assert recipe.encode_chat(Chat.from_dicts([user("ab")])) == [2, 0, 1]
     assert recipe.encode_prompt("xab") == [3, 0, 1]
 
 
@@ -97,8 +98,8 @@ def test_sentencepiece_prefix_space_only_at_the_start():
     messages = [user("a b"), user("b")]
     expected = reference_ids(tokenizer, messages)
     assert expected == [3, 1, 4, 3, 5, 3]
-    assert recipe.encode_chat(messages) == expected
-    assert recipe._encode_sections(recipe.render_chat(messages)) == expected
+    assert recipe.encode_chat(Chat.from_dicts(messages)) == expected
+    assert recipe._encode_sections(recipe.render_chat(Chat.from_dicts(messages))) == expected
 
 
 def test_bos_prefix_only_when_the_tokenizer_adds_one(default_recipe):

@@ -34,8 +34,8 @@ async def keyed_engine(keys):
     """An EngineClient on tcp with CURVE, and one real in-process worker (FakeCore) on it."""
     client = EngineClient("tcp://127.0.0.1:*", keys=keys, heartbeat_timeout_s=3.0)
     await client.start()
-    worker = Worker(EngineConfig(), FakeCore, address=client.address, worker_id="w0",
-                    heartbeat_s=HEARTBEAT_S, keys=keys)
+    worker = Worker(EngineConfig.of(heartbeat_s=HEARTBEAT_S), FakeCore, address=client.address,
+                    worker_id="w0", keys=keys)
     task = asyncio.create_task(worker.run())
     await client.wait_ready(10)
     ctx = zmq.asyncio.Context()

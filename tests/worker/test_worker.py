@@ -35,8 +35,9 @@ class Harness:
             self.core = (core_factory or FakeCore)(config, **knobs)
             return self.core
 
-        self.worker = Worker(EngineConfig(), build, address=frontend.address, worker_id="w0",
-                             heartbeat_s=HEARTBEAT_S, step_in_thread=step_in_thread)
+        self.worker = Worker(EngineConfig.of(heartbeat_s=HEARTBEAT_S), build,
+                             address=frontend.address, worker_id="w0",
+                             step_in_thread=step_in_thread)
         self.task = asyncio.create_task(self.worker.run())
 
     async def ready(self) -> Ready:
@@ -256,3 +257,15 @@ async def test_worker_announces_itself_again_to_a_restarted_frontend(tmp_path):
         harness.task.cancel()
         await asyncio.gather(harness.task, return_exceptions=True)
         second.close()
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--heartbeat-s", "0"], "heartbeat_s must be > 0"),
+    (["--kv-bind", "10.0.0.6:5600"], "kv_bind must be tcp://HOST:PORT"),
+    (["--role", "decode", "--expert-parallel", "2"], "role must be unified with expert_parallel"),
+])
+def test_a_worker_flag_its_section_refuses_exits_2_with_the_reason(flags, reason):
+    result = subprocess.run(worker_command("ipc:///nonexistent/frontend.ipc") + flags,
+                            env=subprocess_env(), stderr=subprocess.PIPE, text=True, timeout=60)
+    assert result.returncode == 2
+    assert reason in result.stderr and "Traceback" not in result.stderr
