@@ -282,7 +282,9 @@ class EngineCore:
             row += num_drafts + 1
         if plain:
             plain_reqs = [req for _, req in plain]
-            result = self.sampler(logits[[r for r, _ in plain]], plain_reqs,
+            plain_rows = [r for r, _ in plain]  # every row, in order, when nothing drafted
+            result = self.sampler(logits if plain_rows == list(range(logits.shape[0]))
+                                  else logits[plain_rows], plain_reqs,
                                   self.grammar.masks(plain_reqs))
             for (_, req), token_id, logprob in zip(plain, result.token_ids, result.logprobs):
                 out[req.req_id] = _Sampled([token_id], [logprob], 0, 0)
