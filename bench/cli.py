@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                         "plain transformers OpenAI-compatible server to compare against"),
     "offline": ("bench.offline", "offline engine throughput, no server"),
     "sampler": ("bench.sampler", "the batched sampler alone on a real model's logits"),
+    "attention": ("bench.attention", "CPU decode attention alone, from cache and from DRAM, "
+                  "beside the box's streaming read rate"),
     "eplb": ("bench.eplb", "expert-parallel load balancing benchmark"),
     "frontend-overhead": ("bench.overhead", "CPU time the API frontend adds per token"),
     "spec": ("bench.spec", "speculative decoding: drafters, confidence head"),

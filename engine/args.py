@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import WEIGHT_DTYPES, EngineConfig, WorkerConfig
+from engine.config import WEIGHT_DTYPES, EngineConfig, WorkerConfig, section_of
 
 _HELP = {
     "model": "local GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)",
@@ -62,9 +62,16 @@ _NOT_FLAGS = ("fair_prefill", *(f.name for f in dataclasses.fields(WorkerConfig)
 _CHOICES = {"weights_dtype": WEIGHT_DTYPES}
 
 
+_GROUPS = {"": "engine: model and precision", "scheduler": "engine: scheduler",
+           "cache": "engine: KV cache and its tiers", "spec": "engine: speculative decoding",
+           "ep": "engine: expert parallel"}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
+    """Every engine flag, in one help group per EngineConfig section."""
+    groups = {section: parser.add_argument_group(title) for section, title in _GROUPS.items()}
     for field in _flag_fields():
+        group = groups[section_of(field.name)]
         flag = "--" + field.name.replace("_", "-")
         default = field.default
         if isinstance(default, bool):

@@ -244,7 +244,7 @@ class EngineConfig:
         """A copy with these flat-named fields changed, each in the section that owns it."""
         changes: dict[str, dict] = {}
         for name, value in flat.items():
-            changes.setdefault(_section_of(name), {})[name] = value
+            changes.setdefault(section_of(name), {})[name] = value
         top = changes.pop("", {})
         for section, fields in changes.items():
             top[section] = dataclasses.replace(getattr(self, section), **fields)
@@ -252,7 +252,7 @@ class EngineConfig:
 
     def get(self, name: str):
         """The value of a flat-named field (`get("block_size")` is `cache.block_size`)."""
-        section = _section_of(name)
+        section = section_of(name)
         return getattr(getattr(self, section) if section else self, name)
 
     @staticmethod
@@ -268,7 +268,7 @@ _OWNER = {f.name: section for section, kind in SECTIONS.items()
           for f in dataclasses.fields(kind)}
 
 
-def _section_of(name: str) -> str:
+def section_of(name: str) -> str:
     """The section owning a flat field name; "" for the model-level fields."""
     if name in _OWNER:
         return _OWNER[name]
