@@ -119,11 +119,17 @@ static float scale_and_max(const float *x, float temperature, float *y, int64_t 
 
 /* e[i] = exp(x[i] - m), in float, and their sum, in double in a fixed order; guess[c] ~ the
  * sum of e over depth m - x < c * CUT (c in [1, NUM_CUTS)), summed in float: only a guess of
- * where top-p's boundary lies (the walk checks it) */
-static double exps(const float *x, float m, float *e, int64_t n, float *guess) {
+ * where top-p's boundary lies (the walk checks it); with `count`, count[c] = the number of
+ * those tokens, exactly (where top-k's boundary lies). always_inline: the count-free copy
+ * keeps no trace of the counting */
+static inline __attribute__((always_inline)) double exps_cut(const float *x, float m, float *e,
+                                                             int64_t n, float *guess,
+                                                             int64_t *count) {
     int64_t i = 0;
     double s = 0.0;
     for (int c = 0; c < NUM_CUTS; c++) guess[c] = 0.0f;
+    if (count)
+        for (int c = 0; c < NUM_CUTS; c++) count[c] = 0;
 #if defined(__AVX512F__)
     const __m512 mv = _mm512_set1_ps(m);
     __m512d lo = _mm512_setzero_pd(), hi = lo;
@@ -141,6 +147,7 @@ static double exps(const float *x, float m, float *e, int64_t n, float *guess) {
                 __mmask16 k = _mm512_cmp_ps_mask(d, _mm512_set1_ps((float)(c * CUT)),
                                                  _CMP_LT_OQ);
                 cut[c] = _mm512_mask_add_ps(cut[c], k, cut[c], v);
+                if (count) count[c] += __builtin_popcount(k);
             }
         }
     }
@@ -151,9 +158,21 @@ static double exps(const float *x, float m, float *e, int64_t n, float *guess) {
         e[i] = expf(x[i] - m);
         s += (double)e[i];
         for (int c = 1; c < NUM_CUTS; c++)
-            if (m - x[i] < (float)(c * CUT)) guess[c] += e[i];
+            if (m - x[i] < (float)(c * CUT)) {
+                guess[c] += e[i];
+                if (count) count[c]++;
+            }
     }
     return s;
+}
+
+static double exps(const float *x, float m, float *e, int64_t n, float *guess) {
+    return exps_cut(x, m, e, n, guess, NULL);
+}
+
+static double exps_counting(const float *x, float m, float *e, int64_t n, float *guess,
+                            int64_t *count) {
+    return exps_cut(x, m, e, n, guess, count);
 }
 
 /* sum of e[i] over x[i] >= tau, i in [lo, hi), in a fixed order */
@@ -359,11 +378,12 @@ struct window {
 
 static const struct window WINDOWS[2] = {{0.0f, SPAN_1 * PER_UNIT}, {SPAN_1, MAX_BUCKETS}};
 
-/* the k-th largest value of the row; -inf when fewer than k values are finite */
-static float kth_value(struct work *w, int64_t k) {
-    int64_t above = 0;
-    for (int win = 0; win < 2; win++) {
-        const struct window v = WINDOWS[win];
+/* the k-th largest value of the row by a walk through windows in order, `above` the number
+ * of tokens above the first; -inf when fewer than k values are finite */
+static float kth_in_windows(struct work *w, int64_t k, int64_t above,
+                            const struct window *windows, int num_windows) {
+    for (int win = 0; win < num_windows; win++) {
+        const struct window v = windows[win];
         fill_buckets(w, v.lo, v.num, -INFINITY, 0);
         for (int64_t b = 0; b < v.num; b++) {
             if (above + w->cnt[0][b] >= k)
@@ -371,13 +391,27 @@ static float kth_value(struct work *w, int64_t k) {
             above += w->cnt[0][b];
         }
     }
-    /* deeper than both windows: every finite value, sorted */
+    /* deeper than every window: every finite value, sorted */
     int64_t n = 0;
     for (int64_t i = 0; i < w->vocab; i++)
         if (w->x[i] > -INFINITY) w->pairs[n++].x = w->x[i];
     if (n < k) return -INFINITY;
     qsort(w->pairs, n, sizeof(struct pair), by_value_desc);
     return w->pairs[k - 1].x;
+}
+
+/* the k-th largest value of the row (-inf when fewer than k values are finite), from the exp
+ * pass's exact counts above each cut: only the tokens of the 2-unit slice past the deepest cut
+ * with fewer than k tokens above it are bucketed first */
+static float kth_value(struct work *w, int64_t k, const int64_t *count) {
+    int c = NUM_CUTS - 1;
+    while (c > 0 && count[c] >= k) c--;
+    const float lo = (float)(c * CUT);
+    const struct window windows[3] = {
+        {lo, CUT * PER_UNIT}, {lo + CUT, (SPAN_1 - lo - CUT) * PER_UNIT}, WINDOWS[1]};
+    const struct window last[2] = {windows[0], WINDOWS[1]};
+    return lo + CUT < SPAN_1 ? kth_in_windows(w, k, count[c], windows, 3)
+                             : kth_in_windows(w, k, count[c], last, 2);
 }
 
 /* the walk of top-p's boundary into bucket b (window starting at depth lo): over its finer
@@ -537,9 +571,12 @@ static int one_row(const float *logits, int64_t vocab, float temperature, int64_
         return 0;
     }
     float guess[NUM_CUTS];
-    const double total = exps(x, w->m, w->e, vocab, guess);
+    int64_t count[NUM_CUTS];
+    const int has_k = top_k > 0 && top_k < vocab;
+    const double total = has_k ? exps_counting(x, w->m, w->e, vocab, guess, count)
+                               : exps(x, w->m, w->e, vocab, guess);
     float tau_k = -INFINITY, tau_p = -INFINITY, tau_m = -INFINITY;
-    if (top_k > 0 && top_k < vocab) tau_k = kth_value(w, top_k);
+    if (has_k) tau_k = kth_value(w, top_k, count);
     if (top_p < 1.0) {
         if (tau_k == -INFINITY)
             tau_p = nucleus_from_cuts(w, top_p, total, guess);
