@@ -1,6 +1,7 @@
 """The ops the engine calls. Each picks its implementation from where the tensors live:
 
-    CUDA tensors            -> triton kernel (batch-invariant matmul when that mode is on)
+    CUDA tensors            -> triton kernel (batch-invariant matmul when that mode is on);
+                               CPU tensors too inside kernels._triton.on_cpu (interpreter)
     CPU, batch-invariant on -> kernels.batch_invariant (bitwise independent of batch shape)
     CPU otherwise           -> the torch reference
 
@@ -15,6 +16,7 @@ from kernels import cpu_fused, decode_attention
 from kernels.attention import AttentionPlan
 from kernels.decode_attention import StepLens
 from kernels.batch_invariant import is_batch_invariant
+from kernels._triton import runs_triton
 from kernels.quant import QuantEmbedding, QuantWeight
 from kernels.rotary import RopeTables
 
@@ -24,7 +26,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Write k, v `[num_tokens, num_kv_heads, head_dim]` into cache slots (in place).
     slot = block_id * block_size + offset; slot < 0 skips the token. `all_valid`: the
     caller knows there is no negative slot (None: look)."""
-    if k.is_cuda:
+    if runs_triton(k):
         return kv_store.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return kv_store.store_kv_ref(k, v, k_cache, v_cache, slot_mapping, all_valid)
 
@@ -40,7 +42,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (kernels.decode_attention) and nothing syncs."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
             sliding_window, soft_cap)
-    if q.is_cuda:
+    if runs_triton(q):
         if lens is not None:
             return decode_attention.paged_attention_split(*args[:7], lens, sliding_window,
                                                           soft_cap)
@@ -55,7 +57,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, offset: float = 0.0):
     """HF RMSNorm (offset=1.0: Gemma3). Returns out, or (out, x + residual) given residual."""
-    if x.is_cuda:
+    if runs_triton(x):
         return _rms_norm.rms_norm_triton(x, weight, eps, residual, offset)
     if is_batch_invariant():
         return bi.bi_rms_norm(x, weight, eps, residual, offset)
@@ -77,7 +79,7 @@ def _fused_norm_fits(x, weight, residual) -> bool:
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, is_neox: bool = True):
     """RoPE; returns new tensors (q_rot, k_rot). Elementwise, hence batch invariant as is."""
-    if q.is_cuda:
+    if runs_triton(q):
         return rotary.rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
     return rotary.rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
 
@@ -90,7 +92,8 @@ def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
 def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
     """Rotate `x [num_tokens, heads, head_dim]` (neox, full head) in place with the fused CPU
     kernel, bitwise equal to the reference; False (x untouched) where it does not apply."""
-    ok = (cpu_fused.available() and cpu_fused.fits(x, cos_sin_cache) and x.stride(2) == 1
+    ok = (not runs_triton(x) and cpu_fused.available() and cpu_fused.fits(x, cos_sin_cache)
+          and x.stride(2) == 1
           and x.stride(1) == x.shape[2] and positions.dtype == torch.int64
           and positions.is_contiguous() and cos_sin_cache.is_contiguous()
           and cos_sin_cache.shape[-1] == x.shape[-1] and not is_batch_invariant())
@@ -129,7 +132,7 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`[..., 2n]` -> `silu(gate_up[..., :n]) * gate_up[..., n:]`."""
-    if gate_up.is_cuda:
+    if runs_triton(gate_up):
         return activation.silu_and_mul_triton(gate_up)
     if cpu_fused.is_enabled() and cpu_fused.fits(gate_up) and gate_up.is_contiguous() \
             and not is_batch_invariant():
@@ -152,7 +155,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     """Routed SwiGLU experts, `sum_j weight[t, j] * expert[ids[t, j]](x[t])` (weights None:
     1); see kernels.fused_moe. CUDA: the grouped-GEMM triton kernels, no host sync. CPU:
     the torch reference (the engine's CPU path is engine.models.moe.run_experts)."""
-    if x.is_cuda:
+    if runs_triton(x):
         return _fused_moe.fused_moe_triton(x, topk_ids, topk_weights, w13, w2)
     return _fused_moe.fused_moe_ref(x, topk_ids, topk_weights, w13, w2)
 

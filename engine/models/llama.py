@@ -53,7 +53,7 @@ class ForwardContext:
     def attention_plan(self, sliding_window: int | None) -> AttentionPlan | None:
         """The step's attention plan for a layer with this window (one per KV group and
         window, built on first use); None on a device or without host numbers."""
-        if self.query_lens is None or self.positions.is_cuda:
+        if self.query_lens is None or ops.runs_triton(self.positions):
             return None
         key = ("plan", sliding_window)
         if key not in self._memo:
@@ -109,7 +109,7 @@ class Attention:
         """q, k after rotary, and v. On the CPU with a full-dim neox cache q and k rotate
         together, in place, with one fused kernel (or from the step's shared tables);
         otherwise through ops.rotary_embedding."""
-        fast = ctx.query_lens is not None and not x.is_cuda and \
+        fast = ctx.query_lens is not None and not ops.runs_triton(x) and \
             cos_sin.shape[-1] == self.head_dim
         if not (fast and self.joint_rope):
             q, k, v = self.project_qkv(x)
@@ -219,7 +219,7 @@ class LlamaForCausalLM:
     def _fused_decode(self, h: torch.Tensor, ctx: ForwardContext) -> cpu_decode.DecodeStack | None:
         """The one-call decode stack (kernels.cpu_decode) when this step can take it: every
         row decodes, few enough rows for the VNNI matmuls, the fused CPU kernels on."""
-        if self._decode_stack is False or ctx.query_lens is None or h.is_cuda \
+        if self._decode_stack is False or ctx.query_lens is None or ops.runs_triton(h) \
                 or len(ctx.query_lens) != h.shape[0] or h.shape[0] > quant.MAX_VNNI_ROWS \
                 or ctx.slots_valid is not True or ctx.swa_block_tables is not None \
                 or not cpu_fused.is_enabled() or is_batch_invariant() or quant.in_prompt_step():

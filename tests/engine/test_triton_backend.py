@@ -1,0 +1,108 @@
+"""The engine's device kernel path, run on the CPU: inside kernels._triton.on_cpu, kernels.ops
+sends every op that has a triton kernel (the KV store, varlen prefill and split-KV decode
+attention, RMSNorm, rotary, SiLU-and-mul) through it, under triton's interpreter. The whole
+engine then runs on those kernels: its greedy tokens equal the torch path's, with chunked
+mixed steps, prefix-cache hits, n-gram speculation and the hybrid KV layout of a
+sliding-window model."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from engine.hybrid_kv import HybridKVCacheManager
+from engine.messages import AddRequest
+from engine.sampling_params import SamplingParams
+from kernels import _triton, activation, decode_attention, kv_store, rms_norm, rotary
+from tests.engine.conftest import make_core, run_engine
+from tests.engine.test_tiny_models import build_tiny
+from tests.models_swa.test_swa_greedy import build_tiny as build_swa
+
+pytestmark = pytest.mark.skipif(not (_triton.HAS_TRITON and _triton.is_interpreter()),
+                                reason="needs triton's interpreter (TRITON_INTERPRET=1, no CUDA)")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+LAUNCHERS = [(kv_store, "store_kv_triton"),
+             (decode_attention, "paged_attention_triton"),  # a step's multi-query rows
+             (decode_attention, "decode_attention_triton"),  # its decode rows, split-KV
+             (rms_norm, "rms_norm_triton"), (rotary, "rotary_embedding_triton"),
+             (activation, "silu_and_mul_triton")]
+
+
+@pytest.fixture
+def launches(monkeypatch) -> collections.Counter:
+    """Calls of each triton launcher kernels.ops reaches."""
+    calls = collections.Counter()
+    for module, name in LAUNCHERS:
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def both_paths(path: str, run, **config) -> tuple:
+    """run(core) on the torch path and on the triton path, each on a fresh engine."""
+    reference = run(make_core(path, **config))
+    with _triton.on_cpu():
+        return reference, run(make_core(path, **config))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return build_tiny(tmp_path_factory, "llama")
+
+
+def test_mixed_steps_and_prefix_hits_give_the_torch_paths_tokens(llama, launches):
+    prompts = [tokens(5, 1), tokens(19, 2), tokens(30, 3)]
+
+    def run(core):
+        first = run_engine(core, prompts, GREEDY, arrivals=[0, 0, 1])
+        again = prompts[2] + first["r2"][0] + tokens(4, 4)  # the next turn: a prefix hit
+        core.add_request(AddRequest("turn2", again, GREEDY))
+        out, cached = [], 0
+        while core.has_unfinished_requests():
+            for d in core.step():
+                out += d.new_token_ids
+                cached += d.num_cached_tokens
+        return {k: v[0] for k, v in first.items()}, out, cached
+
+    reference, got = both_paths(llama, run, block_size=8, max_num_batched_tokens=16)
+    assert got == reference
+    assert got[2] >= 32  # the turn reused the first conversation's full blocks
+    for _, name in LAUNCHERS:
+        assert launches[name] > 0, f"{name} never ran"
+
+
+def test_speculation_gives_the_torch_paths_tokens(llama):
+    loop = tokens(6, 5) * 5  # a repeating prompt: n-gram drafts that are accepted
+
+    def run(core):
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        out = run_engine(core, [loop], params)["r0"][0]
+        return out, core.stats().spec.num_draft_proposed
+
+    reference, got = both_paths(llama, run, block_size=8, speculation="ngram",
+                                spec_confidence=False, spec_token_cost=0.05)
+    assert got[0] == reference[0]
+    assert got[1] > 0
+
+
+def test_the_hybrid_kv_layout_gives_the_torch_paths_tokens(tmp_path, launches):
+    path = build_swa("mistral", str(tmp_path))
+    prompt = tokens(30, 6)
+
+    def run(core):
+        assert isinstance(core.kv, HybridKVCacheManager)
+        return run_engine(core, [prompt], GREEDY)["r0"][0]
+
+    reference, got = both_paths(path, run, block_size=8, num_kv_blocks=64)
+    assert got == reference
+    assert launches["decode_attention_triton"] > 0
