@@ -3,13 +3,14 @@ sends every op that has a triton kernel (the KV store, varlen prefill and split-
 attention, RMSNorm, rotary, SiLU-and-mul) through it, under triton's interpreter. The whole
 engine then runs on those kernels: its greedy tokens equal the torch path's, with chunked
 mixed steps, prefix-cache hits, n-gram speculation and the hybrid KV layout of a
-sliding-window model."""
+sliding-window model; and a decode step's forward reads no value back to the host."""
 from __future__ import annotations
 
 import collections
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.hybrid_kv import HybridKVCacheManager
 from engine.messages import AddRequest
@@ -106,3 +107,58 @@ def test_the_hybrid_kv_layout_gives_the_torch_paths_tokens(tmp_path, launches):
     reference, got = both_paths(path, run, block_size=8, num_kv_blocks=64)
     assert got == reference
     assert launches["decode_attention_triton"] > 0
+
+
+class _ReadBacks(TorchDispatchMode):
+    """Counts what would make the host wait for a device: `.item()` and friends (they all
+    dispatch aten._local_scalar_dense) and `.tolist()`."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.count = 0
+        real = torch.Tensor.tolist
+
+        def tolist(t):
+            self.count += 1
+            return real(t)
+        self._patch = lambda: monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        self._unpatch = lambda: monkeypatch.setattr(torch.Tensor, "tolist", real)
+
+    def __enter__(self):
+        self._patch()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._unpatch()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_of_the_device_path_reads_nothing_back(llama, monkeypatch):
+    """The forward and the logits of decode steps (everything but the sampler's one read of
+    the new tokens) on the triton path: not one value read back to the host."""
+    with _ReadBacks(monkeypatch) as control:  # the counter sees both kinds
+        torch.ones(2).sum().item(), torch.ones(2).tolist()
+    assert control.count == 2
+    with _triton.on_cpu():
+        core = make_core(llama, block_size=8)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        core.add_request(AddRequest("a", tokens(11, 7), params))
+        core.add_request(AddRequest("b", tokens(25, 8), params))
+        while any(r.num_output_tokens < 2 for r in core.requests.values()):
+            core.step()
+        execute, counts = core.runner.execute, []
+
+        def counted(*args, **kwargs):
+            with _ReadBacks(monkeypatch) as reads:
+                out = execute(*args, **kwargs)
+            counts.append(reads.count)
+            return out
+        core.runner.execute = counted
+        for _ in range(3):
+            core.step()
+    assert counts == [0, 0, 0]
