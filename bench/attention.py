@@ -69,23 +69,10 @@ def time_layers(q, caches, keys, repeats: int, rotate: bool) -> list[float]:
     return times
 
 
-def stream_read_gbs(mb: int, repeats: int = 5) -> float:
-    """The box's streaming read rate (GB/s, median): a sum over an `mb` MB fp32 buffer."""
-    import torch
-
-    x = torch.ones(mb * (1 << 20) // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times) / 1e9
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from bench.machine import memory_read_gbs
     from kernels import cpu_attention
 
     if not cpu_attention.available():
@@ -95,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     kv_bytes = 2 * keys.numel() * args.kv_heads * args.head_dim * 4  # fp32 K and V read
     cached = statistics.median(time_layers(q, caches, keys, args.repeats, rotate=False))
     dram = statistics.median(time_layers(q, caches, keys, args.repeats, rotate=True))
-    stream = stream_read_gbs(args.stream_mb)
+    stream = memory_read_gbs(args.stream_mb * (1 << 20))
     result = {"command": "duplex bench attention", "args": vars(args),
               "torch_threads": torch.get_num_threads(), "kv_mb_per_layer": kv_bytes / 1e6,
               "cached_ms": cached * 1e3, "rotating_ms": dram * 1e3,

@@ -48,6 +48,15 @@ def memory_bandwidth_gbs(num_bytes: int = DEFAULT_COPY_BYTES, device: str = "cpu
     return 2.0 * src.numel() * 4 * iterations / seconds / 1e9
 
 
+def memory_read_gbs(num_bytes: int = DEFAULT_COPY_BYTES, device: str = "cpu",
+                    min_time_s: float = 0.3) -> float:
+    """GB/s of streaming reads: a sum over a large tensor, bytes read only."""
+    import torch
+    src = torch.ones(num_bytes // 4, device=device)
+    seconds, iterations = _time_loop(src.sum, device, min_time_s)
+    return src.numel() * 4 * iterations / seconds / 1e9
+
+
 def _time_loop(fn, device: str, min_time_s: float) -> tuple[float, int]:
     fn()                                            # warm-up: allocation, thread pool
     _sync(device)

@@ -35,7 +35,7 @@ from engine.model_runner import ModelRunner
 from engine.models import build_model, load
 from engine.platform import Platform, place, resolve
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, take_rows
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import Speculator
 from engine.stats import KVStats, KVTierStats, MoEStats
@@ -282,9 +282,7 @@ class EngineCore:
             row += num_drafts + 1
         if plain:
             plain_reqs = [req for _, req in plain]
-            plain_rows = [r for r, _ in plain]  # every row, in order, when nothing drafted
-            result = self.sampler(logits if plain_rows == list(range(logits.shape[0]))
-                                  else logits[plain_rows], plain_reqs,
+            result = self.sampler(take_rows(logits, [r for r, _ in plain]), plain_reqs,
                                   self.grammar.masks(plain_reqs))
             for (_, req), token_id, logprob in zip(plain, result.token_ids, result.logprobs):
                 out[req.req_id] = _Sampled([token_id], [logprob], 0, 0)

@@ -56,9 +56,10 @@ class Sampler:
         sampled = [row for row, req in enumerate(reqs) if not req.params.is_greedy]
         token_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
         if greedy:
-            token_ids[greedy] = _argmax(_rows(logits, greedy))
+            token_ids[greedy] = _argmax(take_rows(logits, greedy))
         if sampled:
-            token_ids[sampled] = self._sample(_rows(logits, sampled), [reqs[i] for i in sampled])
+            token_ids[sampled] = self._sample(take_rows(logits, sampled),
+                                              [reqs[i] for i in sampled])
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(raw, reqs, ids))
 
@@ -229,7 +230,7 @@ def _logprobs(raw: torch.Tensor, reqs: Sequence[Request],
     out: list[TokenLogprob | None] = [None] * len(reqs)
     if not rows:
         return out
-    logprobs = ops.log_softmax(_rows(raw, rows))  # [len(rows), vocab]
+    logprobs = ops.log_softmax(take_rows(raw, rows))  # [len(rows), vocab]
     chosen = torch.tensor([token_ids[row] for row in rows],
                           device=raw.device)[:, None]  # [len(rows), 1]
     chosen_logprobs = logprobs.gather(1, chosen)[:, 0].tolist()
@@ -246,7 +247,7 @@ def _top_logprobs(logprobs: torch.Tensor,
     tops: list[list[tuple[int, float]]] = [[] for _ in nums]
     for num in set(nums) - {0}:
         rows = [j for j, n in enumerate(nums) if n == num]
-        values, ids = torch.topk(_rows(logprobs, rows), num)  # [len(rows), num]
+        values, ids = torch.topk(take_rows(logprobs, rows), num)  # [len(rows), num]
         for j, row_ids, row_values in zip(rows, ids.tolist(), values.tolist()):
             tops[j] = list(zip(row_ids, row_values))
     return tops
@@ -254,7 +255,7 @@ def _top_logprobs(logprobs: torch.Tensor,
 
 # ------------------------------------------------------------------ helpers
 
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for an ascending row list, without a copy when it is every row."""
     return x if len(rows) == x.shape[0] else x[rows]
 

@@ -238,8 +238,9 @@ static void sort_desc(struct pair *p, int64_t n) {
 }
 
 /* the window's tokens (x >= floor, depth in [lo, lo + num / PER_UNIT)) into w->xin, ein and
- * bin, their count into w->num_in, the mass of those above it into w->before */
-static void assign_buckets(struct work *w, float lo, int64_t num, float floor) {
+ * bin, their count into w->num_in; with need_before the mass of those above it into
+ * w->before */
+static void assign_buckets(struct work *w, float lo, int64_t num, float floor, int need_before) {
     const float m = w->m;
     int64_t i = 0, n = 0;
     double before = 0.0;
@@ -253,7 +254,7 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor) {
         const __mmask16 kept = _mm512_cmp_ps_mask(x, fl, _CMP_GE_OQ);
         const __mmask16 deeper = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GE_OQ);
         const __mmask16 in = kept & deeper & _mm512_cmp_ps_mask(t, top, _CMP_LT_OQ);
-        if (lo > 0.0f) {
+        if (need_before && lo > 0.0f) {
             const __mmask16 up = kept & ~deeper;
             const __m512 v = _mm512_loadu_ps(w->e + i);
             above_lo = _mm512_mask_add_pd(above_lo, (__mmask8)up, above_lo,
@@ -272,7 +273,7 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor) {
 #endif
     for (; i < w->vocab; i++) {
         int32_t b = bucket_of(w->x[i], m, lo, num, floor);
-        if (w->x[i] >= floor && ((m - w->x[i]) - lo) * (float)PER_UNIT < 0.0f)
+        if (need_before && w->x[i] >= floor && ((m - w->x[i]) - lo) * (float)PER_UNIT < 0.0f)
             before += (double)w->e[i];
         if (b < 0) continue;
         w->xin[n] = w->x[i];
@@ -287,7 +288,7 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor) {
  * [lo, lo + num / PER_UNIT) of depth (TABLES interleaved histograms); the result in cnt[0]
  * or mass[0] */
 static void fill_buckets(struct work *w, float lo, int64_t num, float floor, int need_mass) {
-    assign_buckets(w, lo, num, floor);
+    assign_buckets(w, lo, num, floor, need_mass);
     const int64_t n = w->num_in;
     const int32_t *bin = w->bin;
     int64_t j = 0;
@@ -378,6 +379,17 @@ struct window {
 
 static const struct window WINDOWS[2] = {{0.0f, SPAN_1 * PER_UNIT}, {SPAN_1, MAX_BUCKETS}};
 
+/* the windows of a walk that starts at cut c: its 2-unit slice, the rest of the first span
+ * (when any is left), then the deep window; their count */
+static int windows_from_cut(int c, struct window *windows) {
+    const float lo = (float)(c * CUT);
+    int n = 0;
+    windows[n++] = (struct window){lo, CUT * PER_UNIT};
+    if (lo + CUT < SPAN_1) windows[n++] = (struct window){lo + CUT, (SPAN_1 - lo - CUT) * PER_UNIT};
+    windows[n++] = WINDOWS[1];
+    return n;
+}
+
 /* the k-th largest value of the row by a walk through windows in order, `above` the number
  * of tokens above the first; -inf when fewer than k values are finite */
 static float kth_in_windows(struct work *w, int64_t k, int64_t above,
@@ -406,12 +418,9 @@ static float kth_in_windows(struct work *w, int64_t k, int64_t above,
 static float kth_value(struct work *w, int64_t k, const int64_t *count) {
     int c = NUM_CUTS - 1;
     while (c > 0 && count[c] >= k) c--;
-    const float lo = (float)(c * CUT);
-    const struct window windows[3] = {
-        {lo, CUT * PER_UNIT}, {lo + CUT, (SPAN_1 - lo - CUT) * PER_UNIT}, WINDOWS[1]};
-    const struct window last[2] = {windows[0], WINDOWS[1]};
-    return lo + CUT < SPAN_1 ? kth_in_windows(w, k, count[c], windows, 3)
-                             : kth_in_windows(w, k, count[c], last, 2);
+    struct window windows[3];
+    const int n = windows_from_cut(c, windows);
+    return kth_in_windows(w, k, count[c], windows, n);
 }
 
 /* the walk of top-p's boundary into bucket b (window starting at depth lo): over its finer
@@ -473,12 +482,9 @@ static float nucleus_from_cuts(struct work *w, double top_p, double total, const
     int c = NUM_CUTS - 1;
     while (c > 0 && !((double)guess[c] < target * (1.0 - 1e-3))) c--;
     for (;; c--) {
-        const float lo = (float)(c * CUT);
-        const struct window windows[3] = {
-            {lo, CUT * PER_UNIT}, {lo + CUT, (SPAN_1 - lo - CUT) * PER_UNIT}, WINDOWS[1]};
-        const struct window last[2] = {windows[0], WINDOWS[1]};
-        const float tau = lo + CUT < SPAN_1 ? nucleus(w, target, -INFINITY, windows, 3)
-                                            : nucleus(w, target, -INFINITY, last, 2);
+        struct window windows[3];
+        const int n = windows_from_cut(c, windows);
+        const float tau = nucleus(w, target, -INFINITY, windows, n);
         if (!isnan(tau) || c == 0) return tau;
     }
 }
