@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--stream-mb", type=int, default=400,
                         help="buffer size for the streaming read rate")
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the caches' element type")
     parser.add_argument("--out", default=None, help="write the JSON result here")
 
 
@@ -43,8 +45,9 @@ def paged_batch(args, seed: int = 0):
     per_seq = -(-args.context // args.block_size)
     blocks = args.batch * per_seq
     shape = (blocks, args.block_size, args.kv_heads, args.head_dim)
-    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-              for _ in range(args.layers)]
+    dtype = getattr(torch, getattr(args, "kv_dtype", "float32"))
+    caches = [(torch.randn(shape, generator=gen).to(dtype),
+               torch.randn(shape, generator=gen).to(dtype)) for _ in range(args.layers)]
     order = torch.randperm(blocks, generator=gen).view(args.batch, per_seq)
     pos = torch.arange(args.context)
     keys = (order[:, pos // args.block_size] * args.block_size + pos % args.block_size).contiguous()
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print("the CPU attention kernel does not run here (no C compiler or no AVX-512)")
         return 1
     q, caches, keys = paged_batch(args)
-    kv_bytes = 2 * keys.numel() * args.kv_heads * args.head_dim * 4  # fp32 K and V read
+    kv_bytes = 2 * keys.numel() * args.kv_heads * args.head_dim * caches[0][0].element_size()
     cached = statistics.median(time_layers(q, caches, keys, args.repeats, rotate=False))
     dram = statistics.median(time_layers(q, caches, keys, args.repeats, rotate=True))
     stream = memory_read_gbs(args.stream_mb * (1 << 20))
@@ -97,7 +100,8 @@ def markdown(r: dict) -> str:
     a = r["args"]
     return "\n".join([
         f"decode attention, {a['batch']} sequences x {a['context']} keys, {a['heads']} heads / "
-        f"{a['kv_heads']} kv heads x {a['head_dim']}, fp32 KV ({r['kv_mb_per_layer']:.1f} MB a "
+        f"{a['kv_heads']} kv heads x {a['head_dim']}, {a.get('kv_dtype', 'float32')} KV "
+        f"({r['kv_mb_per_layer']:.1f} MB a "
         f"layer), {r['torch_threads']} threads",
         "",
         "| one layer's cache, again | distinct caches in turn | read rate from DRAM | "

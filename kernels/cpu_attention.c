@@ -5,7 +5,16 @@
  * each (sequence, kv head) pair reads its keys and values in place, once, for all the
  * query heads of its group: scores, a softmax with glibc's vector expf (libmvec), and the
  * weighted sum of values. Pairs are split across threads with OpenMP (the libgomp torch
- * loaded). fp32 throughout; head_dim must be a multiple of 16.
+ * loaded). fp32 arithmetic over fp32 or bf16 caches (decode_attention_f32 / _bf16: a bf16
+ * element widens to fp32 exactly, so the two agree bit for bit on the same values);
+ * head_dim must be a multiple of 16.
+ *
+ * What sets its speed at a batch-64 decode (SmolLM2's heads, 129 keys; `duplex bench
+ * attention`): not the bytes alone but the work per key. A key's scores are FMA chains over
+ * head_dim whose horizontal sums are done 16 keys at a time (sum16), each key's row is
+ * loaded once for up to 4 heads, and the weighted values stay in registers over all keys
+ * instead of being loaded and stored per key: 1.0 -> 0.7 ms a layer on fp32 caches, and
+ * 0.5 ms on bf16 ones, whose half-size rows then matter.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,19 +40,45 @@ __m512 _ZGVeN16v_expf(__m512);  /* glibc libmvec */
 
 static __thread struct scratch scores;
 
-static float *scores_for(size_t n) { return scratch_grow(&scores, n * sizeof(float)); }
+static __thread struct scratch tiles;
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+static float *scores_for(size_t n) { return scratch_grow(&scores, n * sizeof(float)); }
+/* n 64-byte-aligned vectors */
+static void *scores_for_tiles(size_t n) {
+    float *base = scratch_grow(&tiles, (n + 1) * sizeof(__m512));
+    return base ? (void *)(((uintptr_t)base + 63) & ~(uintptr_t)63) : NULL;
 }
 
-/* p[0:n] = exp(p - max), returns the sum */
-static inline float exp_shifted(float *p, int64_t n) {
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; i++) mx = p[i] > mx ? p[i] : mx;
+/* a 16-lane fp32 vector from 16 cache elements: fp32 as is, bf16 widened (its 16 bits are
+ * the high half of the fp32 it stands for, so the widening is exact) */
+static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load_bf16(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 dot products' partial vectors -> one vector of their 16 sums, lane i the sum of acc[i].
+ * Each sum pairs its lanes exactly as _mm512_reduce_add_ps does (i with i+8, then i+4, then
+ * i+2, then i+1; float addition commutes), so a score is bitwise the one-at-a-time one. */
+static inline __m512 sum16(const __m512 *acc) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* [x.q0 + x.q2, x.q1 + x.q3, y.q0 + y.q2, y.q1 + y.q3] */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* quarters: the 4-lane partial sums of 4 dots */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* per quarter: lanes (0,2) and (1,3) of two dots */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    /* lane 4q + r holds dot 4r + q... of the order the shuffles left: put dot i in lane i */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, s);
+}
+
+/* p[0:n] = exp(p - mx), returns the sum */
+static inline float exp_shifted(float *p, int64_t n, float mx) {
     __m512 vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -62,78 +97,143 @@ static inline float exp_shifted(float *p, int64_t n) {
 }
 
 #define PREFETCH_AHEAD 4  /* keys */
+#define KEY_TILE 16       /* keys scored together (one sum16) */
+#define QK_HEADS 4        /* query heads scored against one load of a key */
+#define PV_HEADS 3        /* query heads ... */
+#define PV_VECS 4         /* ... by 16-lane pieces of head_dim: the accumulators in registers */
 
-static inline void prefetch_row(const float *p, int64_t bytes) {
+static inline void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
-/* Query heads of kv heads [kv0, kv0 + nkv) of one sequence over its n keys. Keys are read
- * key by key for all those kv heads at once: with every kv head (nkv == kv_heads) a key's
- * row is one contiguous read, and a block's keys stream in order. */
-static void attend(const float *q, const float *k, const float *v, const int64_t *keys, int64_t n,
-                   int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group, int64_t d,
-                   float scale, float *out) {
-    int64_t heads = nkv * group;
-    float *p = scores_for((size_t)(heads * n));
-    const float *qh = q + kv0 * group * d;
-    int64_t row_bytes = nkv * d * (int64_t)sizeof(float);
-    for (int64_t l = 0; l < n; l++) {
-        const float *kr = k + (keys[l] * kv_heads + kv0) * d;
-        if (l + PREFETCH_AHEAD < n)  /* the key ahead, and this key's value for the next pass */
-            prefetch_row(k + (keys[l + PREFETCH_AHEAD] * kv_heads + kv0) * d, row_bytes);
-        prefetch_row(v + (keys[l] * kv_heads + kv0) * d, row_bytes);
-        for (int64_t h = 0; h < heads; h++)
-            p[h * n + l] = dot(qh + h * d, kr + (h / group) * d, d) * scale;
-    }
-    float inv[MAX_HEADS];
-    for (int64_t h = 0; h < heads; h++) inv[h] = 1.0f / exp_shifted(p + h * n, n);
-    float *oh = out + kv0 * group * d;
-    for (int64_t i = 0; i < heads * d; i += 16) _mm512_storeu_ps(oh + i, _mm512_setzero_ps());
-    for (int64_t l = 0; l < n; l++) {
-        const float *vr = v + (keys[l] * kv_heads + kv0) * d;
-        for (int64_t j = 0; j < nkv; j++)
-            for (int64_t i = 0; i < d; i += 16) {
-                __m512 vv = _mm512_loadu_ps(vr + j * d + i);
-                for (int64_t g = 0; g < group; g++) {
-                    int64_t h = j * group + g;
-                    float *o = oh + h * d + i;
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(p[h * n + l]), vv,
-                                                        _mm512_loadu_ps(o)));
-                }
-            }
-    }
-    for (int64_t h = 0; h < heads; h++) {
-        float *o = oh + h * d;
-        __m512 s = _mm512_set1_ps(inv[h]);
-        for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(o + i), s));
-    }
+/* attend_T: query heads of kv heads [kv0, kv0 + nkv) of one sequence over its n keys, for
+ * caches of element type T read through LOAD.
+ * Scores: keys are read key by key for all those kv heads at once (with every kv head a
+ * key's row is one contiguous read, and a block's keys stream in order); each head's dot
+ * with a key is a chain of FMAs over head_dim, and 16 keys' chains are summed together.
+ * Weighted values: a tile of up to PV_HEADS heads x PV_VECS vectors of one kv head's group
+ * is accumulated in registers over all keys, in key order as a one-key-at-a-time sum would
+ * be, and scaled by the softmax's 1/sum once. */
+#define DEFINE_ATTEND(NAME, T, LOAD)                                                          \
+static void NAME(const float *q, const T *k, const T *v, const int64_t *keys, int64_t n,       \
+                 int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group, int64_t d,         \
+                 float scale, float *out) {                                                    \
+    int64_t heads = nkv * group;                                                               \
+    float *p = scores_for((size_t)(heads * (n + KEY_TILE)));                                   \
+    __m512 *acc = (__m512 *)scores_for_tiles((size_t)(heads * KEY_TILE));                     \
+    if (!p || !acc) return;                                                                    \
+    const float *qh = q + kv0 * group * d;                                                     \
+    int64_t row_bytes = nkv * d * (int64_t)sizeof(T);                                          \
+    float mx[MAX_HEADS];                                                                       \
+    for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY;                                     \
+    for (int64_t l0 = 0; l0 < n; l0 += KEY_TILE) {                                             \
+        int64_t tile = n - l0 < KEY_TILE ? n - l0 : KEY_TILE;                                  \
+        for (int64_t t = 0; t < tile; t++) {                                                   \
+            int64_t l = l0 + t;                                                                \
+            const T *kr = k + (keys[l] * kv_heads + kv0) * d;                                  \
+            if (l + PREFETCH_AHEAD < n)  /* the key ahead, and this key's value for later */   \
+                prefetch_row(k + (keys[l + PREFETCH_AHEAD] * kv_heads + kv0) * d, row_bytes);  \
+            prefetch_row(v + (keys[l] * kv_heads + kv0) * d, row_bytes);                       \
+            for (int64_t j = 0; j < nkv; j++)                                                  \
+                for (int64_t g0 = 0; g0 < group; g0 += QK_HEADS) {                             \
+                    int64_t nh = group - g0 < QK_HEADS ? group - g0 : QK_HEADS;                \
+                    const float *qr = qh + (j * group + g0) * d;                               \
+                    __m512 a[QK_HEADS];                                                        \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < QK_HEADS; u++)                 \
+                        a[u] = _mm512_setzero_ps();                                            \
+                    for (int64_t i = 0; i < d; i += 16) {                                      \
+                        __m512 kv = LOAD(kr + j * d + i);                                      \
+                        _Pragma("GCC unroll 4") for (int u = 0; u < QK_HEADS; u++)             \
+                            if (u < nh)                                                        \
+                                a[u] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + u * d + i), kv, a[u]); \
+                    }                                                                          \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < QK_HEADS; u++)                 \
+                        if (u < nh) acc[(j * group + g0 + u) * KEY_TILE + t] = a[u];           \
+                }                                                                              \
+        }                                                                                      \
+        __mmask16 live = (__mmask16)((1u << tile) - 1);                                        \
+        for (int64_t h = 0; h < heads; h++) {                                                  \
+            __m512 *ah = acc + h * KEY_TILE;                                                   \
+            for (int64_t t = tile; t < KEY_TILE; t++) ah[t] = _mm512_setzero_ps();             \
+            __m512 sc = _mm512_mul_ps(sum16(ah), _mm512_set1_ps(scale));                       \
+            _mm512_mask_storeu_ps(p + h * n + l0, live, sc);                                   \
+            float tmax = _mm512_mask_reduce_max_ps(live, sc);                                  \
+            mx[h] = tmax > mx[h] ? tmax : mx[h];                                               \
+        }                                                                                      \
+    }                                                                                          \
+    float inv[MAX_HEADS];                                                                      \
+    for (int64_t h = 0; h < heads; h++) inv[h] = 1.0f / exp_shifted(p + h * n, n, mx[h]);     \
+    float *oh = out + kv0 * group * d;                                                         \
+    for (int64_t j = 0; j < nkv; j++)                                                          \
+        for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS)                                       \
+            for (int64_t c0 = 0; c0 < d; c0 += 16 * PV_VECS) {                                 \
+                int64_t nh = group - g0 < PV_HEADS ? group - g0 : PV_HEADS;                    \
+                int64_t nv = (d - c0) / 16 < PV_VECS ? (d - c0) / 16 : PV_VECS;                \
+                int64_t h0 = j * group + g0;                                                   \
+                __m512 o[PV_HEADS][PV_VECS];                                                   \
+                _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++)                     \
+                _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                      \
+                    o[a][u] = _mm512_setzero_ps();                                             \
+                for (int64_t l = 0; l < n; l++) {                                              \
+                    const T *vr = v + (keys[l] * kv_heads + kv0 + j) * d + c0;                 \
+                    __m512 vv[PV_VECS];                                                        \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                  \
+                        vv[u] = u < nv ? LOAD(vr + 16 * u) : _mm512_setzero_ps();              \
+                    _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++) {               \
+                        if (a >= nh) break;                                                    \
+                        __m512 w = _mm512_set1_ps(p[(h0 + a) * n + l]);                        \
+                        _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)              \
+                            o[a][u] = _mm512_fmadd_ps(w, vv[u], o[a][u]);                      \
+                    }                                                                          \
+                }                                                                              \
+                _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++) {                   \
+                    if (a >= nh) break;                                                        \
+                    __m512 s = _mm512_set1_ps(inv[h0 + a]);                                    \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                  \
+                        if (u < nv)                                                            \
+                            _mm512_storeu_ps(oh + (h0 + a) * d + c0 + 16 * u,                  \
+                                             _mm512_mul_ps(o[a][u], s));                       \
+                }                                                                              \
+            }                                                                                  \
+}
+
+DEFINE_ATTEND(attend_f32, float, load_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16)
+#endif
+
+/* q [B, H, D] rows (row b at q + rows[b] * q_row_stride, head stride D); k/v [slots, KVH, D]
+ * of fp32 (decode_attention_f32) or bf16 (decode_attention_bf16); keys [B, L] int64 cache
+ * slots, the first counts[b] valid; out [B, H, D] contiguous fp32.
+ * Returns 0, or -1 when the shapes are not supported. */
+#if defined(__AVX512F__)
+#define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
+int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
+         const int64_t *keys, const int64_t *counts, int64_t B, int64_t L, int64_t H,          \
+         int64_t kv_heads, int64_t d, float scale, float *out, int threads) {                  \
+    if (d % 16 || H % kv_heads || H / kv_heads > MAX_GROUP) return -1;                         \
+    int64_t group = H / kv_heads;                                                              \
+    /* whole sequences when there are enough to share out, else (sequence, kv head) pairs */  \
+    int64_t split = B >= 2 * threads && H <= MAX_HEADS ? 1 : kv_heads;                         \
+    int64_t nkv = kv_heads / split;                                                            \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && B * split > 1)") \
+    for (int64_t unit = 0; unit < B * split; unit++) {                                         \
+        int64_t b = unit / split, kv0 = (unit % split) * nkv;                                  \
+        const float *qb = q + (rows ? rows[b] : b) * q_row_stride;                             \
+        ATTEND(qb, k, v, keys + b * L, counts[b], kv0, nkv, kv_heads, group, d, scale,         \
+               out + b * H * d);                                                               \
+    }                                                                                          \
+    return 0;                                                                                  \
+}
+#else
+#define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
+int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
+         const int64_t *keys, const int64_t *counts, int64_t B, int64_t L, int64_t H,          \
+         int64_t kv_heads, int64_t d, float scale, float *out, int threads) {                  \
+    (void)q; (void)rows; (void)q_row_stride; (void)k; (void)v; (void)keys; (void)counts;       \
+    (void)B; (void)L; (void)H; (void)kv_heads; (void)d; (void)scale; (void)out; (void)threads; \
+    return -1;                                                                                 \
 }
 #endif
 
-/* q [B, H, D] rows (row b at q + rows[b] * q_row_stride, head stride D); k/v [slots, KVH, D];
- * keys [B, L] int64 cache slots, the first counts[b] valid; out [B, H, D] contiguous.
- * Returns 0, or -1 when the shapes are not supported. */
-int decode_attention_f32(const float *q, const int64_t *rows, int64_t q_row_stride,
-                         const float *k, const float *v, const int64_t *keys,
-                         const int64_t *counts, int64_t B, int64_t L, int64_t H,
-                         int64_t kv_heads, int64_t d, float scale, float *out, int threads) {
-#if defined(__AVX512F__)
-    if (d % 16 || H % kv_heads || H / kv_heads > MAX_GROUP) return -1;
-    int64_t group = H / kv_heads;
-    /* whole sequences when there are enough to share out, else (sequence, kv head) pairs */
-    int64_t split = B >= 2 * threads && H <= MAX_HEADS ? 1 : kv_heads;
-    int64_t nkv = kv_heads / split;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && B * split > 1)
-    for (int64_t unit = 0; unit < B * split; unit++) {
-        int64_t b = unit / split, kv0 = (unit % split) * nkv;
-        const float *qb = q + (rows ? rows[b] : b) * q_row_stride;
-        attend(qb, k, v, keys + b * L, counts[b], kv0, nkv, kv_heads, group, d, scale,
-               out + b * H * d);
-    }
-    return 0;
-#else
-    (void)q; (void)rows; (void)q_row_stride; (void)k; (void)v; (void)keys; (void)counts;
-    (void)B; (void)L; (void)H; (void)kv_heads; (void)d; (void)scale; (void)out; (void)threads;
-    return -1;
-#endif
-}
+DEFINE_DECODE(decode_attention_f32, float, attend_f32)
+DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)

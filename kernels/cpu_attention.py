@@ -23,6 +23,7 @@ from kernels.cpu_fused import load_library
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _lib: ctypes.CDLL | None | bool = None
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_ENTRY = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 
 
 def available() -> bool:
@@ -32,7 +33,7 @@ def available() -> bool:
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, soft_cap: float | None) -> bool:
     heads, head_dim = q.shape[1:]
-    return (soft_cap is None and q.dtype == k_cache.dtype == torch.float32
+    return (soft_cap is None and q.dtype == torch.float32 and k_cache.dtype in _ENTRY
             and q.device.type == "cpu" and head_dim % 16 == 0 and q.stride(2) == 1
             and q.stride(1) == head_dim and k_cache.is_contiguous()
             and heads // k_cache.shape[2] <= 16)
@@ -46,13 +47,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_seqs, num_keys = keys.shape
     heads, head_dim = q.shape[1:]
     out = torch.empty(num_seqs, heads, head_dim, dtype=torch.float32)
-    rc = _load().decode_attention_f32(
+    rc = getattr(_load(), _ENTRY[k_cache.dtype])(
         q.data_ptr(), 0 if rows is None else rows.data_ptr(), q.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), keys.data_ptr(), counts.data_ptr(),
         num_seqs, num_keys, heads, k_cache.shape[2], head_dim, scale, out.data_ptr(),
         torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"decode_attention_f32 refused q {tuple(q.shape)}")
+        raise RuntimeError(f"{_ENTRY[k_cache.dtype]} refused q {tuple(q.shape)}")
     return out
 
 
@@ -66,7 +67,9 @@ def _load():
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
     lib.attn_available.restype = ctypes.c_int
-    lib.decode_attention_f32.restype = ctypes.c_int
-    lib.decode_attention_f32.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I,
-                                         ctypes.c_float, _P, ctypes.c_int]
+    for name in _ENTRY.values():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P,
+                       ctypes.c_int]
     return lib if lib.attn_available() else False

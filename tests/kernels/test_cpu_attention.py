@@ -59,3 +59,51 @@ def test_soft_cap_and_odd_head_dims_keep_the_torch_path():
     assert not cpu_attention.fits(q, cache, None)
     q, cache = torch.randn(2, 4, 32), torch.randn(3, 4, 2, 32)
     assert cpu_attention.fits(q, cache, None) and not cpu_attention.fits(q, cache, 30.0)
+
+
+def _direct_case(batch, heads, kv_heads, head_dim, num_keys, dtype, seed):
+    """q, k/v caches of `dtype` [blocks, 16, kv_heads, D], key slots in a shuffled order and
+    unequal counts -> (kernel output, float64 softmax attention over the same cache values)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = batch * -(-num_keys // 16) + 3
+    k, v = (torch.randn(blocks, 16, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    keys = torch.randperm(blocks * 16, generator=gen)[:batch * num_keys].view(batch, num_keys)
+    counts = torch.randint(1, num_keys + 1, (batch,), generator=gen)
+    counts[0] = num_keys
+    out = cpu_attention.decode(q, k, v, None, keys.contiguous(), counts, head_dim ** -0.5)
+    group = heads // kv_heads
+    ref = []
+    for b in range(batch):
+        seen = keys[b, :counts[b]]
+        kk, vv = (c.flatten(0, 1)[seen].double() for c in (k, v))  # [n, kv_heads, D]
+        scores = torch.einsum("jgd,njd->jgn", q[b].double().view(kv_heads, group, head_dim),
+                              kk) * head_dim ** -0.5
+        ref.append(torch.einsum("jgn,njd->jgd", scores.softmax(-1), vv).reshape(heads, head_dim))
+    return out, torch.stack(ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [
+    (1, 9, 3, 64, 1), (3, 9, 3, 64, 17), (64, 9, 3, 64, 129), (2, 8, 1, 128, 40),
+    (5, 4, 4, 16, 33), (4, 12, 3, 80, 16), (2, 32, 2, 48, 15), (7, 6, 3, 64, 300),
+    (1, 16, 8, 96, 64), (8, 14, 2, 64, 16)])
+def test_every_tile_shape_against_float64(shape, dtype):
+    """Groups of 1 to 16 heads (the score and value tiles hold 4 and 3 heads: remainders),
+    head dims that are not multiples of the 64-wide value tile, key counts on both sides
+    of the 16-key score tile, fp32 and bf16 caches (bf16 widened exactly: same tolerance)."""
+    out, ref = _direct_case(*shape, dtype, seed=sum(shape))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
+
+
+def test_bf16_cache_gives_the_fp32_kernel_s_result_on_the_same_values():
+    """The bf16 entry widens each element exactly, so it equals the fp32 entry run on the
+    widened cache bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(20, 16, 3, 64, generator=gen).to(torch.bfloat16) for _ in "kv")
+    q = torch.randn(6, 9, 64, generator=gen)
+    keys = torch.randperm(320, generator=gen)[:6 * 50].view(6, 50).contiguous()
+    counts = torch.tensor([50, 1, 16, 17, 33, 49])
+    half = cpu_attention.decode(q, k, v, None, keys, counts, 0.125)
+    full = cpu_attention.decode(q, k.float(), v.float(), None, keys, counts, 0.125)
+    assert torch.equal(half, full)
