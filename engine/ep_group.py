@@ -189,7 +189,7 @@ class LeaderCore:
         self.block_size = core.block_size
         self.num_kv_blocks = core.num_kv_blocks
         self.model_identity = core.model_identity
-        self.kv_layout = core.kv_layout
+        self.kv_layout, self.kv_format = core.kv_layout, core.kv_format
         self.num_threads, self.weights_label = core.num_threads, core.weights_label
         self.vocab_size, self.cost_model = core.vocab_size, core.cost_model
         self.layout = self.runner = self.kv = None

@@ -307,7 +307,7 @@ class Worker:
                      batch_invariant=self.config.batch_invariant,
                      speculation=self.config.spec.speculation, pid=os.getpid(),
                      kv_address=self._handoff.address, model_identity=core.model_identity,
-                     kv_dtype=self.config.weights_dtype if core.model_identity else "",
+                     kv_dtype=core.kv_format if core.model_identity else "",
                      kv_layout=core.kv_layout, num_threads=core.num_threads,
                      weights=core.weights_label,
                      kv_shared=store_identity(self.config.cache.kv_remote))

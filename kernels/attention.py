@@ -362,8 +362,11 @@ def kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 
     slot_off = (block.to(tl.int64) * stride_cache_block
                 + (k_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head)
     kv_mask = k_ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    # a cache of another dtype than q (bf16 KV beside fp32 activations) is read as q's
+    k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask,
+                other=0.0).to(q.dtype)
+    v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask,
+                other=0.0).to(q.dtype)
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -408,8 +411,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     require_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be the contiguous dim"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (
-        f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    assert k_cache.dtype == v_cache.dtype, (
+        f"k_cache and v_cache must share a dtype, got {k_cache.dtype}, {v_cache.dtype}")
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share a layout"
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     num_seqs = block_tables.shape[0]

@@ -220,8 +220,9 @@ def _attend_chunked(q, q_pos, k_cache, v_cache, block_tables, seq_lens, scale, s
     kv_heads = k_cache.shape[2]
     group = H // kv_heads
     num_chunks = -(-int(seq_lens.max()) // KV_CHUNK)
-    k = _gather_padded(k_cache, block_tables, seq_lens, num_chunks * KV_CHUNK)  # [S, L, KVH, D]
-    v = _gather_padded(v_cache, block_tables, seq_lens, num_chunks * KV_CHUNK)
+    # [S, L, KVH, D], fp32 whatever the cache's dtype (the math is fp32)
+    k = _gather_padded(k_cache, block_tables, seq_lens, num_chunks * KV_CHUNK).float()
+    v = _gather_padded(v_cache, block_tables, seq_lens, num_chunks * KV_CHUNK).float()
     past_end = torch.arange(k.shape[1], device=q.device) >= seq_lens[:, None]  # [S, L]
     v[past_end.nonzero(as_tuple=True)] = 0.0  # masked keys get p = 0, and 0 * NaN is NaN
     first_chunk = 0

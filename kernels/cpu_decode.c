@@ -10,7 +10,7 @@
  * of the per-op path with the fused CPU kernels on (the tests hold it to that).
  *
  * Scope: every row a one-token decode of its own sequence, quantized weights in the VNNI
- * layout without biases, fp32 KV caches, full attention (no window, no soft cap). The
+ * layout without biases, fp32 or bf16 KV caches, full attention (no window, no soft cap). The
  * Python side checks that and keeps the per-op path for everything else.
  */
 #include "cpu_fused.c"
@@ -58,20 +58,48 @@ static void key_slots(const int32_t *block_tables, int64_t table_stride, const i
     }
 }
 
+/* fp32 -> bf16 rounded to nearest even, as torch's conversion does (NaN -> a quiet NaN) */
+static void to_bf16(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __m512i u = _mm512_castps_si512(v);
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0),
+                                    _mm512_srli_epi32(r, 16));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+    for (; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        out[i] = x[i] != x[i] ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* the rows' k and v into their cache slots, as fp32 or rounded to bf16 */
 static void store_kv(const float *qkv, int64_t width, int64_t q_size, int64_t kv_size,
-                     const int64_t *slots, int64_t m, float *k_cache, float *v_cache) {
+                     const int64_t *slots, int64_t m, void *k_cache, void *v_cache, int kv_bf16) {
     for (int64_t r = 0; r < m; r++) {
         const float *row = qkv + r * width + q_size;
-        memcpy(k_cache + slots[r] * kv_size, row, (size_t)kv_size * sizeof(float));
-        memcpy(v_cache + slots[r] * kv_size, row + kv_size, (size_t)kv_size * sizeof(float));
+        if (kv_bf16) {
+            to_bf16(row, (uint16_t *)k_cache + slots[r] * kv_size, kv_size);
+            to_bf16(row + kv_size, (uint16_t *)v_cache + slots[r] * kv_size, kv_size);
+        } else {
+            memcpy((float *)k_cache + slots[r] * kv_size, row, (size_t)kv_size * sizeof(float));
+            memcpy((float *)v_cache + slots[r] * kv_size, row + kv_size, (size_t)kv_size * sizeof(float));
+        }
     }
 }
 
 /* h [m, hidden]: the embeddings in, the final normed hidden states out. caches: per layer
- * (k, v), each [num_slots, kv_heads, head_dim]. positions / slots: per row; block_tables
+ * (k, v), each [num_slots, kv_heads, head_dim] of fp32, or bf16 when kv_bf16. positions / slots: per row; block_tables
  * [m, table_stride] int32; seq_lens [m] int32 (context including the new token).
  * Returns 0, or -1 when a kernel refuses the shapes or memory runs out. */
-int decode_forward(const dec_model *md, const dec_layer *layers, float *const *caches, float *h,
+int decode_forward(const dec_model *md, const dec_layer *layers, void *const *caches, int kv_bf16,
+                   float *h,
                    int64_t m, const int64_t *positions, const int64_t *slots,
                    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                    int64_t block_size, int threads) {
@@ -97,10 +125,15 @@ int decode_forward(const dec_model *md, const dec_layer *layers, float *const *c
         }
         if (matmul(&ly->qkv, x, qkv, m, threads)) return -1;
         rope_neox_f32(qkv, width, m, md->heads + md->kv_heads, d, md->rope_cache, positions);
-        store_kv(qkv, width, q_size, kv_size, slots, m, caches[2 * l], caches[2 * l + 1]);
-        if (decode_attention_f32(qkv, NULL, width, caches[2 * l], caches[2 * l + 1], keys, counts,
-                                 m, max_len, md->heads, md->kv_heads, d, md->scale, attn, threads))
-            return -1;
+        store_kv(qkv, width, q_size, kv_size, slots, m, caches[2 * l], caches[2 * l + 1], kv_bf16);
+        int rc = kv_bf16
+            ? decode_attention_bf16(qkv, NULL, width, caches[2 * l], caches[2 * l + 1], keys,
+                                    counts, m, max_len, md->heads, md->kv_heads, d, md->scale,
+                                    attn, threads)
+            : decode_attention_f32(qkv, NULL, width, caches[2 * l], caches[2 * l + 1], keys,
+                                   counts, m, max_len, md->heads, md->kv_heads, d, md->scale,
+                                   attn, threads);
+        if (rc) return -1;
         if (matmul(&ly->o, attn, h, m, threads)) return -1;
         rms_norm_f32(h, residual, ly->post_norm, x, residual, m, hidden, md->eps);
         if (matmul(&ly->gate_up, x, gate_up, m, threads)) return -1;

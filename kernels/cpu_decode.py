@@ -8,7 +8,7 @@ dispatch costs more than their arithmetic (docs/BENCHMARKS.md). `decode_forward`
 same kernels (kernels/cpu_fused.c, cpu_qgemv.c, cpu_attention.c, included into one library)
 in the same order, so its output is bitwise that of the per-op path with the fused kernels
 on, for the steps it takes: every row a one-token decode, quantized weights in the VNNI
-layout without biases, fp32 caches, full attention. The model decides when it applies
+layout without biases, fp32 or bf16 caches, full attention. The model decides when it applies
 (engine/models/llama.py); `DUPLEX_FUSED_DECODE=0` turns it off, for comparisons.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kernels.cpu_qgemv import Packed
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _lib: ctypes.CDLL | None | bool = None
 _I, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Weight(ctypes.Structure):
@@ -91,7 +92,7 @@ class DecodeStack:
         the final normed hidden states and returned; the step's k and v go to the caches."""
         assert h.is_contiguous() and h.shape[1] == self.dims.hidden
         rc = _load().decode_forward(
-            ctypes.byref(self._model), self._layers, self._cache_pointers(kv_caches),
+            ctypes.byref(self._model), self._layers, *self._cache_pointers(kv_caches),
             h.data_ptr(), h.shape[0], positions.data_ptr(), slots.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), block_size,
             torch.get_num_threads())
@@ -99,12 +100,15 @@ class DecodeStack:
             raise RuntimeError(f"decode_forward refused a step of {h.shape[0]} rows")
         return h
 
-    def _cache_pointers(self, kv_caches) -> ctypes.Array:
+    def _cache_pointers(self, kv_caches) -> tuple[ctypes.Array, int]:
+        """(the caches' addresses, whether they are bf16), built once per cache list."""
         if self._caches is None or self._caches[0] != id(kv_caches):
+            dtype = kv_caches[0][0].dtype
             for k, v in kv_caches:
-                assert k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+                assert k.dtype == v.dtype == dtype in CACHE_DTYPES and k.is_contiguous() \
+                    and v.is_contiguous()
             pointers = (_P * (2 * len(kv_caches)))(*(t.data_ptr() for kv in kv_caches for t in kv))
-            self._caches = (id(kv_caches), kv_caches, pointers)
+            self._caches = (id(kv_caches), kv_caches, (pointers, int(dtype == torch.bfloat16)))
         return self._caches[2]
 
 
@@ -139,5 +143,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
     if not (lib.qg_available() and lib.attn_available()):
         return False
     lib.decode_forward.restype = ctypes.c_int
-    lib.decode_forward.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, ctypes.c_int]
+    lib.decode_forward.argtypes = [_P, _P, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _I,
+                                   ctypes.c_int]
     return lib

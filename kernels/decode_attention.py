@@ -170,8 +170,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     require_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be the contiguous dim"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (
-        f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    assert k_cache.dtype == v_cache.dtype, (
+        f"k_cache and v_cache must share a dtype, got {k_cache.dtype}, {v_cache.dtype}")
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share a layout"
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     assert split_size % block_n == 0 and block_n >= 16, (

@@ -150,7 +150,8 @@ def _attend(q, k_cache, v_cache, block_tables, seq_lens, scale, rank):
     batch, num_q, heads, dim = q.shape
     max_len = int(seq_lens.max())
     latent = torch.cat([gather_kv(k_cache, block_tables, max_len),
-                        gather_kv(v_cache, block_tables, max_len)], dim=-1)[:, :, 0]  # [B, L, D]
+                        gather_kv(v_cache, block_tables, max_len)], dim=-1)[:, :, 0].float()
+    # [B, L, D], fp32 whatever the cache's dtype (the math is fp32)
     # positions past a sequence's end hold stale blocks: zero them (0 * NaN is NaN)
     latent[torch.arange(latent.shape[1], device=latent.device) >= seq_lens[:, None]] = 0.0
     q_pos = seq_lens[:, None] - num_q + torch.arange(num_q, device=seq_lens.device)  # [B, Q]

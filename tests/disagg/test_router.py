@@ -31,7 +31,7 @@ def test_router_keys_are_the_workers_keys():
     router = Router()
     router.add_worker(Ready("p0", "prefill", core.model_name, core.max_model_len,
                             core.block_size, core.num_kv_blocks, model_identity=core.model_identity,
-                            kv_dtype=core.config.weights_dtype,
+                            kv_dtype=core.kv_format,
                             kv_layout=getattr(core, "kv_layout", "")))
     salt = "ab" * 16
     msg = AddRequest("r", list(range(1, 70)), SamplingParams(max_tokens=1), cache_salt=salt)

@@ -5,6 +5,7 @@ on the default GGUF in `auto` mode, for decode-only steps of 1..3 rows and mixed
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.sampling_params import SamplingParams
 from kernels import cpu_decode
@@ -22,15 +23,20 @@ def _run(core, monkeypatch, flag: str):
     return run_engine(core, prompts, params, arrivals=[0, 3, 5])
 
 
-def test_fused_decode_equals_the_per_op_path(default_model, monkeypatch):
+@pytest.mark.parametrize("kv_dtype, element", [("auto", torch.bfloat16), ("float32", torch.float32)])
+def test_fused_decode_equals_the_per_op_path(default_model, monkeypatch, kv_dtype, element):
+    """With a bf16 cache (auto's) the C step rounds k and v to bf16 as torch's store does."""
     calls = []
     forward = DecodeStack.forward
     monkeypatch.setattr(DecodeStack, "forward",
                         lambda self, h, *a: calls.append(h.shape[0]) or forward(self, h, *a))
-    core = make_core(default_model, weights_dtype="auto", num_kv_blocks=128)
+    core = make_core(default_model, weights_dtype="auto", kv_cache_dtype=kv_dtype,
+                     num_kv_blocks=128)
+    assert core.runner.kv.dtype == element
     per_op = _run(core, monkeypatch, "0")
     assert calls == [] and core.model._decode_stack is None
-    core = make_core(default_model, weights_dtype="auto", num_kv_blocks=128)  # no prefix hits
+    core = make_core(default_model, weights_dtype="auto", kv_cache_dtype=kv_dtype,
+                     num_kv_blocks=128)  # no prefix hits
     fused = _run(core, monkeypatch, "1")
     assert isinstance(core.model._decode_stack, DecodeStack)
     assert set(calls) == {1, 2, 3}  # batch 1 before the second arrival, then 2 and 3

@@ -78,3 +78,23 @@ def test_triton_token_identical_in_prefill_and_decode():
                                  block_size=16, device="cuda")
         decode = paged_attention_triton(*attention_args(batch), 0.1)
         assert torch.equal(decode[-1], prefill[pos - 550])
+
+
+def _with_bf16_cache(batch):
+    """The batch's arguments with its caches rounded to bf16, and the fp32 queries kept."""
+    args = list(attention_args(batch))
+    args[1], args[2] = args[1].to(torch.bfloat16), args[2].to(torch.bfloat16)
+    return args
+
+
+def test_triton_reads_a_bf16_cache_beside_fp32_queries(device):
+    """--kv-cache-dtype bfloat16 with fp32 activations: the kernel widens the cache's tiles
+    to q's dtype, so it equals the reference on the same (rounded) cache values."""
+    from kernels.attention import paged_attention_triton
+    batch = make_paged_batch(MIXED, num_heads=6, num_kv_heads=2)
+    args = _with_bf16_cache(batch)
+    expected = paged_attention_ref(*args, 0.3, 3)
+    assert expected.dtype == torch.float32
+    got = paged_attention_triton(*[t.to(device) for t in args], 0.3, 3, block_m=16, block_n=16)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)

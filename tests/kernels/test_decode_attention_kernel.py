@@ -63,3 +63,15 @@ def test_triton_large(dtype, sliding_window):
     expected = paged_attention_ref(*args, 128 ** -0.5, sliding_window)
     got = decode_attention_triton(*args, 128 ** -0.5, sliding_window)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_split_kv_reads_a_bf16_cache_beside_fp32_queries(device):
+    from kernels.decode_attention import decode_attention_triton
+    batch = make_paged_batch(SEQS, num_heads=4, num_kv_heads=2, block_size=16)
+    args = list(attention_args(batch))
+    args[1], args[2] = args[1].to(torch.bfloat16), args[2].to(torch.bfloat16)
+    expected = paged_attention_ref(*args, 0.3)
+    args = [t.to(device) for t in args]
+    got = decode_attention_triton(*args, 0.3, max_seq_len=600, out=torch.zeros_like(args[0]))
+    torch.testing.assert_close(got.cpu()[DECODE_ROWS], expected[DECODE_ROWS], atol=1e-5,
+                               rtol=1e-5)
