@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling of the step profile's requests (0: greedy)")
     parser.add_argument("--step-top-p", type=float, default=1.0)
     parser.add_argument("--weights-dtype", "--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
     parser.add_argument("--seed", type=int, default=0)
@@ -228,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)
     machine = measure_machine()
-    llm = LLM(path, weights_dtype=args.weights_dtype, batch_invariant=args.batch_invariant,
+    llm = LLM(path, weights_dtype=args.weights_dtype, kv_cache_dtype=args.kv_cache_dtype,
+              batch_invariant=args.batch_invariant,
               max_num_seqs=max(64, args.num_requests), progress=False, tokenizer=False)
     prompts, outputs = make_workload(tokenizer, args.num_requests,
                                      (args.min_prompt, args.max_prompt),
