@@ -115,13 +115,13 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
  * is accumulated in registers over all keys, in key order as a one-key-at-a-time sum would
  * be, and scaled by the softmax's 1/sum once. */
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                          \
-static void NAME(const float *q, const T *k, const T *v, const int64_t *keys, int64_t n,       \
+static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int64_t n,       \
                  int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group, int64_t d,         \
                  float scale, float *out) {                                                    \
     int64_t heads = nkv * group;                                                               \
     float *p = scores_for((size_t)(heads * (n + KEY_TILE)));                                   \
     __m512 *acc = (__m512 *)scores_for_tiles((size_t)(heads * KEY_TILE));                     \
-    if (!p || !acc) return;                                                                    \
+    if (!p || !acc) return -1;  /* out of memory */                                            \
     const float *qh = q + kv0 * group * d;                                                     \
     int64_t row_bytes = nkv * d * (int64_t)sizeof(T);                                          \
     float mx[MAX_HEADS];                                                                       \
@@ -195,6 +195,7 @@ static void NAME(const float *q, const T *k, const T *v, const int64_t *keys, in
                                              _mm512_mul_ps(o[a][u], s));                       \
                 }                                                                              \
             }                                                                                  \
+    return 0;                                                                                  \
 }
 
 DEFINE_ATTEND(attend_f32, float, load_f32)
@@ -215,14 +216,15 @@ int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, 
     /* whole sequences when there are enough to share out, else (sequence, kv head) pairs */  \
     int64_t split = B >= 2 * threads && H <= MAX_HEADS ? 1 : kv_heads;                         \
     int64_t nkv = kv_heads / split;                                                            \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && B * split > 1)") \
+    int failed = 0;                                                                            \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && B * split > 1) reduction(|:failed)") \
     for (int64_t unit = 0; unit < B * split; unit++) {                                         \
         int64_t b = unit / split, kv0 = (unit % split) * nkv;                                  \
         const float *qb = q + (rows ? rows[b] : b) * q_row_stride;                             \
-        ATTEND(qb, k, v, keys + b * L, counts[b], kv0, nkv, kv_heads, group, d, scale,         \
-               out + b * H * d);                                                               \
+        failed |= ATTEND(qb, k, v, keys + b * L, counts[b], kv0, nkv, kv_heads, group, d,      \
+                         scale, out + b * H * d) != 0;                                         \
     }                                                                                          \
-    return 0;                                                                                  \
+    return failed ? -1 : 0;                                                                    \
 }
 #else
 #define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
