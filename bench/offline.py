@@ -150,23 +150,41 @@ def isolated_gemm_seconds(args, m: int, repeats: int = 20,
     on the model's own shapes with distinct weights per layer — the engine's own weights in
     their own precision when given (`model_step_weights`), else random fp32 ones; returns
     (seconds, GFLOP)."""
+    one_pass, gflop = gemm_pass(args, m, weights)
+    return statistics.median(one_pass() for _ in range(repeats)), gflop
+
+
+def gemm_pass(args, m: int, weights: list | None = None):
+    """(a function timing one pass of the step's GEMMs alone, in seconds; their GFLOP),
+    warmed up: see isolated_gemm_seconds."""
     import torch
 
     from kernels import ops
 
     weights = step_weights(args) if weights is None else weights
-    x = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
+    # each GEMM in its own precision: bf16 rows into a weight whose bf16 dense copy takes m
+    # rows (no conversion op around it, as in the engine's bf16 stream), fp32 otherwise
+    inputs = [torch.randn(m, w.shape[1], dtype=_gemm_input_dtype(w, m)) for w in weights]
     flop = sum(2.0 * m * w.shape[0] * w.shape[1] for w in weights)
-    with torch.inference_mode():
-        for w in weights:                      # warm-up: first touch of every page
-            ops.linear(x[w.shape[1]], w)
-        times = []
-        for _ in range(repeats):
+
+    def one_pass() -> float:
+        with torch.inference_mode():
             start = time.perf_counter()
-            for w in weights:
-                ops.linear(x[w.shape[1]], w)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), flop / 1e9
+            for x, w in zip(inputs, weights):
+                ops.linear(x, w)
+            return time.perf_counter() - start
+
+    one_pass()  # warm-up: first touch of every page
+    return one_pass, flop / 1e9
+
+
+def _gemm_input_dtype(w, m: int):
+    import torch
+
+    from kernels.quant import QuantWeight
+
+    dense_from = w.dense_from_rows() if isinstance(w, QuantWeight) else None
+    return torch.bfloat16 if dense_from is not None and m >= dense_from else torch.float32
 
 
 class _TimedSampler:
@@ -187,9 +205,11 @@ class _TimedSampler:
 
 
 def decode_step_seconds(llm, batch: int, context: int, steps: int = 12,
-                        temperature: float = 0.0, top_p: float = 1.0) -> tuple[float, float]:
-    """Median wall time of one engine step with `batch` sequences all decoding, and the
-    median time of its sampler call."""
+                        temperature: float = 0.0, top_p: float = 1.0,
+                        between=None) -> tuple[float, float, list[float], list[float]]:
+    """Median wall time of one engine step with `batch` sequences all decoding, the median
+    time of its sampler call, every step's time, and what `between()` (called after each
+    step, when given) returned each time."""
     from engine.messages import AddRequest
     from engine.sampling_params import SamplingParams
 
@@ -203,19 +223,21 @@ def decode_step_seconds(llm, batch: int, context: int, steps: int = 12,
         core.add_request(AddRequest(req_id, prompt, params))
     while any(r.num_output_tokens == 0 for r in core.requests.values()):
         core.step()  # prefill everything first
-    times = []
+    times, paired = [], []
     sampler, core.sampler = core.sampler, _TimedSampler(core.sampler)
     try:
         for _ in range(steps):
             start = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - start)
+            if between is not None:
+                paired.append(between())
         sampled = core.sampler.seconds
     finally:
         core.sampler = sampler
     core.abort_requests(ids)
     core.step()
-    return statistics.median(times), statistics.median(sampled)
+    return statistics.median(times), statistics.median(sampled), times, paired
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,15 +270,19 @@ def run(args: argparse.Namespace) -> int:
     result["engine_batch1_rounds"] = engine_b1
     result["steps"] = []
     for b in [int(x) for x in args.step_batches.split(",")]:
-        step_s, sampler_s = decode_step_seconds(llm, b, args.step_context,
-                                                temperature=args.step_temperature,
-                                                top_p=args.step_top_p)
-        gemm_s, gflop = isolated_gemm_seconds(llm.engine.args, b,
-                                              weights=model_step_weights(llm.engine.model))
+        # each step is followed by one pass of its GEMMs alone, so the two see the same box
+        # (this VM's speed drifts by tens of percent within a minute): the fraction is the
+        # median of the 20 pairs' ratios
+        one_pass, gflop = gemm_pass(llm.engine.args, b, model_step_weights(llm.engine.model))
+        step_s, sampler_s, steps, gemms = decode_step_seconds(
+            llm, b, args.step_context, steps=20, temperature=args.step_temperature,
+            top_p=args.step_top_p, between=one_pass)
+        gemm_s = statistics.median(gemms)
         result["steps"].append({"batch": b, "step_ms": step_s * 1e3, "gemm_ms": gemm_s * 1e3,
                                 "sampler_ms": sampler_s * 1e3,
                                 "gemm_gflops": gflop / gemm_s, "step_gflops": gflop / step_s,
-                                "fraction_of_gemm_rate": gemm_s / step_s})
+                                "fraction_of_gemm_rate": statistics.median(
+                                    g / s for g, s in zip(gemms, steps))})
     if model is not None:
         result["hf"] = run_hf(model, prompts, outputs, args.hf_batch_size)
         result["hf_batch1_tok_s"] = statistics.median(hf_b1)

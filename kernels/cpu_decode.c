@@ -58,27 +58,6 @@ static void key_slots(const int32_t *block_tables, int64_t table_stride, const i
     }
 }
 
-/* fp32 -> bf16 rounded to nearest even, as torch's conversion does (NaN -> a quiet NaN) */
-static void to_bf16(const float *x, uint16_t *out, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-    for (; i + 16 <= n; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        __m512i u = _mm512_castps_si512(v);
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0),
-                                    _mm512_srli_epi32(r, 16));
-        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(r));
-    }
-#endif
-    for (; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, x + i, sizeof u);
-        out[i] = x[i] != x[i] ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-}
-
 /* the rows' k and v into their cache slots, as fp32 or rounded to bf16 */
 static void store_kv(const float *qkv, int64_t width, int64_t q_size, int64_t kv_size,
                      const int64_t *slots, int64_t m, void *k_cache, void *v_cache, int kv_bf16) {

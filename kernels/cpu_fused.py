@@ -3,6 +3,12 @@
     rms_norm(x, weight, eps, residual)   one pass instead of ~12 torch ops
     rope_neox_(x, positions, cache)      in place, instead of gather + roll + 3 arithmetic ops
     silu_mul(gate_up)                    silu(gate) * up, one pass instead of 3 ops
+    rope_store_kv(qkv, ...)              rotary of q and k, and the KV cache write, in one
+
+RMSNorm and SiLU-and-mul also read bf16 inputs and write bf16 outputs (`out_dtype`), and
+rope_store_kv reads a bf16 q/k/v matmul output: a step whose matmuls run in bf16 then needs
+no conversion op between them (engine/models/llama.py), with bitwise the results of the fp32
+kernels followed by torch's conversions.
 
 A batch-1 decode step is set by per-op overhead (DESIGN.md §5), so these three chains,
 repeated in every layer, are worth a kernel. The C source is built with the machine's own
@@ -57,14 +63,21 @@ def use_fused(enabled: bool = True):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
-    """`rms_norm_ref` semantics (offset 0) for contiguous fp32 `[rows, n]`."""
-    out = torch.empty_like(x)
-    new_residual = torch.empty_like(x) if residual is not None else None
-    _load().rms_norm_f32(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                         weight.data_ptr(), out.data_ptr(),
-                         0 if new_residual is None else new_residual.data_ptr(),
-                         x.shape[0], x.shape[1], eps)
+             residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """`rms_norm_ref` semantics (offset 0) for contiguous `[rows, n]`: x fp32 (or bf16 with
+    out_dtype given), weight and residual fp32, out in out_dtype (default x's)."""
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype)
+    new_residual = torch.empty_like(residual) if residual is not None else None
+    residual_args = (0 if residual is None else residual.data_ptr(), weight.data_ptr())
+    if out_dtype is None:
+        _load().rms_norm_f32(x.data_ptr(), *residual_args, out.data_ptr(),
+                             0 if new_residual is None else new_residual.data_ptr(),
+                             x.shape[0], x.shape[1], eps)
+    else:
+        _check(_load().rms_norm_mixed(
+            x.data_ptr(), _is_bf16(x), *residual_args, out.data_ptr(), _is_bf16(out),
+            0 if new_residual is None else new_residual.data_ptr(), x.shape[0], x.shape[1], eps,
+            torch.get_num_threads()))
     return out if residual is None else (out, new_residual)
 
 
@@ -75,12 +88,33 @@ def rope_neox_(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) ->
     return x
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`[rows, 2n]` contiguous fp32 -> `silu(gate) * up`, `[rows, n]`."""
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`[rows, 2n]` contiguous fp32 (or bf16 with out_dtype given) -> `silu(gate) * up`,
+    `[rows, n]`, computed in fp32 and written in out_dtype (default gate_up's)."""
     n = gate_up.shape[1] // 2
-    out = gate_up.new_empty(gate_up.shape[0], n)
-    _load().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
+    out = torch.empty(gate_up.shape[0], n, dtype=out_dtype or gate_up.dtype)
+    if out_dtype is None:
+        _load().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n)
+    else:
+        _check(_load().silu_mul_mixed(gate_up.data_ptr(), _is_bf16(gate_up), out.data_ptr(),
+                                      _is_bf16(out), gate_up.shape[0], n,
+                                      torch.get_num_threads()))
     return out
+
+
+def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                  positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """A fused q/k/v projection's output `[T, (heads + 2 kv_heads) D]` (fp32 or bf16, rows
+    contiguous, any row stride): returns q rotated, fp32 `[T, heads, D]`; k rotated and v
+    are written into the caches' slots (slot < 0: skipped), rounded to bf16 for bf16 caches.
+    Bitwise `rope_neox_` on the fp32 values, then `store_kv_ref`."""
+    q = torch.empty(qkv.shape[0], heads, head_dim)
+    _check(_load().rope_store_kv(
+        qkv.data_ptr(), _is_bf16(qkv), qkv.stride(0), qkv.shape[0], heads, kv_heads, head_dim,
+        cache.data_ptr(), positions.data_ptr(), slots.data_ptr(), q.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), _is_bf16(k_cache), torch.get_num_threads()))
+    return q
 
 
 def fits(*tensors: torch.Tensor) -> bool:
@@ -88,11 +122,26 @@ def fits(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
+def fits_mixed(*tensors: torch.Tensor) -> bool:
+    """Whether the `out_dtype` forms take these as activations: fp32 or bf16 on the CPU."""
+    return all(t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
+               for t in tensors)
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("fused CPU kernel: out of memory for its scratch row")
+
+
 # ------------------------------------------------------------------------ build and load
 def _load():
     global _lib
     if _lib is None:
-        _lib = load_library(_SOURCE, ["-ffp-contract=off"], ("-lmvec",), _declare,
+        _lib = load_library(_SOURCE, ["-fopenmp", "-ffp-contract=off"], ("-lmvec",), _declare,
                             "fused CPU kernels")
     return _lib
 
@@ -160,4 +209,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_mul_f32.argtypes = [_P, _P, _I, _I]
     for fn in (lib.rms_norm_f32, lib.rope_neox_f32, lib.silu_mul_f32):
         fn.restype = None
+    _C = ctypes.c_int
+    lib.rms_norm_mixed.argtypes = [_P, _C, _P, _P, _P, _C, _P, _I, _I, _F, _C]
+    lib.silu_mul_mixed.argtypes = [_P, _C, _P, _C, _I, _I, _C]
+    lib.rope_store_kv.argtypes = [_P, _C, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _C, _C]
+    for fn in (lib.rms_norm_mixed, lib.silu_mul_mixed, lib.rope_store_kv):
+        fn.restype = _C
     return lib

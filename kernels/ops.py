@@ -55,8 +55,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, offset: float = 0.0):
-    """HF RMSNorm (offset=1.0: Gemma3). Returns out, or (out, x + residual) given residual."""
+             residual: torch.Tensor | None = None, offset: float = 0.0,
+             out_dtype: torch.dtype | None = None):
+    """HF RMSNorm (offset=1.0: Gemma3). Returns out, or (out, x + residual) given residual.
+    `out_dtype` (the bf16 matmul stream, see engine/models/llama.py): x may be bf16 beside an
+    fp32 residual; the sum and the norm are computed as for `x.float()`, and out is rounded
+    once to out_dtype."""
+    if out_dtype is not None:
+        return _rms_norm_mixed(x, weight, eps, residual, offset, out_dtype)
     if runs_triton(x):
         return _rms_norm.rms_norm_triton(x, weight, eps, residual, offset)
     if is_batch_invariant():
@@ -69,6 +75,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             return out.view(x.shape)
         return out[0].view(x.shape), out[1].view(x.shape)
     return _rms_norm.rms_norm_ref(x, weight, eps, residual, offset)
+
+
+def _rms_norm_mixed(x, weight, eps, residual, offset, out_dtype):
+    if cpu_fused.is_enabled() and not offset and not is_batch_invariant() \
+            and cpu_fused.fits_mixed(x) and cpu_fused.fits(weight) \
+            and (residual is None or cpu_fused.fits(residual) and residual.is_contiguous()) \
+            and x.is_contiguous() and weight.is_contiguous():
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_fused.rms_norm(rows, weight, eps, None if residual is None
+                                 else residual.reshape(rows.shape), out_dtype)
+        if residual is None:
+            return out.view(x.shape)
+        return out[0].view(x.shape), out[1].view(x.shape)
+    if residual is not None:
+        x = x.to(residual.dtype)
+    out = rms_norm(x, weight, eps, residual, offset)
+    if residual is None:
+        return out.to(out_dtype)
+    return out[0].to(out_dtype), out[1]
 
 
 def _fused_norm_fits(x, weight, residual) -> bool:
@@ -87,6 +112,32 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     """RoPE (neox, full head) of `x [num_tokens, heads, head_dim]` from a step's tables."""
     return rotary.apply_rope(x, tables)
+
+
+def rope_and_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                      positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      all_valid: bool | None = None) -> torch.Tensor:
+    """A fused q/k/v projection's output `[T, (heads + 2 kv_heads) D]` (any float dtype):
+    rotary (neox, full head) of q and k computed in fp32, k and v stored into the cache
+    slots as `store_kv` does; returns q, fp32 `[T, heads, D]`. On the CPU one fused kernel;
+    elsewhere the ops it stands for, on `qkv.float()`."""
+    if not runs_triton(qkv) and cpu_fused.available() and cpu_fused.fits_mixed(qkv) \
+            and cpu_fused.fits(cos_sin_cache) and cos_sin_cache.is_contiguous() \
+            and cos_sin_cache.shape[-1] == head_dim and qkv.stride(1) == 1 \
+            and positions.dtype == slot_mapping.dtype == torch.int64 \
+            and positions.is_contiguous() and slot_mapping.is_contiguous() \
+            and k_cache.is_contiguous() and v_cache.is_contiguous() \
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16) \
+            and not is_batch_invariant():
+        return cpu_fused.rope_store_kv(qkv, heads, kv_heads, head_dim, positions,
+                                       cos_sin_cache, slot_mapping, k_cache, v_cache)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q, k, v = qkv.float().split([q_size, kv_size, kv_size], dim=-1)
+    q, k = rotary_embedding(positions, q.reshape(-1, heads, head_dim),
+                            k.reshape(-1, kv_heads, head_dim), cos_sin_cache)
+    store_kv(k, v.reshape(-1, kv_heads, head_dim), k_cache, v_cache, slot_mapping, all_valid)
+    return q
 
 
 def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
@@ -112,10 +163,14 @@ def matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight,
-           bias: torch.Tensor | None = None):
-    """`x [..., K] @ weight [N, K].T + bias`; a QuantWeight runs its weight-only kernel."""
+           bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """`x [..., K] @ weight [N, K].T + bias`; a QuantWeight runs its weight-only kernel.
+    `out_dtype`: the result's dtype (default x's); a bf16 matmul's output is then returned
+    without a round trip through x's dtype."""
     if isinstance(weight, QuantWeight):
-        return weight.linear(x, bias)
+        return weight.linear(x, bias, out_dtype)
+    if out_dtype is not None and out_dtype != x.dtype:
+        return linear(x, weight, bias).to(out_dtype)
     if is_batch_invariant():
         if x.is_cuda:
             return _matmul.linear_triton(x, weight, bias)
@@ -130,8 +185,15 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=dim)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`[..., 2n]` -> `silu(gate_up[..., :n]) * gate_up[..., n:]`."""
+def silu_and_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`[..., 2n]` -> `silu(gate_up[..., :n]) * gate_up[..., n:]`. `out_dtype` (the bf16
+    matmul stream): computed as for `gate_up.float()`, rounded once to out_dtype."""
+    if out_dtype is not None:
+        if cpu_fused.is_enabled() and cpu_fused.fits_mixed(gate_up) and gate_up.is_contiguous() \
+                and not is_batch_invariant():
+            return cpu_fused.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]), out_dtype).view(
+                *gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        return silu_and_mul(gate_up.float()).to(out_dtype)
     if runs_triton(gate_up):
         return activation.silu_and_mul_triton(gate_up)
     if cpu_fused.is_enabled() and cpu_fused.fits(gate_up) and gate_up.is_contiguous() \

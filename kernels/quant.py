@@ -155,8 +155,19 @@ class QuantWeight:
             if self._packed is not None else (self.q, self.scale, self.zero)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`x [..., K] @ w.T + bias -> [..., N]` with the quantized kernel."""
+    def dense_from_rows(self) -> int | None:
+        """The fewest rows `linear` runs through the bf16 dense copy (always inside a prompt
+        step), None without one; packs the weight first."""
+        if self._packed is None:
+            self.pack()
+        if self.dense is None:
+            return None
+        return (MAX_PACKED_ROWS if self._vnni is None else MAX_VNNI_ROWS) + 1
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`x [..., K] @ w.T + bias -> [..., N]` with the quantized kernel, in out_dtype
+        (default x's dtype; the dense bf16 path then skips its conversion back)."""
         vnni = self._vnni
         if vnni is not None and bias is None and x.dtype == torch.float32 \
                 and not (self.dense is not None and _prompt_step):  # the decode fast path
@@ -164,6 +175,8 @@ class QuantWeight:
             if self.dense is None or rows.shape[0] <= MAX_VNNI_ROWS:
                 rows = rows if rows.stride(1) == 1 else rows.contiguous()
                 out = cpu_qgemv.linear(vnni, rows, self._vnni_pointers)
+                if out_dtype is not None:
+                    out = out.to(out_dtype)
                 return out if x.dim() == 2 else out.view(*x.shape[:-1], vnni.n)
         if self._packed is None:
             self.pack()
@@ -180,9 +193,11 @@ class QuantWeight:
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self._dtype), self._packed,
                                                      self.scale)
-        out = out.to(x.dtype)
+        out = out.to(x.dtype if bias is not None or out_dtype is None else out_dtype)
         if bias is not None:
             out = out + bias
+            if out_dtype is not None:
+                out = out.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.shape[0])
 
 

@@ -12,6 +12,7 @@ Qwen2 and Qwen3 (engine/models/qwen.py) and Gemma 3 (engine/models/gemma3.py) bu
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -42,6 +43,9 @@ class ForwardContext:
     host_seq_lens: list[int] | None = None
     block_size: int = 0
     slots_valid: bool | None = None  # no negative slot in slot_mapping (None: unknown)
+    # set by the model for the step: the dtype its matmuls take and give (bf16 when every one
+    # runs through a bf16 dense copy); None: the activations' dtype throughout
+    gemm_dtype: torch.dtype | None = None
     _memo: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def group_inputs(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,16 +135,23 @@ class Attention:
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int,
                 cos_sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.rotated_qkv(x, ctx, cos_sin)
         k_cache, v_cache = ctx.kv_caches[layer]
         block_tables, slot_mapping = ctx.group_inputs(self.sliding_window)
-        ops.store_kv(k, v, k_cache, v_cache, slot_mapping,
-                     ctx.slots_valid if slot_mapping is ctx.slot_mapping else None)
+        valid = ctx.slots_valid if slot_mapping is ctx.slot_mapping else None
+        if ctx.gemm_dtype is not None:  # the bf16 stream: x and the q/k/v output are bf16
+            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)
+            q = ops.rope_and_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                      ctx.positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                      valid)
+        else:
+            q, k, v = self.rotated_qkv(x, ctx, cos_sin)
+            ops.store_kv(k, v, k_cache, v_cache, slot_mapping, valid)
         out = ops.paged_attention(q, k_cache, v_cache, block_tables, ctx.query_start_loc,
                                   ctx.seq_lens, self.scale, self.sliding_window,
                                   plan=ctx.attention_plan(self.sliding_window),
                                   lens=ctx.step_lens())
-        return ops.linear(out.reshape(-1, self.q_size), self.o_weight)  # [T, hidden]
+        return ops.linear(out.reshape(-1, self.q_size), self.o_weight,  # [T, hidden]
+                          out_dtype=ctx.gemm_dtype)
 
 
 class MLP:
@@ -154,8 +165,13 @@ class MLP:
         """`[T, 2 * intermediate]` -> `act(gate) * up`."""
         return ops.silu_and_mul(gate_up)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(self.act_and_mul(ops.linear(x, self.gate_up_weight)), self.down_weight)
+    def forward(self, x: torch.Tensor, stream: torch.dtype | None = None) -> torch.Tensor:
+        """`stream` (ForwardContext.gemm_dtype): x and the output are in that dtype, and so is
+        the activation between the two matmuls."""
+        gate_up = ops.linear(x, self.gate_up_weight)
+        act = self.act_and_mul(gate_up) if stream is None else \
+            ops.silu_and_mul(gate_up, out_dtype=stream)
+        return ops.linear(act, self.down_weight)
 
 
 class DecoderLayer:
@@ -170,13 +186,14 @@ class DecoderLayer:
         self.mlp = MLP(state, f"{prefix}.mlp")
 
     def forward(self, h, residual, ctx: ForwardContext, layer: int, cos_sin):
+        stream = ctx.gemm_dtype  # None, or the bf16 stream (then h arrives and leaves in bf16)
         if residual is None:
-            h, residual = ops.rms_norm(h, self.input_norm, self.eps), h
+            h, residual = ops.rms_norm(h, self.input_norm, self.eps, out_dtype=stream), h
         else:
-            h, residual = ops.rms_norm(h, self.input_norm, self.eps, residual)
+            h, residual = ops.rms_norm(h, self.input_norm, self.eps, residual, out_dtype=stream)
         h = self.attn.forward(h, ctx, layer, cos_sin)
-        h, residual = ops.rms_norm(h, self.post_norm, self.eps, residual)
-        return self.mlp.forward(h), residual
+        h, residual = ops.rms_norm(h, self.post_norm, self.eps, residual, out_dtype=stream)
+        return (self.mlp.forward(h) if stream is None else self.mlp.forward(h, stream)), residual
 
 
 class LlamaForCausalLM:
@@ -195,6 +212,7 @@ class LlamaForCausalLM:
         self.lm_head = self.embed if tied else lm_head  # a quantized head is its own copy
         self.cos_sin = self.rope_cache(args)
         self._decode_stack: cpu_decode.DecodeStack | None | bool = None  # None: not built yet
+        self._stream_rows: int | None | bool = None  # None: not looked at yet; False: never
         unused = [k for k in state if "rotary_emb" not in k]
         if unused:
             raise ValueError(f"weights not used by {args.arch}: {unused[:5]}")
@@ -210,11 +228,29 @@ class LlamaForCausalLM:
         if stack is not None:
             return stack.forward(h, ctx.kv_caches, ctx.positions, ctx.slot_mapping,
                                  ctx.block_tables, ctx.seq_lens, ctx.block_size)
+        ctx.gemm_dtype = self._gemm_stream(h)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer.forward(h, residual, ctx, i, self.cos_sin)
-        h, _ = ops.rms_norm(h, self.norm, self.args.rms_norm_eps, residual)
+        h, _ = ops.rms_norm(h, self.norm, self.args.rms_norm_eps, residual,
+                            out_dtype=None if ctx.gemm_dtype is None else residual.dtype)
         return h
+
+    def _gemm_stream(self, h: torch.Tensor) -> torch.dtype | None:
+        """bf16 when every matmul of this step runs through its weight's bf16 dense copy
+        (enough rows, or a prompt step) on the CPU with the fused kernels on: the layers then
+        pass the matmuls' bf16 outputs straight to the fused norm, rotary + cache write and
+        SiLU kernels and take bf16 back, instead of converting each to fp32 and back (8
+        conversion ops a layer fewer). The roundings are the same ones, so the step's results
+        are bitwise those of the fp32 activations path (`DUPLEX_BF16_STREAM=0`)."""
+        if self._stream_rows is None:
+            self._stream_rows = stream_rows(self) or False
+        if not self._stream_rows or h.dtype != torch.float32 or ops.runs_triton(h) \
+                or not cpu_fused.is_enabled() or is_batch_invariant() \
+                or os.environ.get("DUPLEX_BF16_STREAM", "1") == "0":
+            return None
+        return torch.bfloat16 if quant.in_prompt_step() or h.shape[0] >= self._stream_rows \
+            else None
 
     def _fused_decode(self, h: torch.Tensor, ctx: ForwardContext) -> cpu_decode.DecodeStack | None:
         """The one-call decode stack (kernels.cpu_decode) when this step can take it: every
@@ -234,6 +270,23 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
         return ops.linear(hidden, self.lm_head).float()
+
+
+def stream_rows(model: LlamaForCausalLM) -> int | None:
+    """The fewest rows from which every matmul of the model runs through a bf16 dense copy,
+    or None when a layer is not the plain Llama one or a weight has no dense copy."""
+    rows = 0
+    for layer in model.layers:
+        a, mlp = layer.attn, layer.mlp
+        if (type(layer), type(a), type(mlp)) != (DecoderLayer, Attention, MLP) \
+                or a.qkv_bias is not None:
+            return None
+        for w in (a.qkv_weight, a.o_weight, mlp.gate_up_weight, mlp.down_weight):
+            need = w.dense_from_rows() if isinstance(w, QuantWeight) else None
+            if need is None:
+                return None
+            rows = max(rows, need)
+    return rows
 
 
 def decode_stack(model: LlamaForCausalLM) -> cpu_decode.DecodeStack | None:

@@ -47,3 +47,28 @@ def test_float32_mode_never_takes_it(default_model, monkeypatch):
     core = make_core(default_model, num_kv_blocks=64)  # exact mode: no fused kernels
     _run(core, monkeypatch, "1")
     assert core.model._decode_stack is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "float32"])
+def test_bf16_matmul_stream_equals_the_fp32_activations_path(default_model, monkeypatch,
+                                                             kv_dtype):
+    """Steps whose matmuls all run through the bf16 dense copies (prefill, decode batches
+    above the VNNI kernel's rows) hand the bf16 outputs straight to the fused kernels
+    (engine/models/llama.py `_gemm_stream`); the roundings are the same ones, so tokens and
+    logprobs are bitwise those of the path that converts to fp32 and back around each."""
+    from kernels import cpu_fused, quant
+    calls = []
+    fused = cpu_fused.rope_store_kv
+    monkeypatch.setattr(cpu_fused, "rope_store_kv",
+                        lambda qkv, *a: calls.append(qkv.shape[0]) or fused(qkv, *a))
+    prompts = [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(quant.MAX_VNNI_ROWS + 4)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DUPLEX_BF16_STREAM", flag)
+        core = make_core(default_model, weights_dtype="auto", kv_cache_dtype=kv_dtype,
+                         num_kv_blocks=128)
+        runs[flag] = run_engine(core, prompts, params)
+        assert (len(calls) > 0) == (flag == "1")
+    assert quant.MAX_VNNI_ROWS + 4 in calls  # a decode batch took it, not only prefill
+    assert runs["1"] == runs["0"]
