@@ -119,13 +119,15 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
 
 def fits(*tensors: torch.Tensor) -> bool:
     """Whether the fused ops take these: fp32 on the CPU."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors)
 
 
 def fits_mixed(*tensors: torch.Tensor) -> bool:
     """Whether the `out_dtype` forms take these as activations: fp32 or bf16 on the CPU."""
-    return all(t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
-               for t in tensors)
+    return all(t.dtype in _ACTIVATIONS and t.is_cpu for t in tensors)
+
+
+_ACTIVATIONS = (torch.float32, torch.bfloat16)
 
 
 def _is_bf16(t: torch.Tensor) -> int:

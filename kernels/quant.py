@@ -184,7 +184,8 @@ class QuantWeight:
         rows = x.reshape(-1, self.shape[1])
         limit = MAX_PACKED_ROWS if self._vnni is None else MAX_VNNI_ROWS
         if self.dense is not None and (_prompt_step or rows.shape[0] > limit):
-            out = torch.nn.functional.linear(rows.to(torch.bfloat16), self.dense)
+            out = torch.nn.functional.linear(
+                rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16), self.dense)
         elif self._vnni is not None:
             out = cpu_qgemv.linear(self._vnni, _fp32_rows(rows))
         elif self.bits == 4:
@@ -193,7 +194,9 @@ class QuantWeight:
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self._dtype), self._packed,
                                                      self.scale)
-        out = out.to(x.dtype if bias is not None or out_dtype is None else out_dtype)
+        dtype = x.dtype if bias is not None or out_dtype is None else out_dtype
+        if out.dtype != dtype:
+            out = out.to(dtype)
         if bias is not None:
             out = out + bias
             if out_dtype is not None:
