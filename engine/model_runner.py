@@ -13,8 +13,9 @@ full-attention layers only and `swa_kv` the sliding-window layers, each with its
 ids; the step then carries a second block table and slot mapping for the SWA layers.
 
 The runner's `Platform` (engine/platform.py; the CPU by default) says where weights, KV and
-step tensors live: step inputs are built on the host from the scheduler's numbers and
-copied to the device once per step (on the CPU they are used as they are).
+step tensors live: step inputs are built on the host from the scheduler's numbers, laid out
+in one byte buffer and moved to the device in one copy per step (`StepTransfer`; on the CPU
+that buffer is the step's memory itself).
 """
 from __future__ import annotations
 
@@ -39,6 +40,62 @@ class StepInputs(NamedTuple):
     computes_prompt: bool = False  # some row is a prompt token (see quant.prompt_step)
 
 
+class StepTransfer:
+    """A step's integer inputs in one byte buffer, moved to the device in one copy.
+
+    CUDA: the host side is one of two pinned buffers used in turn (an event recorded after
+    each copy says when a buffer may be written again), the copy is non-blocking, and the
+    device side is a fresh buffer from torch's caching allocator, so no step's tensors alias
+    another's. CPU: a fresh buffer each step, used in place (no copy)."""
+
+    ALIGN = 16  # bytes: every segment starts aligned for its dtype's views
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._copied: list = [None, None]  # the event after each host buffer's last copy
+        self._turn = 0
+        self.copies = 0  # host -> device copies made (one per step on CUDA)
+
+    def move(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Tensors on the platform's device equal to `arrays` (int32 / int64 numpy)."""
+        offsets, size = [], 0
+        for a in arrays:
+            offsets.append(size)
+            size += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        host = self._host_buffer(max(size, self.ALIGN))
+        flat = host.numpy()
+        for a, off in zip(arrays, offsets):
+            flat[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        if self.platform.is_cuda:
+            buf = torch.empty(host.numel(), dtype=torch.uint8, device=self.platform.device)
+            buf.copy_(host, non_blocking=True)
+            event = self.platform.event()
+            event.record()
+            self._copied[self._turn] = event
+            self._turn ^= 1
+            self.copies += 1
+        else:
+            buf = host
+        return [buf[off:off + a.nbytes].view(_TORCH_INT[a.dtype.type]).view(a.shape)
+                for a, off in zip(arrays, offsets)]
+
+    def _host_buffer(self, size: int) -> torch.Tensor:
+        if not self.platform.is_cuda:  # the step's own memory: never reused
+            return torch.empty(size, dtype=torch.uint8)
+        turn = self._turn
+        host = self._host[turn]
+        if host is None or host.numel() < size:
+            capacity = max(size, 2 * (0 if host is None else host.numel()))
+            host = self._host[turn] = self.platform.empty_host((capacity,), torch.uint8)
+        elif self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # the copy that read it two steps ago is done
+        return host[:size]
+
+
+_TORCH_INT = {np.int32: torch.int32, np.int64: torch.int64}
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  layout: HybridLayout | None = None, platform: Platform | None = None) -> None:
@@ -46,6 +103,7 @@ class ModelRunner:
         self.platform = platform or cpu()
         self.device = self.platform.device
         self.model = place(model, self.platform) if self.platform.is_cuda else model
+        self.transfer = StepTransfer(self.platform)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layout = layout
@@ -91,22 +149,24 @@ class ModelRunner:
         table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for row, (req, _) in enumerate(scheduled):
             table[row, :len(req.block_ids)] = req.block_ids
-        dev = self.platform.to_device  # host lists -> one copy each (none on the CPU)
-        ctx = ForwardContext(
-            positions=dev(torch.tensor(positions, dtype=torch.long)),
-            slot_mapping=dev(torch.tensor(slots, dtype=torch.long)),
-            block_tables=dev(torch.from_numpy(table)),
-            query_start_loc=dev(torch.tensor([0, *itertools.accumulate(query_lens)],
-                                             dtype=torch.int32)),
-            seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)), kv_caches=self.kv_caches,
-            query_lens=query_lens, host_seq_lens=seq_lens, block_size=bs,
-            slots_valid=slots_valid)
+        arrays = [np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                  np.asarray(slots, dtype=np.int64), table,
+                  np.asarray([0, *itertools.accumulate(query_lens)], dtype=np.int32),
+                  np.asarray(seq_lens, dtype=np.int32)]
         if self.layout is not None:
             num_cols = max(max_blocks, *(len(s.req.swa_block_ids) for s in scheduled))
             tables, swa_slots = swa_step_inputs(scheduled, bs, self.layout.null_block, num_cols)
-            ctx.swa_block_tables, ctx.swa_slot_mapping = dev(tables), dev(swa_slots)
-        return StepInputs(dev(torch.tensor(ids, dtype=torch.long)), ctx, sample_rows,
-                          sample_positions, computes_prompt)
+            arrays += [tables.numpy(), swa_slots.numpy()]
+        moved = self.transfer.move(arrays)  # one host -> device copy (none on the CPU)
+        input_ids, positions_t, slots_t, table_t, starts_t, seq_lens_t = moved[:6]
+        ctx = ForwardContext(
+            positions=positions_t, slot_mapping=slots_t, block_tables=table_t,
+            query_start_loc=starts_t, seq_lens=seq_lens_t, kv_caches=self.kv_caches,
+            query_lens=query_lens, host_seq_lens=seq_lens, block_size=bs,
+            slots_valid=slots_valid)
+        if self.layout is not None:
+            ctx.swa_block_tables, ctx.swa_slot_mapping = moved[6:]
+        return StepInputs(input_ids, ctx, sample_rows, sample_positions, computes_prompt)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, logit_positions: list[int] | None = None) -> torch.Tensor:

@@ -97,6 +97,12 @@ def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
         def empty(self, shape, dtype):
             return torch.empty(shape, dtype=dtype, device=self.device)
 
+        def empty_host(self, shape, dtype):  # no pinned allocator without CUDA
+            return torch.empty(shape, dtype=dtype)
+
+        def event(self):
+            return plat.NullEvent()
+
     meta = FakeCudaPlatform(torch.device("meta"), torch.float32, "gloo")
     runner = ModelRunner(FakeModel(), 4, 2, torch.float32, platform=meta)
     assert runner.kv.device.type == "meta" and runner.model.embed.device.type == "meta"
@@ -108,6 +114,31 @@ def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
             ctx.query_start_loc, ctx.seq_lens]
     assert all(t.device.type == "meta" for t in step)
     assert inputs.sample_positions == [2] and ctx.query_lens == [3]
+    assert runner.transfer.copies == 1  # all six in one host -> device copy
+    runner.prepare([ScheduledRequest(req, 3)])
+    assert runner.transfer.copies == 2
+
+
+def test_step_transfer_lays_mixed_inputs_out_in_one_buffer():
+    """Every array comes back equal, with its dtype and shape, as a view of one buffer; on
+    the CPU a fresh one each step, so a step's tensors survive the next step's."""
+    import numpy as np
+
+    from engine.model_runner import StepTransfer
+
+    transfer = StepTransfer(plat.cpu())
+    arrays = [np.arange(5, dtype=np.int64), np.array([[3, 1], [4, 1], [5, 9]], dtype=np.int32),
+              np.zeros(0, dtype=np.int64), np.array([-1, 2**40], dtype=np.int64),
+              np.arange(3, dtype=np.int32)]
+    first = transfer.move(arrays)
+    for a, t in zip(arrays, first):
+        assert t.dtype == {np.int32: torch.int32, np.int64: torch.int64}[a.dtype.type]
+        assert t.shape == a.shape and t.is_contiguous() and np.array_equal(t.numpy(), a)
+    assert len({t.untyped_storage().data_ptr() for t in first}) == 1  # one buffer
+    kept = [t.clone() for t in first]
+    transfer.move([a + 7 for a in arrays])
+    assert all(torch.equal(t, k) for t, k in zip(first, kept))
+    assert transfer.copies == 0  # nothing to copy on the CPU
 
 
 def test_device_flags_are_checked_and_a_gpu_keeps_no_cpu_only_precision():
@@ -124,3 +155,21 @@ def test_device_flags_are_checked_and_a_gpu_keeps_no_cpu_only_precision():
     assert resolve_precision(EngineConfig.of(), plat.cpu())[1] == "auto"
     with pytest.raises(ValueError, match="quantized kernels only"):
         resolve_precision(EngineConfig.of(weights_dtype="int4"), gpu)
+
+
+@pytest.mark.gpu
+def test_step_transfer_on_cuda_is_one_copy_from_two_pinned_buffers():
+    import numpy as np
+
+    from engine.model_runner import StepTransfer
+
+    transfer = StepTransfer(plat.resolve("cuda"))
+    steps = [[np.arange(4, dtype=np.int64) + i, np.full((2, 3), i, dtype=np.int32)]
+             for i in range(5)]
+    moved = [transfer.move(arrays) for arrays in steps]
+    torch.cuda.synchronize()
+    for arrays, tensors in zip(steps, moved):
+        assert all(t.is_cuda and np.array_equal(t.cpu().numpy(), a)
+                   for a, t in zip(arrays, tensors))
+    assert transfer.copies == 5
+    assert all(h is not None and h.is_pinned() for h in transfer._host)
