@@ -179,12 +179,13 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: ExpertWeight
     """x [N, hidden], expert_ids [N] (index into `weights`) -> [N, hidden]: each row through
     its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair.
 
-    CUDA: the grouped-GEMM triton kernels (kernels.fused_moe). CPU: a loop over the experts
+    CUDA (or the triton interpreter): the grouped-GEMM triton kernels (kernels.fused_moe).
+    CPU: a loop over the experts
     that have rows, through ops.linear (batch-invariant mode included). One padded bmm over
     all experts was measured against it (8 experts, hidden 1024, inter 512, 2 cores): 2.6 ms
     vs 0.7 ms at 1 token, even at 16, 17 vs 24 ms at 128 tokens but then not bitwise equal
     to the per-expert GEMMs; the loop stays."""
-    if x.is_cuda:
+    if ops.runs_triton(x):
         return ops.fused_moe(x, expert_ids[:, None], None, weights.w13, weights.w2)
     order = torch.argsort(expert_ids, stable=True)
     counts = torch.bincount(expert_ids, minlength=weights.w13.shape[0]).tolist()
@@ -245,7 +246,7 @@ class LocalExperts:
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # routing weights and the top-k sum inside the fused kernels
+        if ops.runs_triton(x):  # routing weights and the top-k sum inside the fused kernels
             self._device_counts.append(
                 (moe_layer, torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)))
             weights = self.weights[moe_layer]
