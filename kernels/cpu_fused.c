@@ -149,12 +149,14 @@ void rope_neox_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, in
 /* One fused q/k/v matmul's output rows (fp32, or bf16 when qkv_bf16; row stride in
  * elements; q is heads * d wide, then k and v kv_heads * d each): rotate q into q_out
  * [rows, heads, d] (fp32), rotate k and write k and v into the caches' slots (slot < 0: not
- * written), each [num_slots, kv_heads, d] of fp32, or bf16 when cache_bf16. Returns 0, or -1
- * out of memory. */
+ * written), each [num_slots, kv_heads, d] of fp32, or bf16 when cache_bf16. Returns 0, -1
+ * out of memory, or -2 when a position is past the cos/sin cache's max_positions rows or a
+ * slot past num_slots (nothing is read or written out of bounds; rows before it are done). */
 int rope_store_kv(const void *qkv, int qkv_bf16, int64_t row_stride, int64_t rows,
                   int64_t heads, int64_t kv_heads, int64_t d, const float *cache,
-                  const int64_t *positions, const int64_t *slots, float *q_out,
-                  void *k_cache, void *v_cache, int cache_bf16, int threads) {
+                  int64_t max_positions, const int64_t *positions, const int64_t *slots,
+                  int64_t num_slots, float *q_out, void *k_cache, void *v_cache, int cache_bf16,
+                  int threads) {
     int64_t q_size = heads * d, kv_size = kv_heads * d, width = q_size + 2 * kv_size;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS) reduction(|:failed)
@@ -164,6 +166,10 @@ int rope_store_kv(const void *qkv, int qkv_bf16, int64_t row_stride, int64_t row
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (!row) continue;
+        if (positions[r] < 0 || positions[r] >= max_positions || slots[r] >= num_slots) {
+            failed |= 2;
+            continue;
+        }
         if (qkv_bf16)
             from_bf16((const uint16_t *)qkv + r * row_stride, row, width);
         else
@@ -183,7 +189,7 @@ int rope_store_kv(const void *qkv, int qkv_bf16, int64_t row_stride, int64_t row
     }
     free(row);
     }
-    return failed ? -1 : 0;
+    return failed & 2 ? -2 : failed ? -1 : 0;
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]; gate_up rows have 2n floats. With

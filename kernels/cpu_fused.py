@@ -110,10 +110,16 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
     are written into the caches' slots (slot < 0: skipped), rounded to bf16 for bf16 caches.
     Bitwise `rope_neox_` on the fp32 values, then `store_kv_ref`."""
     q = torch.empty(qkv.shape[0], heads, head_dim)
-    _check(_load().rope_store_kv(
+    num_slots = k_cache.numel() // (kv_heads * head_dim)
+    rc = _load().rope_store_kv(
         qkv.data_ptr(), _is_bf16(qkv), qkv.stride(0), qkv.shape[0], heads, kv_heads, head_dim,
-        cache.data_ptr(), positions.data_ptr(), slots.data_ptr(), q.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), _is_bf16(k_cache), torch.get_num_threads()))
+        cache.data_ptr(), cache.shape[0], positions.data_ptr(), slots.data_ptr(), num_slots,
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _is_bf16(k_cache),
+        torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"rope_store_kv: a position past the rotary cache's {cache.shape[0]} "
+                         f"rows or a slot past the cache's {num_slots}")
+    _check(rc)
     return q
 
 
@@ -214,7 +220,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     _C = ctypes.c_int
     lib.rms_norm_mixed.argtypes = [_P, _C, _P, _P, _P, _C, _P, _I, _I, _F, _C]
     lib.silu_mul_mixed.argtypes = [_P, _C, _P, _C, _I, _I, _C]
-    lib.rope_store_kv.argtypes = [_P, _C, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _C, _C]
+    lib.rope_store_kv.argtypes = [_P, _C, _I, _I, _I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P,
+                                  _C, _C]
     for fn in (lib.rms_norm_mixed, lib.silu_mul_mixed, lib.rope_store_kv):
         fn.restype = _C
     return lib

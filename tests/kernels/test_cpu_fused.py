@@ -150,3 +150,17 @@ def test_mixed_rms_norm_torch_form_rounds_once():
     ref_out, ref_residual = rms_norm_ref(x.float(), w, 1e-6, residual)
     assert torch.equal(new_residual, ref_residual)
     assert torch.equal(out, ref_out.to(torch.bfloat16))
+
+
+def test_rope_store_kv_refuses_out_of_range_positions_and_slots():
+    heads, kv_heads, d = 2, 1, 16
+    cache = rope_cos_sin_cache(d, 8)
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * d)
+    k_cache, v_cache = torch.zeros(2, 4, kv_heads, d), torch.zeros(2, 4, kv_heads, d)
+    with pytest.raises(IndexError, match="position|slot"):
+        cpu_fused.rope_store_kv(qkv, heads, kv_heads, d, torch.tensor([0, 8]), cache,
+                                torch.tensor([0, 1]), k_cache, v_cache)
+    with pytest.raises(IndexError, match="slot"):
+        cpu_fused.rope_store_kv(qkv, heads, kv_heads, d, torch.tensor([0, 1]), cache,
+                                torch.tensor([0, 8]), k_cache, v_cache)
+    assert not k_cache[0, 1:].any() and not k_cache[1].any()  # only the good row 0 written
