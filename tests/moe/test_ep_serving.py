@@ -292,6 +292,7 @@ def test_orders_arrive_intact_and_a_divergence_is_an_error(tmp_path):
 def test_duplex_serve_expert_parallel_end_to_end(model_path, reference, tmp_path):
     """`duplex serve --expert-parallel 2`: OpenAI SDK completions equal transformers' tokens,
     /metrics has both ranks' load, SIGTERM stops every rank."""
+    import select
     import shutil
 
     import openai
@@ -310,6 +311,9 @@ def test_duplex_serve_expert_parallel_end_to_end(model_path, reference, tmp_path
         cwd=REPO, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True, start_new_session=True)
     try:
+        # a bounded wait: a rank that dies during start-up must fail the test, not hang it
+        ready, _, _ = select.select([server.stdout], [], [], 300)
+        assert ready, "duplex serve printed no banner in 300 s"
         banner = server.stdout.readline()
         assert "unified over 2 expert-parallel ranks" in banner, banner
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
