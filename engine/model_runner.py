@@ -82,7 +82,7 @@ class StepTransfer:
 
     def _host_buffer(self, size: int) -> torch.Tensor:
         if not self.platform.is_cuda:  # the step's own memory: never reused
-            return torch.empty(size, dtype=torch.uint8)
+            return self.platform.empty_host((size,), torch.uint8)
         turn = self._turn
         host = self._host[turn]
         if host is None or host.numel() < size:

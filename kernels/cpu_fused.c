@@ -89,10 +89,10 @@ void rms_norm_f32(const float *x, const float *residual, const float *weight, fl
     }
 }
 
+#define MIN_PARALLEL_ROWS 8  /* the `_mixed` entries share rows out from this many */
+
 /* rms_norm_f32 with x in bf16 when x_bf16 and out written as bf16 when out_bf16 (residual
  * and new_residual stay fp32; they may be the same buffer). Returns 0, -1 out of memory. */
-#define MIN_PARALLEL_ROWS 8
-
 int rms_norm_mixed(const void *x, int x_bf16, const float *residual, const float *weight,
                    void *out, int out_bf16, float *new_residual, int64_t rows, int64_t n,
                    float eps, int threads) {

@@ -18,13 +18,10 @@ STEP_PATH = ["engine/model_runner.py", "engine/hybrid_kv.py", "engine/spec/verif
 
 # (module, enclosing function, factory) -> why the tensor belongs on the host
 ALLOWED = {
-    ("engine/model_runner.py", "ModelRunner.prepare", "tensor"):
-        "step inputs are built on the host from the scheduler's lists, then copied to the "
-        "platform's device in one place (Platform.to_device)",
     ("engine/hybrid_kv.py", "swa_step_inputs", "full"):
-        "host SWA block table; ModelRunner.prepare copies it to the device",
+        "host SWA block table; ModelRunner.prepare moves it to the device (StepTransfer)",
     ("engine/hybrid_kv.py", "swa_step_inputs", "tensor"):
-        "host SWA block ids; ModelRunner.prepare copies the slot mapping to the device",
+        "host SWA block ids; ModelRunner.prepare moves the slot mapping to the device",
     ("engine/hybrid_kv.py", "swa_step_inputs", "arange"):
         "host positions for the SWA slot mapping, copied with it",
     ("engine/models/gemma3.py", "Gemma3ForCausalLM.__init__", "tensor"):
