@@ -17,7 +17,13 @@ Torch's weight-only kernels dequantize per output row, so their cost grows with 
 of rows M: at M = 1 (batch-1 decode, where the bytes read per step set the speed) they beat
 every dense GEMM, from M ~ 8 on a bf16 GEMM (AMX / avx512_bf16) is several times faster
 (figures in docs/BENCHMARKS.md). A weight made `with_dense=True` therefore also keeps a bf16
-copy and runs batches of more than `MAX_PACKED_ROWS` rows through it.
+copy and runs batches of more than `MAX_PACKED_ROWS` rows through it. That copy is held in
+oneDNN's own blocked layout where torch has oneDNN (`dense_linear`): `F.linear` on a plain
+bf16 weight repacks it on every call, the prepacked one does not (measured 1.3-1.8x faster
+at the SmolLM2 shapes, 16-256 rows; `DUPLEX_ONEDNN_PACK=0` keeps the plain copy, for
+comparisons). It is the same bf16 GEMM with fp32 sums, but oneDNN may block the sum another
+way for some shapes (the 576 x 576 projection at 1,000 rows), so results can differ from the
+plain copy's in the last bits; every path of one engine uses the same copy.
 
 The integers are kept unpacked until `pack()`, so models can fuse projections (`cat`) first;
 packing is per output row block, so it cannot be concatenated afterwards.
@@ -25,6 +31,7 @@ packing is per output row block, so it cannot be concatenated afterwards.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -124,9 +131,10 @@ class QuantWeight:
         CPU kernels have vectorized bf16 paths; fp32 inputs take a scalar fallback that is
         ~30x slower); frees the unpacked integers."""
         self._dtype = dtype
-        if self.with_dense:  # read by every batched step: on huge pages
-            self.dense = memory.empty(self.shape, torch.bfloat16)
-            self.dense.copy_(self.dequantize(torch.bfloat16))
+        if self.with_dense:  # read by every batched step: on huge pages (or oneDNN's blocks)
+            dense = memory.empty(self.shape, torch.bfloat16)
+            dense.copy_(self.dequantize(torch.bfloat16))
+            self.dense = prepack_dense(dense)
         if cpu_qgemv.available() and cpu_qgemv.fits(*self.shape):
             self._vnni = cpu_qgemv.pack_int4(self.q, self.scale, self.zero) if self.bits == 4 \
                 else cpu_qgemv.pack_int8(self.q, self.scale)
@@ -150,10 +158,10 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         if self._vnni is not None:
-            return self._vnni.nbytes + (0 if self.dense is None else self.dense.nbytes)
+            return self._vnni.nbytes + (0 if self.dense is None else _bytes(self.dense))
         tensors = (self._packed, self._qparams, self.scale, self.dense) \
             if self._packed is not None else (self.q, self.scale, self.zero)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(_bytes(t) for t in tensors if t is not None)
 
     def dense_from_rows(self) -> int | None:
         """The fewest rows `linear` runs through the bf16 dense copy (always inside a prompt
@@ -184,7 +192,7 @@ class QuantWeight:
         rows = x.reshape(-1, self.shape[1])
         limit = MAX_PACKED_ROWS if self._vnni is None else MAX_VNNI_ROWS
         if self.dense is not None and (_prompt_step or rows.shape[0] > limit):
-            out = torch.nn.functional.linear(
+            out = dense_linear(
                 rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16), self.dense)
         elif self._vnni is not None:
             out = cpu_qgemv.linear(self._vnni, _fp32_rows(rows))
@@ -202,6 +210,29 @@ class QuantWeight:
             if out_dtype is not None:
                 out = out.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.shape[0])
+
+
+def prepack_dense(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 `[N, K]` weight in oneDNN's blocked layout for `dense_linear` (an mkldnn
+    tensor), or `w` itself where torch has no oneDNN or `DUPLEX_ONEDNN_PACK=0`."""
+    if os.environ.get("DUPLEX_ONEDNN_PACK", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return w
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, 64)  # 64: the batch it is tuned for
+    except (RuntimeError, AttributeError):
+        return w
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x [M, K] bf16 @ w.T`, w plain or prepacked (`prepack_dense`)."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), w,
+                                                  None, "none", [], "")
+    return torch.nn.functional.linear(x, w)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _fp32_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from engine.models.gguf_quant import unpack_int4, unpack_q8_0
-from kernels import ops
+from kernels import ops, quant
 from kernels.quant import MAX_PACKED_ROWS, QuantEmbedding, QuantWeight, quant_linear_ref
 
 # bf16 activations inside the kernels: a relative error of a few 2^-8 on the output
@@ -85,3 +85,32 @@ def test_q8_0_embedding_equals_gguf_dequantize_exactly():
     ids = torch.tensor([0, 39, 7, 7, 12])
     assert torch.equal(ops.embedding(ids, table), torch.from_numpy(reference)[ids])
     assert table.nbytes < reference.nbytes / 3
+
+
+@pytest.mark.parametrize("rows", [1, 7, 13, 64, 300])
+def test_prepacked_dense_copy_computes_the_plain_ones_product(rows):
+    """The bf16 dense copy in oneDNN's blocked layout (quant.prepack_dense) computes F.linear's
+    product on the plain copy: the same bf16 GEMM, its fp32 sums possibly blocked another
+    way, so equal to within the output's bf16 rounding."""
+    torch.manual_seed(rows)
+    w = (torch.randn(192, 96) * 0.1).to(torch.bfloat16)
+    packed = quant.prepack_dense(w)
+    if not packed.is_mkldnn:
+        pytest.skip("torch without oneDNN: the plain copy is used")
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    reference = torch.nn.functional.linear(x.float(), w.float())
+    for rows_in in (x, x.t().contiguous().t()):  # a non-contiguous input too
+        out = quant.dense_linear(rows_in, packed)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 192)
+        torch.testing.assert_close(out.float(), reference, rtol=8e-3, atol=8e-3)
+
+
+def test_a_weight_with_a_dense_copy_holds_it_prepacked(monkeypatch):
+    w = torch.randn(64, 64)
+    weight = QuantWeight.int8_from_float(w, with_dense=True).pack()
+    assert weight.dense.is_mkldnn == torch.backends.mkldnn.is_available()
+    monkeypatch.setenv("DUPLEX_ONEDNN_PACK", "0")
+    plain = QuantWeight.int8_from_float(w, with_dense=True).pack()
+    assert not plain.dense.is_mkldnn and plain.nbytes == weight.nbytes
+    x = torch.randn(40, 64)  # above the row limits: both run their dense copies
+    torch.testing.assert_close(weight.linear(x), plain.linear(x), rtol=8e-3, atol=8e-3)
