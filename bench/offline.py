@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from bench.report import write_json
+from engine.config import KV_CACHE_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling of the step profile's requests (0: greedy)")
     parser.add_argument("--step-top-p", type=float, default=1.0)
     parser.add_argument("--weights-dtype", "--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
     parser.add_argument("--seed", type=int, default=0)

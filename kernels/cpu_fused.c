@@ -21,6 +21,12 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "cpu_scratch.h"
+
+/* each thread's rows of widened inputs and unrounded outputs for the `_mixed` entries */
+static __thread struct scratch row_scratch;
+
+static float *rows_for(size_t floats) { return scratch_grow(&row_scratch, floats * sizeof(float)); }
 
 /* bf16 -> fp32, exact */
 static void from_bf16(const uint16_t *x, float *out, int64_t n) {
@@ -99,7 +105,7 @@ int rms_norm_mixed(const void *x, int x_bf16, const float *residual, const float
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS) reduction(|:failed)
     {
-    float *tmp = malloc((size_t)(2 * n) * sizeof(float));
+    float *tmp = rows_for((size_t)(2 * n));
     failed = tmp == NULL;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -122,7 +128,6 @@ int rms_norm_mixed(const void *x, int x_bf16, const float *residual, const float
         for (int64_t k = 0; k < n; k++) o[k] = weight[k] * (h[k] * inv);
         if (out_bf16) to_bf16(o, (uint16_t *)out + r * n, n);
     }
-    free(tmp);
     }
     return failed ? -1 : 0;
 }
@@ -161,7 +166,7 @@ int rope_store_kv(const void *qkv, int qkv_bf16, int64_t row_stride, int64_t row
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS) reduction(|:failed)
     {
-    float *row = malloc((size_t)width * sizeof(float));
+    float *row = rows_for((size_t)width);
     failed = row == NULL;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -187,7 +192,6 @@ int rope_store_kv(const void *qkv, int qkv_bf16, int64_t row_stride, int64_t row
                    (size_t)kv_size * sizeof(float));
         }
     }
-    free(row);
     }
     return failed & 2 ? -2 : failed ? -1 : 0;
 }
@@ -226,7 +230,7 @@ int silu_mul_mixed(const void *gate_up, int in_bf16, void *out, int out_bf16, in
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS) reduction(|:failed)
     {
-    float *tmp = malloc((size_t)(3 * n) * sizeof(float));
+    float *tmp = rows_for((size_t)(3 * n));
     failed = tmp == NULL;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -240,7 +244,6 @@ int silu_mul_mixed(const void *gate_up, int in_bf16, void *out, int out_bf16, in
         silu_mul_row(g, g + n, o, n);
         if (out_bf16) to_bf16(o, (uint16_t *)out + r * n, n);
     }
-    free(tmp);
     }
     return failed ? -1 : 0;
 }
