@@ -53,14 +53,17 @@ class Sampler:
         logits = _apply_penalties(_mask_early_stop(logits, reqs), reqs)
         logits = apply_grammar_mask(_apply_logit_bias(logits, reqs), mask)
         greedy = [row for row, req in enumerate(reqs) if req.params.is_greedy]
-        sampled = [row for row, req in enumerate(reqs) if not req.params.is_greedy]
-        token_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
-        if greedy:
+        if len(greedy) == len(reqs):  # one kind of row: no scatter
+            ids = _argmax(logits).tolist()
+        elif not greedy:
+            ids = self._sample(logits, reqs).tolist()
+        else:
+            sampled = [row for row, req in enumerate(reqs) if not req.params.is_greedy]
+            token_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
             token_ids[greedy] = _argmax(take_rows(logits, greedy))
-        if sampled:
             token_ids[sampled] = self._sample(take_rows(logits, sampled),
                                               [reqs[i] for i in sampled])
-        ids = token_ids.tolist()
+            ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(raw, reqs, ids))
 
     @staticmethod
@@ -79,8 +82,10 @@ class Sampler:
 
     def _uniforms(self, reqs: Sequence[Request]) -> torch.Tensor:
         """One uniform in [0, 1) per row [m] f64: a seeded request's own, else the generator's."""
-        uniform = torch.empty(len(reqs), dtype=torch.float64)
         unseeded = [row for row, req in enumerate(reqs) if req.params.seed is None]
+        if len(unseeded) == len(reqs):  # the same draws as the scatter below
+            return torch.rand(len(reqs), generator=self.generator, dtype=torch.float64)
+        uniform = torch.empty(len(reqs), dtype=torch.float64)
         if unseeded:
             uniform[unseeded] = torch.rand(len(unseeded), generator=self.generator,
                                            dtype=torch.float64)

@@ -22,6 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "cpu_scratch.h"
 
@@ -124,7 +127,8 @@ static float scale_and_max(const float *x, float temperature, float *y, int64_t 
  * keeps no trace of the counting */
 static inline __attribute__((always_inline)) double exps_cut(const float *x, float m, float *e,
                                                              int64_t n, float *guess,
-                                                             int64_t *count) {
+                                                             int64_t *count,
+                                                             const float *next) {
     int64_t i = 0;
     double s = 0.0;
     for (int c = 0; c < NUM_CUTS; c++) guess[c] = 0.0f;
@@ -136,8 +140,10 @@ static inline __attribute__((always_inline)) double exps_cut(const float *x, flo
     __m512 cut[NUM_CUTS];
     for (int c = 0; c < NUM_CUTS; c++) cut[c] = _mm512_setzero_ps();
     for (; i + EXP_BLOCK <= n; i += EXP_BLOCK) {
-        for (int64_t j = i; j < i + EXP_BLOCK; j += 16)  /* the calls clobber every zmm */
+        for (int64_t j = i; j < i + EXP_BLOCK; j += 16) { /* the calls clobber every zmm */
+            if (next) _mm_prefetch((const char *)(next + j), _MM_HINT_T1);
             _mm512_storeu_ps(e + j, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
+        }
         for (int64_t j = i; j < i + EXP_BLOCK; j += 16) {
             const __m512 v = _mm512_loadu_ps(e + j), d = _mm512_sub_ps(mv, _mm512_loadu_ps(x + j));
             lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
@@ -166,13 +172,14 @@ static inline __attribute__((always_inline)) double exps_cut(const float *x, flo
     return s;
 }
 
-static double exps(const float *x, float m, float *e, int64_t n, float *guess) {
-    return exps_cut(x, m, e, n, guess, NULL);
+static double exps(const float *x, float m, float *e, int64_t n, float *guess,
+                   const float *next) {
+    return exps_cut(x, m, e, n, guess, NULL, next);
 }
 
 static double exps_counting(const float *x, float m, float *e, int64_t n, float *guess,
-                            int64_t *count) {
-    return exps_cut(x, m, e, n, guess, count);
+                            int64_t *count, const float *next) {
+    return exps_cut(x, m, e, n, guess, count, next);
 }
 
 /* sum of e[i] over x[i] >= tau, i in [lo, hi), in a fixed order */
@@ -241,22 +248,28 @@ static void sort_desc(struct pair *p, int64_t n) {
  * bin, their count into w->num_in; with need_before the mass of those above it into
  * w->before */
 static void assign_buckets(struct work *w, float lo, int64_t num, float floor, int need_before) {
+    /* locals, not w->...: the stores below could alias w, so every field would be reloaded */
     const float m = w->m;
+    const float *restrict xs = w->x, *restrict es = w->e;
+    float *restrict xin = w->xin, *restrict ein = w->ein;
+    int32_t *restrict bin = w->bin;
+    const int64_t vocab = w->vocab;
     int64_t i = 0, n = 0;
     double before = 0.0;
 #if defined(__AVX512F__)
     __m512d above_lo = _mm512_setzero_pd(), above_hi = above_lo;
     const __m512 mv = _mm512_set1_ps(m), lov = _mm512_set1_ps(lo), fl = _mm512_set1_ps(floor);
     const __m512 scale = _mm512_set1_ps((float)PER_UNIT), top = _mm512_set1_ps((float)num);
-    for (; i + 16 <= w->vocab; i += 16) {
-        __m512 x = _mm512_loadu_ps(w->x + i);
+    const int sum_above = need_before && lo > 0.0f;
+    for (; i + 16 <= vocab; i += 16) {
+        __m512 x = _mm512_loadu_ps(xs + i);
         __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_sub_ps(mv, x), lov), scale);
         const __mmask16 kept = _mm512_cmp_ps_mask(x, fl, _CMP_GE_OQ);
         const __mmask16 deeper = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GE_OQ);
         const __mmask16 in = kept & deeper & _mm512_cmp_ps_mask(t, top, _CMP_LT_OQ);
-        if (need_before && lo > 0.0f) {
+        if (sum_above) {
             const __mmask16 up = kept & ~deeper;
-            const __m512 v = _mm512_loadu_ps(w->e + i);
+            const __m512 v = _mm512_loadu_ps(es + i);
             above_lo = _mm512_mask_add_pd(above_lo, (__mmask8)up, above_lo,
                                           _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
             above_hi = _mm512_mask_add_pd(above_hi, (__mmask8)(up >> 8), above_hi,
@@ -264,21 +277,21 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor, i
         }
         if (!in) continue;
         /* compressed in registers, stored whole (the buffers have 16 spare lanes) */
-        _mm512_storeu_ps(w->xin + n, _mm512_maskz_compress_ps(in, x));
-        _mm512_storeu_ps(w->ein + n, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(w->e + i)));
-        _mm512_storeu_si512(w->bin + n, _mm512_maskz_compress_epi32(in, _mm512_cvttps_epi32(t)));
+        _mm512_storeu_ps(xin + n, _mm512_maskz_compress_ps(in, x));
+        _mm512_storeu_ps(ein + n, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(es + i)));
+        _mm512_storeu_si512(bin + n, _mm512_maskz_compress_epi32(in, _mm512_cvttps_epi32(t)));
         n += __builtin_popcount(in);
     }
     before = _mm512_reduce_add_pd(_mm512_add_pd(above_lo, above_hi));
 #endif
-    for (; i < w->vocab; i++) {
-        int32_t b = bucket_of(w->x[i], m, lo, num, floor);
-        if (need_before && w->x[i] >= floor && ((m - w->x[i]) - lo) * (float)PER_UNIT < 0.0f)
-            before += (double)w->e[i];
+    for (; i < vocab; i++) {
+        int32_t b = bucket_of(xs[i], m, lo, num, floor);
+        if (need_before && xs[i] >= floor && ((m - xs[i]) - lo) * (float)PER_UNIT < 0.0f)
+            before += (double)es[i];
         if (b < 0) continue;
-        w->xin[n] = w->x[i];
-        w->ein[n] = w->e[i];
-        w->bin[n++] = b;
+        xin[n] = xs[i];
+        ein[n] = es[i];
+        bin[n++] = b;
     }
     w->num_in = n;
     w->before = before;
@@ -290,14 +303,15 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor, i
 static void fill_buckets(struct work *w, float lo, int64_t num, float floor, int need_mass) {
     assign_buckets(w, lo, num, floor, need_mass);
     const int64_t n = w->num_in;
-    const int32_t *bin = w->bin;
+    const int32_t *restrict bin = w->bin;
+    const float *restrict ein = w->ein; /* a local: the tables live in w */
     int64_t j = 0;
     if (need_mass) {
         double(*m)[MAX_BUCKETS] = w->mass;
         for (int t = 0; t < TABLES; t++) memset(m[t], 0, sizeof(double) * num);
         for (; j + TABLES <= n; j += TABLES)
-            for (int t = 0; t < TABLES; t++) m[t][bin[j + t]] += w->ein[j + t];
-        for (; j < n; j++) m[0][bin[j]] += w->ein[j];
+            for (int t = 0; t < TABLES; t++) m[t][bin[j + t]] += ein[j + t];
+        for (; j < n; j++) m[0][bin[j]] += ein[j];
         for (int64_t b = 0; b < num; b++)
             for (int t = 1; t < TABLES; t++) m[0][b] += m[t][b];
         return;
@@ -313,23 +327,31 @@ static void fill_buckets(struct work *w, float lo, int64_t num, float floor, int
 
 /* the tokens of bucket b (as assigned last) into w->pairs, in vocabulary order; their count */
 static int64_t collect(struct work *w, int64_t b) {
+    const float *restrict xin = w->xin, *restrict ein = w->ein;
+    const int32_t *restrict bin = w->bin;
+    struct pair *restrict pairs = w->pairs;
+    const int64_t num_in = w->num_in;
     int64_t j = 0, n = 0;
 #if defined(__AVX512F__)
+    /* branch-free: the hits' x and e compressed, interleaved into (x, e) pairs and stored
+     * whole (the buffer has 16 spare pairs) */
     const __m512i want = _mm512_set1_epi32((int)b);
-    for (; j + 16 <= w->num_in; j += 16) {
-        __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(w->bin + j), want);
-        while (hit) {
-            int64_t k = j + __builtin_ctz(hit);
-            hit &= hit - 1;
-            w->pairs[n].x = w->xin[k];
-            w->pairs[n++].e = w->ein[k];
-        }
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (; j + 16 <= num_in; j += 16) {
+        const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bin + j), want);
+        const __m512 x = _mm512_maskz_compress_ps(hit, _mm512_loadu_ps(xin + j));
+        const __m512 e = _mm512_maskz_compress_ps(hit, _mm512_loadu_ps(ein + j));
+        float *out = (float *)(pairs + n);
+        _mm512_storeu_ps(out, _mm512_permutex2var_ps(x, first, e));
+        _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(x, second, e));
+        n += __builtin_popcount(hit);
     }
 #endif
-    for (; j < w->num_in; j++) {
-        if (w->bin[j] == b) {
-            w->pairs[n].x = w->xin[j];
-            w->pairs[n++].e = w->ein[j];
+    for (; j < num_in; j++) {
+        if (bin[j] == b) {
+            pairs[n].x = xin[j];
+            pairs[n++].e = ein[j];
         }
     }
     return n;
@@ -550,7 +572,7 @@ static int setup(struct work *w, const float *x, int64_t vocab) {
     w->x = x;
     w->vocab = vocab;
     w->e = scratch_grow(&exp_buf, sizeof(float) * vocab);
-    w->pairs = scratch_grow(&pair_buf, sizeof(struct pair) * vocab);
+    w->pairs = scratch_grow(&pair_buf, sizeof(struct pair) * (vocab + 16)); /* + 16: collect */
     w->finer = scratch_grow(&finer_buf, sizeof(struct pair) * vocab);
     w->sub = scratch_grow(&sub_buf, vocab);
     w->xin = scratch_grow(&xin_buf, sizeof(float) * (vocab + 16)); /* + 16: whole-vector stores */
@@ -559,8 +581,11 @@ static int setup(struct work *w, const float *x, int64_t vocab) {
     return w->e && w->pairs && w->finer && w->sub && w->xin && w->ein && w->bin ? 0 : -1;
 }
 
+/* one row; next: the row this thread takes after it (NULL: none), prefetched into L2 while
+ * this one's exps are computed, so its max pass does not wait on memory */
 static int one_row(const float *logits, int64_t vocab, float temperature, int64_t top_k,
-                   double top_p, double min_p, double u, int64_t *token, float *threshold) {
+                   double top_p, double min_p, double u, int64_t *token, float *threshold,
+                   const float *next) {
     const float *x = logits;
     float *scaled = NULL;
     if (temperature != 1.0f) {
@@ -579,8 +604,8 @@ static int one_row(const float *logits, int64_t vocab, float temperature, int64_
     float guess[NUM_CUTS];
     int64_t count[NUM_CUTS];
     const int has_k = top_k > 0 && top_k < vocab;
-    const double total = has_k ? exps_counting(x, w->m, w->e, vocab, guess, count)
-                               : exps(x, w->m, w->e, vocab, guess);
+    const double total = has_k ? exps_counting(x, w->m, w->e, vocab, guess, count, next)
+                               : exps(x, w->m, w->e, vocab, guess, next);
     float tau_k = -INFINITY, tau_p = -INFINITY, tau_m = -INFINITY;
     if (has_k) tau_k = kth_value(w, top_k, count);
     if (top_p < 1.0) {
@@ -604,10 +629,19 @@ int sample_rows_f32(const float *logits, int64_t n, int64_t vocab, const float *
                     const int64_t *top_k, const double *top_p, const double *min_p,
                     const double *uniform, int64_t *token, float *threshold, int threads) {
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && n > 1) \
-    reduction(|: failed)
-    for (int64_t r = 0; r < n; r++)
-        failed |= one_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r],
-                          min_p[r], uniform[r], token + r, threshold + r) != 0;
+    /* rows interleaved over the threads, so each knows the row it takes next */
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 1) reduction(|: failed)
+    {
+#if defined(_OPENMP)
+        const int64_t first = omp_get_thread_num(), step = omp_get_num_threads();
+#else
+        const int64_t first = 0, step = 1;
+#endif
+        for (int64_t r = first; r < n; r += step) {
+            const float *next = r + step < n ? logits + (r + step) * vocab : NULL;
+            failed |= one_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r],
+                              min_p[r], uniform[r], token + r, threshold + r, next) != 0;
+        }
+    }
     return failed ? -1 : 0;
 }
