@@ -84,3 +84,26 @@ def test_a_row_does_not_depend_on_the_batch():
     for row in (0, 5):
         alone = cpu_sampler.sample(x[row:row + 1], *(a[row:row + 1] for a in args))
         assert alone[0][0] == together[0][row] and alone[1][0] == together[1][row]
+
+
+def test_rows_with_their_own_parameters_split_over_threads():
+    """Rows are interleaved over the threads (each prefetches its next row): every row of an
+    odd-sized batch with its own parameters gets what it gets alone."""
+    x = logits_of("flat", 7, 4099, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    args = (torch.tensor([1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 0.5]),
+            torch.tensor([0, 40, 0, 1, 0, 3000, 0]),
+            torch.tensor([0.95, 1.0, 0.5, 1.0, 0.9, 0.99, 1.0], dtype=torch.float64),
+            torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.1], dtype=torch.float64),
+            torch.rand(7, generator=gen, dtype=torch.float64))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel takes torch's thread count
+    try:
+        together = cpu_sampler.sample(x, *args)
+    finally:
+        torch.set_num_threads(threads)
+    ref = cpu_sampler.sample_ref(x, *args)
+    assert torch.equal(together[0], ref[0]) and torch.equal(together[1], ref[1])
+    for row in range(7):
+        alone = cpu_sampler.sample(x[row:row + 1], *(a[row:row + 1] for a in args))
+        assert alone[0][0] == together[0][row] and alone[1][0] == together[1][row]
