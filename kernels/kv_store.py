@@ -62,7 +62,8 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     require_triton(k, v, k_cache, v_cache, slot_mapping)
     num_kv_heads, head_dim = k.shape[1:]
     for name, t in (("k", k), ("v", v)):
-        assert t.stride(2) == 1 and t.stride(1) == head_dim, (
+        # one kv head (MLA's latent halves): its stride is never used
+        assert t.stride(2) == 1 and (num_kv_heads == 1 or t.stride(1) == head_dim), (
             f"{name} must have contiguous [num_kv_heads, head_dim] rows (a token-strided view is "
             f"fine), got strides {t.stride()}")
     row = num_kv_heads * head_dim

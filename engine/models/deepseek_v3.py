@@ -35,7 +35,7 @@ from engine.models.llama import ForwardContext
 from engine.models.loader import ModelArgs
 from engine.models.moe import MoEBlock, MoEDecoderLayer, MoEForCausalLM, grouped_topk
 from kernels import ops
-from kernels.attention import attention_mask, gather_kv
+from kernels.mla_decode import mla_attend_ref, mla_decode_triton
 from kernels.rotary import rope_cos_sin_cache
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
@@ -122,8 +122,10 @@ def mla_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Causal varlen attention over the paged latent cache (layout in the module docstring).
 
     q [T, heads, D] latent-space queries, `kernels.attention` conventions for the batch
-    -> [T, heads, rank]: probabilities times c_kv. Decode rows run as one padded batch,
-    prefill chunks one sequence at a time."""
+    -> [T, heads, rank]: probabilities times c_kv. Decode rows: on the device path the
+    split-KV triton kernel (kernels/mla_decode.py), else one padded batch through the torch
+    reference; prefill chunks one sequence at a time through the reference. The step's host
+    lengths size everything, so nothing is read back from the device."""
     out = q.new_empty(*q.shape[:2], rank)
     if ctx.query_lens is not None:  # the host's numbers: no device sync
         q_lens = ctx.query_lens
@@ -131,37 +133,26 @@ def mla_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         starts = ctx.query_start_loc.tolist()
         q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    host_lens = ctx.host_seq_lens
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
+    if decode and ops.runs_triton(q):  # every decode row in one launch, the others left alone
+        mla_decode_triton(q, k_cache, v_cache, ctx.block_tables, ctx.query_start_loc,
+                          ctx.seq_lens, scale, rank,
+                          max_seq_len=None if host_lens is None else max(host_lens), out=out)
+    elif decode:
         seqs = torch.tensor(decode, device=q.device)
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        out[rows] = _attend(q[rows][:, None], k_cache, v_cache, ctx.block_tables[seqs],
-                            ctx.seq_lens[seqs].long(), scale, rank)[:, 0]
+        max_len = None if host_lens is None else max(host_lens[i] for i in decode)
+        out[rows] = mla_attend_ref(q[rows][:, None], k_cache, v_cache, ctx.block_tables[seqs],
+                                   ctx.seq_lens[seqs].long(), scale, rank, max_len)[:, 0]
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             rows = slice(starts[i], starts[i] + q_len)
-            out[rows] = _attend(q[rows][None], k_cache, v_cache, ctx.block_tables[i:i + 1],
-                                ctx.seq_lens[i:i + 1].long(), scale, rank)[0]
+            out[rows] = mla_attend_ref(q[rows][None], k_cache, v_cache,
+                                       ctx.block_tables[i:i + 1], ctx.seq_lens[i:i + 1].long(),
+                                       scale, rank,
+                                       None if host_lens is None else host_lens[i])[0]
     return out
-
-
-def _attend(q, k_cache, v_cache, block_tables, seq_lens, scale, rank):
-    """q [B, Q, heads, D]: the last Q positions of each of B sequences -> [B, Q, heads, rank]."""
-    batch, num_q, heads, dim = q.shape
-    max_len = int(seq_lens.max())
-    latent = torch.cat([gather_kv(k_cache, block_tables, max_len),
-                        gather_kv(v_cache, block_tables, max_len)], dim=-1)[:, :, 0].float()
-    # [B, L, D], fp32 whatever the cache's dtype (the math is fp32)
-    # positions past a sequence's end hold stale blocks: zero them (0 * NaN is NaN)
-    latent[torch.arange(latent.shape[1], device=latent.device) >= seq_lens[:, None]] = 0.0
-    q_pos = seq_lens[:, None] - num_q + torch.arange(num_q, device=seq_lens.device)  # [B, Q]
-    blocked = ~attention_mask(q_pos, latent.shape[1], None)  # [B, Q, L]
-    scores = torch.bmm(q.float().view(batch, num_q * heads, dim), latent.transpose(1, 2))
-    scores = (scores * scale).view(batch, num_q, heads, -1)
-    scores.masked_fill_(blocked[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(batch, num_q * heads, -1)
-    out = torch.bmm(probs, latent[:, :, :rank])  # [B, Q * heads, rank]
-    return out.view(batch, num_q, heads, rank).to(q.dtype)
 
 
 class DeepseekV3MoE(MoEBlock):

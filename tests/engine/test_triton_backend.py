@@ -110,26 +110,34 @@ def test_the_hybrid_kv_layout_gives_the_torch_paths_tokens(tmp_path, launches):
 
 
 class _ReadBacks(TorchDispatchMode):
-    """Counts what would make the host wait for a device: `.item()` and friends (they all
-    dispatch aten._local_scalar_dense) and `.tolist()`."""
+    """Counts what would make the host wait for a device: `.item()`, `int()`, `float()`,
+    `bool()`, `.tolist()` on a tensor (patched: a tensor made under inference mode, as a
+    step's are, dispatches `aten._local_scalar_dense` past any dispatch mode), and
+    `_local_scalar_dense` itself for whatever else reaches it (`torch.equal`, ...)."""
+
+    READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 
     def __init__(self, monkeypatch) -> None:
         super().__init__()
         self.count = 0
-        real = torch.Tensor.tolist
+        self.monkeypatch = monkeypatch
+        self.real = {name: getattr(torch.Tensor, name) for name in self.READS}
 
-        def tolist(t):
+    def _counting(self, real):
+        def read(t, *args, **kwargs):
             self.count += 1
-            return real(t)
-        self._patch = lambda: monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-        self._unpatch = lambda: monkeypatch.setattr(torch.Tensor, "tolist", real)
+            with torch._C.DisableTorchFunctionSubclass():
+                return real(t, *args, **kwargs)
+        return read
 
     def __enter__(self):
-        self._patch()
+        for name, real in self.real.items():
+            self.monkeypatch.setattr(torch.Tensor, name, self._counting(real))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._unpatch()
+        for name, real in self.real.items():
+            self.monkeypatch.setattr(torch.Tensor, name, real)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -141,11 +149,20 @@ class _ReadBacks(TorchDispatchMode):
 def test_a_decode_step_of_the_device_path_reads_nothing_back(llama, monkeypatch):
     """The forward and the logits of decode steps (everything but the sampler's one read of
     the new tokens) on the triton path: not one value read back to the host."""
-    with _ReadBacks(monkeypatch) as control:  # the counter sees both kinds
+    with _ReadBacks(monkeypatch) as control:  # the counter sees every kind
         torch.ones(2).sum().item(), torch.ones(2).tolist()
-    assert control.count == 2
+        with torch.inference_mode():  # a step's tensors
+            t = torch.ones(2)
+            int(t.max()), float(t.sum()), bool(t.any()), t[0].item()
+    assert control.count >= 6
+    assert decode_read_backs(llama, monkeypatch) == [0, 0, 0]
+
+
+def decode_read_backs(path: str, monkeypatch) -> list[int]:
+    """Values read back to the host by each of three decode steps' forward and logits, on the
+    triton path, two requests decoding."""
     with _triton.on_cpu():
-        core = make_core(llama, block_size=8)
+        core = make_core(path, block_size=8)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         core.add_request(AddRequest("a", tokens(11, 7), params))
         core.add_request(AddRequest("b", tokens(25, 8), params))
@@ -161,7 +178,7 @@ def test_a_decode_step_of_the_device_path_reads_nothing_back(llama, monkeypatch)
         core.runner.execute = counted
         for _ in range(3):
             core.step()
-    assert counts == [0, 0, 0]
+    return counts
 
 
 def test_a_moe_model_routes_through_the_fused_moe_kernel(tmp_path_factory, launches,
@@ -183,3 +200,31 @@ def test_a_moe_model_routes_through_the_fused_moe_kernel(tmp_path_factory, launc
     for name, (ids, logprobs) in reference.items():
         assert got[name][0] == ids
         torch.testing.assert_close(got[name][1], logprobs, rtol=0, atol=1e-4)
+
+
+def test_mla_decodes_through_the_mla_kernel(tmp_path_factory, monkeypatch):
+    """DeepSeek-V3 (MLA over the latent cache, grouped routing) on the device path: decode
+    rows through the split-KV MLA kernel (kernels.mla_decode), greedy tokens equal to the
+    torch path's, logprobs within fp32 rounding (other summation orders)."""
+    from engine.models import deepseek_v3
+    from tests.moe.conftest import build_tiny_moe
+
+    calls = []
+    real = deepseek_v3.mla_decode_triton
+    monkeypatch.setattr(deepseek_v3, "mla_decode_triton",
+                        lambda *a, **k: calls.append(k["max_seq_len"]) or real(*a, **k))
+    path = build_tiny_moe(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3")
+    prompts = [tokens(7, 13), tokens(12, 14)]
+    reference, got = both_paths(path, lambda core: run_engine(core, prompts, GREEDY))
+    assert calls and all(n is not None for n in calls)  # sized by the host: no sync
+    for name, (ids, logprobs) in reference.items():
+        assert got[name][0] == ids
+        torch.testing.assert_close(got[name][1], logprobs, rtol=0, atol=1e-4)
+
+
+def test_an_mla_moe_decode_step_reads_nothing_back(tmp_path_factory, monkeypatch):
+    """DeepSeek-V3's decode steps on the triton path (MLA kernel, grouped routing, fused MoE):
+    not one value read back to the host either."""
+    from tests.moe.conftest import build_tiny_moe
+    path = build_tiny_moe(tmp_path_factory.mktemp("deepseek_v3_sync"), "deepseek_v3")
+    assert decode_read_backs(path, monkeypatch) == [0, 0, 0]
