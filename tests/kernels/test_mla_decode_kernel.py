@@ -56,6 +56,19 @@ def test_decode_rows_match_the_definition_and_the_reference(device, num_heads):
         torch.testing.assert_close(got[row], ref[0, 0], atol=1e-5, rtol=1e-5)
 
 
+def test_the_half_precision_path(device):
+    """Half-precision caches and queries take the kernel's other dot path (p cast to the
+    cache's dtype). fp16 stands in for bf16 here: triton's interpreter computes tl.dot on
+    bf16 operands wrongly (on this triton, any kernel), so bf16 is checked on a GPU only."""
+    from kernels.mla_decode import mla_decode_triton
+    batch = latent_batch([(37, 1), (300, 1)], num_heads=4, seed=2)
+    args = [t.to(device) for t in attention_args(batch)]
+    args = [t.half() if t.is_floating_point() else t for t in args]
+    got = mla_decode_triton(*args, SCALE, RANK, max_seq_len=300).float().cpu()
+    for row, expected in from_definition(batch, {0: 0, 1: 1}).items():
+        torch.testing.assert_close(got[row].double(), expected, atol=3e-3, rtol=3e-3)
+
+
 def test_reference_prefill_rows_match_the_definition():
     batch = latent_batch([(9, 4)], num_heads=4)
     got = mla_attend_ref(batch["q"][None], batch["k_cache"], batch["v_cache"],
@@ -83,3 +96,32 @@ def test_row_is_bitwise_independent_of_the_batch(device):
     got_alone = mla_decode_triton(*[t.to(device) for t in attention_args(alone)], SCALE, RANK)
     got_mixed = mla_decode_triton(*attention_args(mixed), SCALE, RANK)
     assert torch.equal(got_alone[0], got_mixed[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepseek_v3_shape_on_the_gpu(dtype):
+    """DeepSeek-V3's own latent (rank 512 + 64 rope dims, 128 heads), long and short
+    decodes, against the fp32 torch reference on the same device."""
+    from kernels.mla_decode import mla_decode_triton
+    rank, rope, heads, block_size = 512, 64, 128, 64
+    half = (rank + rope) // 2
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = [1, 300, 2049]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    cache = torch.randn(2, sum(blocks) + 1, block_size, 1, half, generator=gen).to(dtype)
+    ids = torch.randperm(sum(blocks) + 1, generator=gen)[:sum(blocks)]
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = ids[used:used + n].int()
+        used += n
+    q = torch.randn(len(seq_lens), heads, rank + rope, generator=gen).to(dtype)
+    starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    on = [t.cuda() for t in (q, cache[0], cache[1], table, starts, lens)]
+    got = mla_decode_triton(*on, 0.05, rank, max_seq_len=max(seq_lens)).float()
+    ref = mla_attend_ref(on[0].float()[:, None], on[1], on[2], on[3], on[5].long(), 0.05,
+                         rank, max(seq_lens))[:, 0]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
