@@ -14,7 +14,8 @@ so one failure does not stop the others:
                      Llama-8B shapes (random bf16 weights, no download), beside the floor
                      (weight bytes + KV bytes read) / measured copy bandwidth
     kernels          kernels.decode_attention / kernels.attention against torch SDPA (flash)
-                     on contiguous KV of the same shapes, and FlashInfer where importable
+                     on contiguous KV of the same shapes, and FlashInfer where importable;
+                     kernels.mla_decode against its torch path on DeepSeek-V3's latent
 
 Results go to `--out DIR` (default $OUT, else ./out/gpu_check) as gpu_check.json and
 gpu_check.md. `--device cpu --quick` runs it end to end on a CPU box with tiny shapes (the
@@ -828,6 +829,42 @@ def kernel_case(shape: str, batch: int, ctx: int, device: torch.device, dtype: t
     return row
 
 
+MLA_SHAPE = (512, 64, 128)  # DeepSeek-V3: kv_lora_rank, rope dims, query heads
+
+
+def mla_case(batch: int, ctx: int, device: torch.device, dtype: torch.dtype,
+             bandwidth_gbs: float | None, iters: int = 20, dims=MLA_SHAPE,
+             block_size: int = 64) -> dict:
+    """kernels.mla_decode's split-KV kernel on DeepSeek-V3's latent cache against its torch
+    reference (the CPU path: gather, two bmm), random latents, every sequence `ctx` long;
+    floor: the latent bytes read at the copy bandwidth."""
+    from kernels.mla_decode import mla_attend_ref, mla_decode_triton
+
+    rank, rope, heads = dims
+    half = (rank + rope) // 2
+    blocks = -(-ctx // block_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    planes = torch.randn(2, batch * blocks, block_size, 1, half, generator=gen, device=device,
+                         dtype=torch.float32).to(dtype)
+    table = torch.randperm(batch * blocks, generator=gen, device=device).view(batch, blocks)
+    table = table.to(torch.int32)
+    q = torch.randn(batch, heads, rank + rope, generator=gen, device=device,
+                    dtype=torch.float32).to(dtype)
+    starts = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    scale = (rank + rope) ** -0.5
+    triton_fn = lambda: mla_decode_triton(q, planes[0], planes[1], table, starts, lens,  # noqa: E731
+                                          scale, rank, max_seq_len=ctx)
+    torch_fn = lambda: mla_attend_ref(q[:, None], planes[0], planes[1], table,  # noqa: E731
+                                      lens.long(), scale, rank, ctx)[:, 0]
+    diff = float((triton_fn().float() - torch_fn().float()).abs().max())
+    latent_bytes = batch * ctx * (rank + rope) * planes.element_size()
+    return dict(shape="deepseek-v3 mla", batch=batch, context=ctx, queries=1,
+                max_abs_diff=diff, triton_ms=time_ms(triton_fn, device, iters),
+                torch_ms=time_ms(torch_fn, device, iters),
+                floor_ms=latent_bytes / (bandwidth_gbs * 1e9) * 1e3 if bandwidth_gbs else None)
+
+
 def flashinfer_decode(paged, ctx: int, heads, scale: float, device: torch.device,
                       iters: int) -> dict:
     try:
@@ -869,6 +906,18 @@ def kernel_bench(check: Check) -> dict:
         except Exception as error:
             rows.append(dict(shape=shape, batch=batch, context=ctx, queries=nq,
                              status=f"error: {type(error).__name__}: {str(error)[:200]}"))
+    for batch in (1, 64):  # MLA decode (DeepSeek-V3's latent), against its torch path
+        cases.append(("deepseek-v3 mla", batch, 2048, 1))
+        if check.budget.left() < 5:
+            rows.append(dict(shape="deepseek-v3 mla", batch=batch, context=2048, queries=1,
+                             status="skipped: time budget spent"))
+            continue
+        try:
+            rows.append(mla_case(batch, 2048, check.device, torch.bfloat16,
+                                 check.bandwidth_gbs))
+        except Exception as error:
+            rows.append(dict(shape="deepseek-v3 mla", batch=batch, context=2048, queries=1,
+                             status=f"error: {type(error).__name__}: {str(error)[:200]}"))
     bad = [r for r in rows if r.get("max_abs_diff", 0) > 0.05 or "error" in r.get("status", "")]
     return dict(status="fail" if bad else "ok", rows=rows,
                 summary=f"{sum('triton_ms' in r for r in rows)}/{len(cases)} cases timed, "
@@ -909,12 +958,13 @@ def markdown(report: dict) -> str:
                          f"{_num(r.get('prefill_s'))} |")
     rows = report["sections"]["kernels"].get("rows")
     if rows:
-        lines += ["", "| shape | batch | context | queries | triton ms | sdpa ms | flashinfer ms "
+        lines += ["", "| shape | batch | context | queries | triton ms | sdpa (MLA: torch) ms "
+                  "| flashinfer ms "
                   "| floor ms | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['queries']} | "
                          f"{_num(r.get('triton_ms'), r.get('status', '-'))} | "
-                         f"{_num(r.get('sdpa_ms'))} | "
+                         f"{_num(r.get('sdpa_ms', r.get('torch_ms')))} | "
                          f"{_num(r.get('flashinfer_ms'), r.get('flashinfer', '-'))} | "
                          f"{_num(r.get('floor_ms'))} | {_num(r.get('max_abs_diff'))} |")
     sites = report["sections"]["sync_debug"].get("sites")

@@ -31,6 +31,16 @@ def test_kernel_case_agrees_with_sdpa_on_contiguous_kv():
     assert prefill["max_abs_diff"] < 1e-5 and prefill["floor_ms"] > row["floor_ms"]
 
 
+def test_mla_case_agrees_with_the_torch_path():
+    import kernels._triton  # noqa: F401  (the interpreter flag, before triton loads)
+
+    row = gpu_check.mla_case(2, 40, torch.device("cpu"), torch.float32, bandwidth_gbs=10.0,
+                             iters=1, dims=(32, 8, 4), block_size=16)
+    assert row["max_abs_diff"] < 1e-5
+    assert row["triton_ms"] > 0 and row["torch_ms"] > 0
+    assert row["floor_ms"] == 2 * 40 * 40 * 4 / 10e9 * 1e3  # latent bytes / bandwidth
+
+
 def test_quick_cpu_run_reports_every_section(tmp_path):
     assert gpu_check.run(quick_args(tmp_path)) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
