@@ -22,9 +22,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #include "cpu_scratch.h"
 
@@ -581,8 +578,8 @@ static int setup(struct work *w, const float *x, int64_t vocab) {
     return w->e && w->pairs && w->finer && w->sub && w->xin && w->ein && w->bin ? 0 : -1;
 }
 
-/* one row; next: the row this thread takes after it (NULL: none), prefetched into L2 while
- * this one's exps are computed, so its max pass does not wait on memory */
+/* one row; next: the row this thread has claimed to take after it (NULL: none), prefetched
+ * into L2 while this one's exps are computed, so its max pass does not wait on memory */
 static int one_row(const float *logits, int64_t vocab, float temperature, int64_t top_k,
                    double top_p, double min_p, double u, int64_t *token, float *threshold,
                    const float *next) {
@@ -629,18 +626,16 @@ int sample_rows_f32(const float *logits, int64_t n, int64_t vocab, const float *
                     const int64_t *top_k, const double *top_p, const double *min_p,
                     const double *uniform, int64_t *token, float *threshold, int threads) {
     int failed = 0;
-    /* rows interleaved over the threads, so each knows the row it takes next */
+    int64_t claimed = 0; /* rows handed out so far: each thread claims its next row ahead */
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1) reduction(|: failed)
     {
-#if defined(_OPENMP)
-        const int64_t first = omp_get_thread_num(), step = omp_get_num_threads();
-#else
-        const int64_t first = 0, step = 1;
-#endif
-        for (int64_t r = first; r < n; r += step) {
-            const float *next = r + step < n ? logits + (r + step) * vocab : NULL;
+        int64_t r = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (r < n) {
+            const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             failed |= one_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r],
-                              min_p[r], uniform[r], token + r, threshold + r, next) != 0;
+                              min_p[r], uniform[r], token + r, threshold + r,
+                              next < n ? logits + next * vocab : NULL) != 0;
+            r = next;
         }
     }
     return failed ? -1 : 0;

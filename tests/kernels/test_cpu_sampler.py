@@ -87,8 +87,8 @@ def test_a_row_does_not_depend_on_the_batch():
 
 
 def test_rows_with_their_own_parameters_split_over_threads():
-    """Rows are interleaved over the threads (each prefetches its next row): every row of an
-    odd-sized batch with its own parameters gets what it gets alone."""
+    """Each thread claims its next row ahead (and prefetches it): every row of an odd-sized
+    batch with its own parameters gets what it gets alone."""
     x = logits_of("flat", 7, 4099, seed=5)
     gen = torch.Generator().manual_seed(5)
     args = (torch.tensor([1.0, 0.7, 1.3, 1.0, 0.9, 1.0, 0.5]),
