@@ -155,6 +155,23 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, query_start_loc_ptr, seq_len
              out.to(out_ptr.dtype.element_ty), mask=store_ok)
 
 
+def split_partials(num_seqs: int, num_heads: int, width: int, seq_lens: torch.Tensor,
+                   max_seq_len: int | None, split_size: int = SPLIT_SIZE):
+    """The split kernels' fp32 partials: (max_splits, m, l [num_seqs, num_heads, max_splits],
+    acc [..., width]); None when there is nothing to compute. max_seq_len None: read from
+    seq_lens (a device sync)."""
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if num_seqs else 0
+    max_splits = triton.cdiv(max_seq_len, split_size)
+    if num_seqs == 0 or max_splits == 0:
+        return None
+    m = torch.empty((num_seqs, num_heads, max_splits), dtype=torch.float32,
+                    device=seq_lens.device)
+    acc = torch.empty((num_seqs, num_heads, max_splits, width), dtype=torch.float32,
+                      device=seq_lens.device)
+    return max_splits, m, torch.empty_like(m), acc
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
@@ -182,17 +199,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         "out must be shaped and typed like q, head_dim contiguous")
     num_seqs, num_heads, head_dim = block_tables.shape[0], q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if num_seqs else 0
-    max_splits = triton.cdiv(max_seq_len, split_size)
-    if num_seqs == 0 or max_splits == 0:
+    parts = split_partials(num_seqs, num_heads, head_dim, seq_lens, max_seq_len, split_size)
+    if parts is None:
         return out
+    max_splits, m, l, acc = parts  # noqa: E741
     group = num_heads // num_kv_heads
-    # partials: [num_seqs, num_heads, max_splits] (+ [head_dim] for acc), fp32
-    m = torch.empty((num_seqs, num_heads, max_splits), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)  # noqa: E741
-    acc = torch.empty((num_seqs, num_heads, max_splits, head_dim), dtype=torch.float32,
-                      device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     has_window = sliding_window is not None
     _split_kv_kernel[(num_seqs, num_kv_heads, max_splits)](

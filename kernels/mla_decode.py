@@ -29,7 +29,7 @@ import torch
 
 from kernels._triton import require_triton, tl, triton
 from kernels.attention import attention_mask, gather_kv
-from kernels.decode_attention import BLOCK_N, SPLIT_SIZE, _combine_kernel
+from kernels.decode_attention import BLOCK_N, SPLIT_SIZE, _combine_kernel, split_partials
 
 BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 
@@ -157,15 +157,10 @@ def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert out.shape == (num_tokens, num_heads, rank) and out.dtype == q.dtype
     assert out.stride(2) == 1, "out's last dim must be contiguous"
     num_seqs = block_tables.shape[0]
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if num_seqs else 0
-    max_splits = triton.cdiv(max_seq_len, SPLIT_SIZE)
-    if num_seqs == 0 or max_splits == 0:
+    parts = split_partials(num_seqs, num_heads, rank, seq_lens, max_seq_len)
+    if parts is None:
         return out
-    m = torch.empty((num_seqs, num_heads, max_splits), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)  # noqa: E741
-    acc = torch.empty((num_seqs, num_heads, max_splits, rank), dtype=torch.float32,
-                      device=q.device)
+    max_splits, m, l, acc = parts  # noqa: E741
     _mla_split_kernel[(num_seqs, triton.cdiv(num_heads, BLOCK_H), max_splits)](
         q, k_cache, v_cache, m, l, acc, block_tables, query_start_loc, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
