@@ -12,7 +12,8 @@ so one failure does not stop the others:
     sync_debug       torch.cuda.set_sync_debug_mode around decode steps: where they sync
     decode           decode ms/step at batch 1 and 64, context 128 and 2,048, SmolLM2-135M and
                      Llama-8B shapes (random bf16 weights, no download), beside the floor
-                     (weight bytes + KV bytes read) / measured copy bandwidth
+                     (weight bytes + KV bytes read) / measured copy bandwidth; then the same
+                     cells replayed from CUDA graphs (engine/cuda_graphs.py)
     kernels          kernels.decode_attention / kernels.attention against torch SDPA (flash)
                      on contiguous KV of the same shapes, and FlashInfer where importable;
                      kernels.mla_decode against its torch path on DeepSeek-V3's latent
@@ -677,6 +678,9 @@ def decode(check: Check) -> dict:
             except Exception as error:  # e.g. out of memory: the next cells still run
                 rows.append(dict(cell, status=f"error: {type(error).__name__}: "
                                               f"{str(error)[:200]}"))
+        if check.is_cuda and check.budget.left() > 30:
+            graph_cells(core, check, [r for r in rows[-len(mine):] if "ms_per_step" in r],
+                        max_batch, warmup, steps, info["weight_bytes"], dtype_t)
         del core
         if check.is_cuda:
             torch.cuda.empty_cache()
@@ -690,6 +694,36 @@ def decode(check: Check) -> dict:
                         f" ({r['floor_ms']:.2f})" if r.get("floor_ms") else
                         f"{r['shape']} b{r['batch']} c{r['context']} {r['ms_per_step']:.2f}"
                         for r in timed) if timed else ""))
+
+
+def graph_cells(core, check: Check, rows: list[dict], max_batch: int, warmup: int,
+                steps: int, weight_bytes: int, dtype: torch.dtype) -> None:
+    """The same cells again with the decode steps replayed from CUDA graphs
+    (engine/cuda_graphs.py): `graph_ms_per_step` in each row, or `graph_status` with why not."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    try:
+        t0 = time.perf_counter()
+        core.runner.graphs = DecodeGraphs(core.model, core.runner.kv_caches, core.block_size,
+                                          core.max_model_len, check.platform, max_batch)
+        capture_s = time.perf_counter() - t0
+    except Exception as error:
+        for row in rows:
+            row["graph_status"] = f"capture failed: {type(error).__name__}: {str(error)[:160]}"
+        return
+    for row in rows:
+        if check.budget.left() < 15:
+            row["graph_status"] = "skipped: time budget spent"
+            continue
+        try:
+            before = core.runner.graphs.replays
+            timed = time_decode(core, row["batch"], row["context"], warmup, steps, weight_bytes,
+                                check, dtype)
+            row.update(graph_ms_per_step=timed["ms_per_step"], graph_capture_s=round(capture_s, 2),
+                       graph_replays=core.runner.graphs.replays - before)
+        except Exception as error:
+            row["graph_status"] = f"error: {type(error).__name__}: {str(error)[:160]}"
+    core.runner.graphs = None
 
 
 def time_decode(core, batch: int, ctx: int, warmup: int, steps: int, weight_bytes: int,
@@ -853,8 +887,8 @@ def mla_case(batch: int, ctx: int, device: torch.device, dtype: torch.dtype,
     starts = torch.arange(batch + 1, device=device, dtype=torch.int32)
     lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
     scale = (rank + rope) ** -0.5
-    triton_fn = lambda: mla_decode_triton(q, planes[0], planes[1], table, starts, lens,  # noqa: E731
-                                          scale, rank, max_seq_len=ctx)
+    triton_fn = lambda: mla_decode_triton(  # noqa: E731
+        q, planes[0], planes[1], table, starts, lens, scale, rank, max_seq_len=ctx)
     torch_fn = lambda: mla_attend_ref(q[:, None], planes[0], planes[1], table,  # noqa: E731
                                       lens.long(), scale, rank, ctx)[:, 0]
     diff = float((triton_fn().float() - torch_fn().float()).abs().max())
@@ -949,11 +983,12 @@ def markdown(report: dict) -> str:
                          f"{_num(b.get('max_logprob_diff'))} ({_num(h.get('max_logprob_diff'))}) |")
     rows = report["sections"]["decode"].get("rows")
     if rows:
-        lines += ["", "| shape | batch | context | ms/step | floor ms | × floor | prefill s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| shape | batch | context | ms/step | CUDA graphs ms/step | floor ms "
+                  "| × floor | prefill s |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['shape']} | {r.get('batch', '-')} | {r.get('context', '-')} | "
                          f"{_num(r.get('ms_per_step'), r.get('status', '-'))} | "
+                         f"{_num(r.get('graph_ms_per_step'), r.get('graph_status', '-'))} | "
                          f"{_num(r.get('floor_ms'))} | {_num(r.get('over_floor'))} | "
                          f"{_num(r.get('prefill_s'))} |")
     rows = report["sections"]["kernels"].get("rows")

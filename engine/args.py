@@ -35,6 +35,8 @@ _HELP = {
               "CPU), cpu, cuda or cuda:N",
     "gpu_memory_utilization": "CUDA: fraction of the device's memory that weights and the KV "
                               "pool may take (the pool gets what the weights leave)",
+    "cuda_graphs": "CUDA: replay decode steps from CUDA graphs captured per batch size "
+                   "(steps with a prompt token, drafts or a context over 8,192 run eagerly)",
     "kv_dir": "directory of the SSD KV tier (off when unset)",
     "kv_host_bytes": "host-RAM KV tier capacity in bytes (0: off)",
     "kv_disk_bytes": "SSD KV tier capacity in bytes",

@@ -214,6 +214,7 @@ class EngineConfig:
     # where weights, KV and step tensors live (engine/platform.py): auto | cpu | cuda | cuda:N
     device: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory weights + KV may use
+    cuda_graphs: bool = False  # CUDA: decode steps replay captured graphs (engine/cuda_graphs.py)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)

@@ -130,8 +130,7 @@ class EngineCore:
         if config.ep.is_on and not torch.distributed.is_initialized():
             raise ValueError("--expert-parallel N runs under `duplex serve` or `duplex worker`, "
                              "which form the group of N processes (engine/ep_group.py)")
-        # one torch thread per core this process may run on (the supervisor splits the
-        # cores between workers on one host), set once here
+        # one torch thread per core this process may run on (the supervisor splits them), once
         self.num_threads = config.num_threads or available_cores()
         torch.set_num_threads(self.num_threads)
         loaded, self.dtype, self.quant, self.model_path = _load_weights(config, progress,
@@ -162,6 +161,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.kv_dtype,
                                   self.layout, self.platform)
         self.pool, self.kv = self._build_kv()
+        if config.cuda_graphs and not config.ep.is_on:  # CUDA: decode steps replay graphs
+            self.runner.capture_decode_graphs(self.max_model_len, config.scheduler.max_num_seqs)
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens, self.max_model_len,
@@ -170,9 +171,8 @@ class EngineCore:
         self.spec = None if not config.spec.is_on else Speculator.build(
             config.spec, model=self.model, runner=self.runner, kv=self.kv,
             load_model=self._load_draft_model, cost_model=self.cost_model,
-            num_kv_blocks=self.num_kv_blocks,
-            block_size=self.block_size, dtype=self.kv_dtype, max_model_len=self.max_model_len,
-            seed=config.seed)
+            num_kv_blocks=self.num_kv_blocks, block_size=self.block_size, dtype=self.kv_dtype,
+            max_model_len=self.max_model_len, seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
                                           self.eos_token_ids, blocking=config.ep.is_on)
         self.requests: dict[str, Request] = {}

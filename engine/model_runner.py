@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.hybrid_kv import HybridLayout, swa_step_inputs
 from engine.models import ForwardContext
 from engine.platform import Platform, cpu, place
@@ -104,6 +105,7 @@ class ModelRunner:
         self.device = self.platform.device
         self.model = place(model, self.platform) if self.platform.is_cuda else model
         self.transfer = StepTransfer(self.platform)
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured (CUDA, opt-in)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layout = layout
@@ -116,6 +118,14 @@ class ModelRunner:
         self.kv = self.platform.empty((args.num_layers, 2, num_blocks, block_size,
                                        args.num_kv_heads, args.head_dim), dtype).zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(args.num_layers)]
+
+    def capture_decode_graphs(self, max_model_len: int, max_batch: int) -> None:
+        """CUDA graphs of decode steps, one per batch size up to max_batch
+        (engine/cuda_graphs.py); on CUDA only, and not for the hybrid KV layout, whose steps
+        carry a second block table."""
+        if self.platform.is_cuda and self.layout is None:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
+                                       max_model_len, self.platform, max_batch)
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
@@ -172,6 +182,11 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, logit_positions: list[int] | None = None) -> torch.Tensor:
         """Run the forward; fp32 logits [len(positions), vocab] for the sampled positions
         (or the given ones)."""
+        if self.graphs is not None and logit_positions is None:
+            logits = self.graphs.run(inputs.input_ids, inputs.ctx, inputs.computes_prompt)
+            if logits is not None:  # every row decodes, so every row samples
+                assert inputs.sample_positions == list(range(logits.shape[0]))
+                return logits
         with prompt_step(inputs.computes_prompt):
             hidden = self.model.forward(inputs.input_ids, inputs.ctx)
             rows = inputs.sample_positions if logit_positions is None else logit_positions
