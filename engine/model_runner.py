@@ -182,10 +182,12 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, logit_positions: list[int] | None = None) -> torch.Tensor:
         """Run the forward; fp32 logits [len(positions), vocab] for the sampled positions
         (or the given ones)."""
-        if self.graphs is not None and logit_positions is None:
+        # a graph gives every row's logits: for steps where every row samples (a row that
+        # recomputes a preempted request's output token one at a time does not)
+        if self.graphs is not None and logit_positions is None \
+                and len(inputs.sample_positions) == inputs.input_ids.shape[0]:
             logits = self.graphs.run(inputs.input_ids, inputs.ctx, inputs.computes_prompt)
-            if logits is not None:  # every row decodes, so every row samples
-                assert inputs.sample_positions == list(range(logits.shape[0]))
+            if logits is not None:
                 return logits
         with prompt_step(inputs.computes_prompt):
             hidden = self.model.forward(inputs.input_ids, inputs.ctx)
