@@ -170,7 +170,7 @@ def build_library(source_path: Path, flags: list[str], libs: tuple[str, ...] = (
     flags and CPU) and return its path; raises RuntimeError / SubprocessError on failure."""
     source = _with_local_includes(source_path)
     # -march=native: a library built on one CPU may not run on another, so the CPU is keyed
-    key = source + " ".join([*flags, *libs]).encode() + os.uname().machine.encode() + _cpu_flags()
+    key = source + " ".join([*flags, *libs]).encode() + os.uname().machine.encode() + cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "duplex"
     target = cache / f"{source_path.stem}-{digest}.so"
@@ -203,7 +203,8 @@ def _with_local_includes(path: Path, seen: set[Path] | None = None) -> bytes:
     return out
 
 
-def _cpu_flags() -> bytes:
+def cpu_flags() -> bytes:
+    """The CPU's /proc/cpuinfo flags line (empty when unreadable)."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             return next((line for line in f if line.startswith(b"flags")), b"")

@@ -40,7 +40,21 @@ from kernels import cpu_qgemv, memory
 INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32..256)
 _INNER_K_TILES = 2
 MAX_PACKED_ROWS = 4  # torch's kernels: above this many rows, a dense copy is faster (measured)
-MAX_VNNI_ROWS = 12  # kernels.cpu_qgemv: the bf16 GEMM wins from ~16 rows (measured)
+
+
+def vnni_rows() -> int:
+    """The most rows the int4 VNNI kernel (kernels.cpu_qgemv) takes before the bf16 dense
+    copy does, by CPU, as measured (docs/BENCHMARKS.md): with AMX (the Intel VM) oneDNN's
+    bf16 GEMM wins from ~16 rows, so 12; without (AMD Zen 5, avx512_bf16) the VNNI kernel is
+    faster through 64 (the decode step at 16 rows 0.58x, at 64 0.93x the bf16 one's).
+    DUPLEX_VNNI_ROWS sets it, for comparisons."""
+    if os.environ.get("DUPLEX_VNNI_ROWS"):
+        return int(os.environ["DUPLEX_VNNI_ROWS"])
+    from kernels.cpu_fused import cpu_flags
+    return 12 if b" amx_bf16" in cpu_flags() else 64
+
+
+MAX_VNNI_ROWS = vnni_rows()
 _prompt_step = False
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_qgemv
+from kernels import cpu_qgemv, quant
 from kernels.quant import QuantWeight
 
 pytestmark = pytest.mark.skipif(not cpu_qgemv.available(),
@@ -89,7 +89,7 @@ def test_quant_weight_runs_it_and_keeps_the_dense_copy_for_big_batches(monkeypat
     real = cpu_qgemv.linear
     monkeypatch.setattr(cpu_qgemv, "linear", lambda p, x, *a: calls.append(x.shape[0]) or real(p, x, *a))
     w.linear(torch.randn(2, 128))
-    w.linear(torch.randn(64, 128))  # over MAX_VNNI_ROWS: the bf16 copy
+    w.linear(torch.randn(quant.MAX_VNNI_ROWS + 1, 128))  # over MAX_VNNI_ROWS: the bf16 copy
     assert calls == [2]
 
 
