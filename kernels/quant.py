@@ -46,7 +46,7 @@ def vnni_rows() -> int:
     """The most rows the int4 VNNI kernel (kernels.cpu_qgemv) takes before the bf16 dense
     copy does, by CPU, as measured (docs/BENCHMARKS.md): with AMX (the Intel VM) oneDNN's
     bf16 GEMM wins from ~16 rows, so 12; without (AMD Zen 5, avx512_bf16) the VNNI kernel is
-    faster through 64 (the decode step at 16 rows 0.58x, at 64 0.93x the bf16 one's).
+    faster through 64 (the decode step at 16 rows 0.57x, at 64 0.92x the bf16 one's).
     DUPLEX_VNNI_ROWS sets it, for comparisons."""
     if os.environ.get("DUPLEX_VNNI_ROWS"):
         return int(os.environ["DUPLEX_VNNI_ROWS"])
