@@ -36,6 +36,7 @@ import os
 import torch
 
 from kernels import cpu_qgemv, memory
+from kernels.cpu_fused import cpu_flags
 
 INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32..256)
 _INNER_K_TILES = 2
@@ -50,7 +51,6 @@ def vnni_rows() -> int:
     DUPLEX_VNNI_ROWS sets it, for comparisons."""
     if os.environ.get("DUPLEX_VNNI_ROWS"):
         return int(os.environ["DUPLEX_VNNI_ROWS"])
-    from kernels.cpu_fused import cpu_flags
     return 12 if b" amx_bf16" in cpu_flags() else 64
 
 
