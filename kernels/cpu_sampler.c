@@ -27,7 +27,6 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-__m512 _ZGVeN16v_expf(__m512);
 #endif
 
 #define PER_UNIT 64
@@ -40,7 +39,6 @@ __m512 _ZGVeN16v_expf(__m512);
 #define TABLES 4       /* interleaved histograms: neighbouring tokens do not wait on each other */
 #define CUT 2          /* the exp pass sums the mass above depths CUT, 2 CUT, ... < SPAN_1 */
 #define NUM_CUTS (SPAN_1 / CUT)
-#define EXP_BLOCK 512
 
 struct pair {
     float x;
@@ -57,6 +55,7 @@ struct work {
     int32_t *bin;
     int64_t num_in;
     double before;   /* the mass of the tokens x >= floor above the window */
+    double kept;     /* the mass of the tokens x >= top-p's threshold, as the walk summed it */
     struct pair *pairs; /* one bucket's tokens */
     struct pair *finer; /* one finer bucket's tokens */
     uint8_t *sub;       /* each of pairs' finer bucket */
@@ -117,16 +116,42 @@ static float scale_and_max(const float *x, float temperature, float *y, int64_t 
     return m;
 }
 
-/* e[i] = exp(x[i] - m), in float, and their sum, in double in a fixed order; guess[c] ~ the
- * sum of e over depth m - x < c * CUT (c in [1, NUM_CUTS)), summed in float: only a guess of
- * where top-p's boundary lies (the walk checks it); with `count`, count[c] = the number of
- * those tokens, exactly (where top-k's boundary lies). always_inline: the count-free copy
- * keeps no trace of the counting */
+#if defined(__AVX512F__)
+/* exp(v) for v <= 0 (and -inf), 16 at a time, within 1 ulp of the correctly rounded value:
+ * v = k ln 2 + r with k = round(v / ln 2) and |r| <= ln 2 / 2 (ln 2 in two parts, so r is
+ * exact to float precision), e^r by its degree-7 Taylor polynomial (truncation < 2^-27
+ * relative), times 2^k by vscalefps (denormal results as well; v <= -104 gives 0). Inline,
+ * unlike libmvec's call, which clobbers every vector register and takes a scalar path for
+ * each lane below -87 (a row at a low temperature has many). */
+static inline __m512 exp_nonpositive(__m512 v) {
+    v = _mm512_max_ps(v, _mm512_set1_ps(-104.0f)); /* -inf too */
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), v);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+
+/* e[i] = exp(x[i] - m), in float (exp_nonpositive where AVX512 is, the whole row, the last
+ * partial vector masked; libm's expf in the portable code), and their sum, in double in a
+ * fixed order; guess[c] ~ the sum of e over depth m - x < c * CUT (c in [1, NUM_CUTS)),
+ * summed in float: only a guess of where top-p's boundary lies (the walk checks it); with
+ * `count`, count[c] = the number of those tokens, exactly (where top-k's boundary lies).
+ * next: a row to prefetch into L2 meanwhile. always_inline: the count-free copy keeps no
+ * trace of the counting */
 static inline __attribute__((always_inline)) double exps_cut(const float *x, float m, float *e,
                                                              int64_t n, float *guess,
                                                              int64_t *count,
                                                              const float *next) {
-    int64_t i = 0;
     double s = 0.0;
     for (int c = 0; c < NUM_CUTS; c++) guess[c] = 0.0f;
     if (count)
@@ -136,28 +161,28 @@ static inline __attribute__((always_inline)) double exps_cut(const float *x, flo
     __m512d lo = _mm512_setzero_pd(), hi = lo;
     __m512 cut[NUM_CUTS];
     for (int c = 0; c < NUM_CUTS; c++) cut[c] = _mm512_setzero_ps();
-    for (; i + EXP_BLOCK <= n; i += EXP_BLOCK) {
-        for (int64_t j = i; j < i + EXP_BLOCK; j += 16) { /* the calls clobber every zmm */
-            if (next) _mm_prefetch((const char *)(next + j), _MM_HINT_T1);
-            _mm512_storeu_ps(e + j, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
-        }
-        for (int64_t j = i; j < i + EXP_BLOCK; j += 16) {
-            const __m512 v = _mm512_loadu_ps(e + j), d = _mm512_sub_ps(mv, _mm512_loadu_ps(x + j));
-            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(upper8(v)));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        if (next) _mm_prefetch((const char *)(next + i), _MM_HINT_T1);
+        /* masked lanes: x = -inf, so e = 0 and the depth is +inf (in no cut) */
+        const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, x + i);
+        const __m512 d = _mm512_sub_ps(mv, xv);
+        const __m512 v = exp_nonpositive(_mm512_sub_ps(xv, mv));
+        _mm512_mask_storeu_ps(e + i, lanes, v);
+        lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+        hi = _mm512_add_pd(hi, _mm512_cvtps_pd(upper8(v)));
 #pragma GCC unroll 8
-            for (int c = 1; c < NUM_CUTS; c++) {
-                __mmask16 k = _mm512_cmp_ps_mask(d, _mm512_set1_ps((float)(c * CUT)),
-                                                 _CMP_LT_OQ);
-                cut[c] = _mm512_mask_add_ps(cut[c], k, cut[c], v);
-                if (count) count[c] += __builtin_popcount(k);
-            }
+        for (int c = 1; c < NUM_CUTS; c++) {
+            __mmask16 k = _mm512_cmp_ps_mask(d, _mm512_set1_ps((float)(c * CUT)), _CMP_LT_OQ);
+            cut[c] = _mm512_mask_add_ps(cut[c], k, cut[c], v);
+            if (count) count[c] += __builtin_popcount(k);
         }
     }
     s = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
     for (int c = 1; c < NUM_CUTS; c++) guess[c] = _mm512_reduce_add_ps(cut[c]);
-#endif
-    for (; i < n; i++) {
+#else
+    (void)next;
+    for (int64_t i = 0; i < n; i++) {
         e[i] = expf(x[i] - m);
         s += (double)e[i];
         for (int c = 1; c < NUM_CUTS; c++)
@@ -166,6 +191,7 @@ static inline __attribute__((always_inline)) double exps_cut(const float *x, flo
                 if (count) count[c]++;
             }
     }
+#endif
     return s;
 }
 
@@ -487,7 +513,10 @@ static float nucleus(struct work *w, double target, float tau_k, const struct wi
                 above += w->mass[0][b];
                 continue;
             }
-            if (walk_bucket(w, v.lo, b, target, &above, &tau)) return tau;
+            if (walk_bucket(w, v.lo, b, target, &above, &tau)) {
+                w->kept = above; /* the walk's sum runs over every token x >= tau */
+                return tau;
+            }
         }
     }
     return -INFINITY; /* the boundary is below every window: keep the rest */
@@ -531,25 +560,31 @@ static float min_p_floor(const struct work *w, double min_p) {
 
 /* ------------------------------------------------------------------ the draw */
 
-/* inverse CDF over the kept tokens (x >= tau) with uniform u; the last kept token when
- * rounding leaves the target past the end */
-static int64_t draw(const struct work *w, float tau, double u) {
+/* inverse CDF over the kept tokens (x >= tau) with uniform u, their mass `total` when known
+ * (< 0: summed here first); a chunk's mass is summed only when the walk reaches it, so a
+ * known total saves half a pass on average. The last kept token when rounding leaves the
+ * target past the end */
+static int64_t draw(const struct work *w, float tau, double u, double total) {
     const int64_t n = w->vocab, num_chunks = (n + DRAW_CHUNK - 1) / DRAW_CHUNK;
     double sums[num_chunks];
-    double total = 0.0;
-    for (int64_t c = 0; c < num_chunks; c++) {
-        int64_t hi = (c + 1) * DRAW_CHUNK < n ? (c + 1) * DRAW_CHUNK : n;
-        sums[c] = kept_mass(w->x, w->e, tau, c * DRAW_CHUNK, hi);
-        total += sums[c];
+    const int known = total >= 0.0;
+    if (!known) {
+        total = 0.0;
+        for (int64_t c = 0; c < num_chunks; c++) {
+            int64_t hi = (c + 1) * DRAW_CHUNK < n ? (c + 1) * DRAW_CHUNK : n;
+            sums[c] = kept_mass(w->x, w->e, tau, c * DRAW_CHUNK, hi);
+            total += sums[c];
+        }
     }
     const double target = u * total;
     double acc = 0.0;
     for (int64_t c = 0; c < num_chunks; c++) {
-        if (acc + sums[c] <= target) {
-            acc += sums[c];
+        int64_t lo = c * DRAW_CHUNK, hi = lo + DRAW_CHUNK < n ? lo + DRAW_CHUNK : n;
+        const double sum = known ? kept_mass(w->x, w->e, tau, lo, hi) : sums[c];
+        if (acc + sum <= target) {
+            acc += sum;
             continue;
         }
-        int64_t lo = c * DRAW_CHUNK, hi = lo + DRAW_CHUNK < n ? lo + DRAW_CHUNK : n;
         for (int64_t i = lo; i < hi; i++) {
             if (w->x[i] >= tau && w->e[i] > 0.0f) {
                 acc += w->e[i];
@@ -604,6 +639,7 @@ static int one_row(const float *logits, int64_t vocab, float temperature, int64_
     const double total = has_k ? exps_counting(x, w->m, w->e, vocab, guess, count, next)
                                : exps(x, w->m, w->e, vocab, guess, next);
     float tau_k = -INFINITY, tau_p = -INFINITY, tau_m = -INFINITY;
+    w->kept = -1.0;
     if (has_k) tau_k = kth_value(w, top_k, count);
     if (top_p < 1.0) {
         if (tau_k == -INFINITY)
@@ -615,7 +651,9 @@ static int one_row(const float *logits, int64_t vocab, float temperature, int64_
     float tau = tau_k > tau_p ? tau_k : tau_p;
     tau = tau > tau_m ? tau : tau_m;
     *threshold = tau;
-    if (u >= 0.0) *token = draw(w, tau, u);
+    /* the kept mass is the walk's when top-p's threshold is the row's */
+    const double kept = top_p < 1.0 && tau == tau_p && tau_p > -INFINITY ? w->kept : -1.0;
+    if (u >= 0.0) *token = draw(w, tau, u, kept);
     return 0;
 }
 

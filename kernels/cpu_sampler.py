@@ -108,7 +108,7 @@ def _params(n: int, temperature, top_k, top_p, min_p, uniform) -> list[torch.Ten
 def _load():
     global _lib
     if _lib is None:
-        _lib = load_library(_SOURCE, ["-fopenmp", "-ffp-contract=off"], ("-lmvec",), _declare,
+        _lib = load_library(_SOURCE, ["-fopenmp", "-ffp-contract=off"], (), _declare,
                             "CPU sampling kernel")
     return _lib
 
