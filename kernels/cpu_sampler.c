@@ -269,8 +269,11 @@ static void sort_desc(struct pair *p, int64_t n) {
 
 /* the window's tokens (x >= floor, depth in [lo, lo + num / PER_UNIT)) into w->xin, ein and
  * bin, their count into w->num_in; with need_before the mass of those above it into
- * w->before */
-static void assign_buckets(struct work *w, float lo, int64_t num, float floor, int need_before) {
+ * w->before. always_inline: the copy without a floor (top-p alone) drops its compare */
+static inline __attribute__((always_inline)) void assign_window(struct work *w, float lo,
+                                                                int64_t num, float floor,
+                                                                int need_before,
+                                                                int has_floor) {
     /* locals, not w->...: the stores below could alias w, so every field would be reloaded */
     const float m = w->m;
     const float *restrict xs = w->x, *restrict es = w->e;
@@ -282,16 +285,20 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor, i
 #if defined(__AVX512F__)
     __m512d above_lo = _mm512_setzero_pd(), above_hi = above_lo;
     const __m512 mv = _mm512_set1_ps(m), lov = _mm512_set1_ps(lo), fl = _mm512_set1_ps(floor);
-    const __m512 scale = _mm512_set1_ps((float)PER_UNIT), top = _mm512_set1_ps((float)num);
+    const __m512 scale = _mm512_set1_ps((float)PER_UNIT);
+    const __m512i top = _mm512_set1_epi32((int32_t)num), zero = _mm512_setzero_si512();
     const int sum_above = need_before && lo > 0.0f;
     for (; i + 16 <= vocab; i += 16) {
         __m512 x = _mm512_loadu_ps(xs + i);
         __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_sub_ps(mv, x), lov), scale);
-        const __mmask16 kept = _mm512_cmp_ps_mask(x, fl, _CMP_GE_OQ);
-        const __mmask16 deeper = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GE_OQ);
-        const __mmask16 in = kept & deeper & _mm512_cmp_ps_mask(t, top, _CMP_LT_OQ);
+        /* floor(t): the bucket where t >= 0 (as bucket_of's truncation), < 0 above the
+         * window; for t = inf (x = -inf) or NaN the integer indefinite, INT_MIN: past every
+         * bucket unsigned, "above" signed, where its e, 0, adds nothing */
+        const __m512i b = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        const __mmask16 kept = has_floor ? _mm512_cmp_ps_mask(x, fl, _CMP_GE_OQ) : 0xffff;
+        const __mmask16 in = _mm512_mask_cmplt_epu32_mask(kept, b, top);
         if (sum_above) {
-            const __mmask16 up = kept & ~deeper;
+            const __mmask16 up = _mm512_mask_cmplt_epi32_mask(kept, b, zero);
             const __m512 v = _mm512_loadu_ps(es + i);
             above_lo = _mm512_mask_add_pd(above_lo, (__mmask8)up, above_lo,
                                           _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
@@ -302,7 +309,7 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor, i
         /* compressed in registers, stored whole (the buffers have 16 spare lanes) */
         _mm512_storeu_ps(xin + n, _mm512_maskz_compress_ps(in, x));
         _mm512_storeu_ps(ein + n, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(es + i)));
-        _mm512_storeu_si512(bin + n, _mm512_maskz_compress_epi32(in, _mm512_cvttps_epi32(t)));
+        _mm512_storeu_si512(bin + n, _mm512_maskz_compress_epi32(in, b));
         n += __builtin_popcount(in);
     }
     before = _mm512_reduce_add_pd(_mm512_add_pd(above_lo, above_hi));
@@ -318,6 +325,13 @@ static void assign_buckets(struct work *w, float lo, int64_t num, float floor, i
     }
     w->num_in = n;
     w->before = before;
+}
+
+static void assign_buckets(struct work *w, float lo, int64_t num, float floor, int need_before) {
+    if (floor == -INFINITY)
+        assign_window(w, lo, num, floor, need_before, 0);
+    else
+        assign_window(w, lo, num, floor, need_before, 1);
 }
 
 /* counts (top-k) or masses (top-p) per bucket of the tokens x >= floor in the window
