@@ -16,13 +16,14 @@ the two keep the same tokens except where fp32 rounding or a sort's tie order de
 Draws: inverse CDF over the kept tokens with one uniform per row. A seeded request's
 uniform comes from (seed, output position) (`seeded_uniform`), so the token at
 position i is the same wherever and whenever it is sampled, whatever else is in the batch,
-and on any device; unseeded rows take theirs from the sampler's generator.
+and on any device; unseeded rows take theirs from the sampler's own numpy generator.
 """
 from __future__ import annotations
 
 import itertools
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from engine.grammar import TokenMask
@@ -34,6 +35,7 @@ from kernels import ops
 ARGMAX_CHUNK = 64  # contiguous chunk of the two-level argmax
 NEG_INF = float("-inf")
 DRAW_SALT = 0x5DEECE66D
+UNIFORM_POOL = 4096
 
 
 class SamplerOutput(NamedTuple):
@@ -41,58 +43,110 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprob | None]
 
 
+class _Rows(NamedTuple):
+    """What one pass over a step's requests finds (each request's objects are cold in the
+    caches after a forward, so the sampler walks them once): which rows are greedy and
+    which sample, the sampled rows' kernel parameters, and which rows need any of the rarer
+    steps."""
+    greedy: list[int]
+    sampled: list[int]
+    params: np.ndarray  # [len(sampled), 5] f64: temperature, top_k, top_p, min_p, uniform
+    seeded: list[int]  # positions in `sampled` whose uniform is their own (already set)
+    early_stop: bool
+    penalties: bool
+    logit_bias: bool
+    logprobs: list[int]
+
+
+def _rows(reqs: Sequence[Request]) -> _Rows:
+    greedy, sampled, seeded, logprobs, flat = [], [], [], [], []
+    early = penalties = bias = False
+    for row, req in enumerate(reqs):
+        p = req.params
+        if p.min_tokens and req.num_output_tokens < p.min_tokens:
+            early = True
+        penalties = penalties or p.has_penalties
+        bias = bias or bool(p.logit_bias)
+        if p.logprobs is not None:
+            logprobs.append(row)
+        if p.is_greedy:
+            greedy.append(row)
+            continue
+        uniform = -1.0
+        if p.seed is not None:
+            seeded.append(len(sampled))
+            uniform = seeded_uniform(req)
+        sampled.append(row)
+        flat += (p.temperature, p.top_k, p.top_p, p.min_p, uniform)
+    params = np.array(flat, dtype=np.float64).reshape(len(sampled), cpu_sampler.NUM_PARAMS)
+    return _Rows(greedy, sampled, params, seeded, early, penalties, bias, logprobs)
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # speculative verification's
+        self.rng = np.random.default_rng(seed)  # unseeded rows' uniforms
+        self._pool = np.empty(0)  # the rng's next uniforms, drawn UNIFORM_POOL at a time
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request],
                  mask: TokenMask | None = None) -> SamplerOutput:
         """logits: fp32 [num_reqs, vocab]; not modified. mask: the tokens a grammar allows
         in some rows (engine/grammar.py); other rows are computed exactly as without it."""
         raw = logits
-        logits = _apply_penalties(_mask_early_stop(logits, reqs), reqs)
-        logits = apply_grammar_mask(_apply_logit_bias(logits, reqs), mask)
-        greedy = [row for row, req in enumerate(reqs) if req.params.is_greedy]
-        if len(greedy) == len(reqs):  # one kind of row: no scatter
+        rows = _rows(reqs)
+        if rows.early_stop:
+            logits = _mask_early_stop(logits, reqs)
+        if rows.penalties:
+            logits = _apply_penalties(logits, reqs)
+        if rows.logit_bias:
+            logits = _apply_logit_bias(logits, reqs)
+        logits = apply_grammar_mask(logits, mask)
+        if not rows.sampled:  # one kind of row: no scatter
             ids = _argmax(logits).tolist()
-        elif not greedy:
-            ids = self._sample(logits, reqs).tolist()
+        elif not rows.greedy:
+            ids = self._sample(logits, rows).tolist()
         else:
-            sampled = [row for row, req in enumerate(reqs) if not req.params.is_greedy]
             token_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
-            token_ids[greedy] = _argmax(take_rows(logits, greedy))
-            token_ids[sampled] = self._sample(take_rows(logits, sampled),
-                                              [reqs[i] for i in sampled])
+            token_ids[rows.greedy] = _argmax(take_rows(logits, rows.greedy))
+            token_ids[rows.sampled] = self._sample(take_rows(logits, rows.sampled), rows)
             ids = token_ids.tolist()
-        return SamplerOutput(ids, _logprobs(raw, reqs, ids))
+        return SamplerOutput(ids, _logprobs(raw, reqs, ids, rows.logprobs))
 
     @staticmethod
     def logprobs(logits: torch.Tensor, reqs: Sequence[Request],
                  token_ids: list[int]) -> list[TokenLogprob | None]:
         """Logprobs of given tokens (e.g. verified drafts) under raw logits [n, vocab]."""
-        return _logprobs(logits, reqs, token_ids)
+        rows = [row for row, req in enumerate(reqs) if req.params.logprobs is not None]
+        return _logprobs(logits, reqs, token_ids, rows)
 
-    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Non-greedy rows: logits [m, vocab] -> token ids [m]."""
-        params = [req.params for req in reqs]
-        token_ids, _ = _truncate(logits, torch.tensor([p.temperature for p in params]),
-                                 [p.top_k for p in params], [p.top_p for p in params],
-                                 [p.min_p for p in params], self._uniforms(reqs))
-        return token_ids
+    def _sample(self, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """The sampled rows' logits [m, vocab] -> their token ids [m]. The parameters reach
+        the C kernel as the one array _rows built."""
+        params = rows.params
+        self._fill_uniforms(params[:, -1], rows.seeded)
+        if cpu_sampler.fits(logits) and cpu_sampler.available():
+            return cpu_sampler.sample_packed(logits, params)[0]
+        temperature, top_k, top_p, min_p, uniform = torch.from_numpy(params).unbind(1)
+        return cpu_sampler.sample_ref(logits, temperature.float(), top_k.long(), top_p, min_p,
+                                      uniform)[0]
 
-    def _uniforms(self, reqs: Sequence[Request]) -> torch.Tensor:
-        """One uniform in [0, 1) per row [m] f64: a seeded request's own, else the generator's."""
-        unseeded = [row for row, req in enumerate(reqs) if req.params.seed is None]
-        if len(unseeded) == len(reqs):  # the same draws as the scatter below
-            return torch.rand(len(reqs), generator=self.generator, dtype=torch.float64)
-        uniform = torch.empty(len(reqs), dtype=torch.float64)
-        if unseeded:
-            uniform[unseeded] = torch.rand(len(unseeded), generator=self.generator,
-                                           dtype=torch.float64)
-        for row, req in enumerate(reqs):
-            if req.params.seed is not None:
-                uniform[row] = seeded_uniform(req)
-        return uniform
+    def _fill_uniforms(self, uniform: np.ndarray, seeded: list[int]) -> None:
+        """One uniform in [0, 1) per row: seeded rows already hold their own; the others
+        take the generator's, in row order."""
+        if not seeded:
+            uniform[:] = self._next_uniforms(len(uniform))
+            return
+        unseeded = np.ones(len(uniform), dtype=bool)
+        unseeded[seeded] = False
+        uniform[unseeded] = self._next_uniforms(int(unseeded.sum()))
+
+    def _next_uniforms(self, n: int) -> np.ndarray:
+        """The generator's next n uniforms: the same stream as drawing n at a time, taken
+        from a pool refilled UNIFORM_POOL at a time (one generator call in many steps)."""
+        if len(self._pool) < n:
+            self._pool = np.concatenate([self._pool, self.rng.random(max(n, UNIFORM_POOL))])
+        out, self._pool = self._pool[:n], self._pool[n:]
+        return out
 
 
 def seeded_uniform(req: Request) -> float:
@@ -229,9 +283,9 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ logprobs
 
-def _logprobs(raw: torch.Tensor, reqs: Sequence[Request],
-              token_ids: list[int]) -> list[TokenLogprob | None]:
-    rows = [row for row, req in enumerate(reqs) if req.params.logprobs is not None]
+def _logprobs(raw: torch.Tensor, reqs: Sequence[Request], token_ids: list[int],
+              rows: list[int]) -> list[TokenLogprob | None]:
+    """Logprobs of token_ids in the given rows (those asking for them), None elsewhere."""
     out: list[TokenLogprob | None] = [None] * len(reqs)
     if not rows:
         return out

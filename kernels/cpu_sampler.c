@@ -671,12 +671,13 @@ static int one_row(const float *logits, int64_t vocab, float temperature, int64_
     return 0;
 }
 
-/* rows of logits [n, vocab]; per row: temperature (fp32), top_k (0: off), top_p (>= 1: off),
- * min_p (0: off), uniform (< 0: no draw). Writes token [n] and threshold [n]. Returns 0, or
- * -1 when out of memory. */
-int sample_rows_f32(const float *logits, int64_t n, int64_t vocab, const float *temperature,
-                    const int64_t *top_k, const double *top_p, const double *min_p,
-                    const double *uniform, int64_t *token, float *threshold, int threads) {
+/* rows of logits [n, vocab]; params [n, PARAMS] per row: temperature (rounded to fp32 here),
+ * top_k (0: off), top_p (>= 1: off), min_p (0: off), uniform (< 0: no draw); one array, so
+ * a caller builds one buffer per call. Writes token [n] and threshold [n]. Returns 0, or -1
+ * when out of memory. */
+#define PARAMS 5
+int sample_rows(const float *logits, int64_t n, int64_t vocab, const double *params,
+                int64_t *token, float *threshold, int threads) {
     int failed = 0;
     int64_t claimed = 0; /* rows handed out so far: each thread claims its next row ahead */
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1) reduction(|: failed)
@@ -684,8 +685,9 @@ int sample_rows_f32(const float *logits, int64_t n, int64_t vocab, const float *
         int64_t r = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (r < n) {
             const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            failed |= one_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r],
-                              min_p[r], uniform[r], token + r, threshold + r,
+            const double *p = params + r * PARAMS;
+            failed |= one_row(logits + r * vocab, vocab, (float)p[0], (int64_t)p[1], p[2], p[3],
+                              p[4], token + r, threshold + r,
                               next < n ? logits + next * vocab : NULL) != 0;
             r = next;
         }

@@ -1,6 +1,7 @@
 """Batched truncation and draws (kernels/cpu_sampler.c), and their torch reference.
 
     sample(x, temperature, top_k, top_p, min_p, uniform)      -> (token [n], threshold [n])
+    sample_packed(x, params)                                   the same, params [n, 5] f64
     sample_ref(...)                                            the same, in torch, any device
 
 Rows of logits x [n, vocab] fp32, per-row parameters: temperature (fp32), top_k (0: off),
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kernels.cpu_fused import load_library
@@ -32,6 +34,7 @@ from kernels.cpu_fused import load_library
 _SOURCE = Path(__file__).with_name("cpu_sampler.c")
 _lib: ctypes.CDLL | None | bool = None
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+NUM_PARAMS = 5  # per row: temperature, top_k, top_p, min_p, uniform
 
 
 def available() -> bool:
@@ -46,18 +49,28 @@ def sample(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor,
            uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The C kernel: -> (token [n] int64, undefined without uniform; threshold [n] fp32)."""
+    args = _params(x.shape[0], temperature, top_k, top_p, min_p, uniform)
+    return sample_packed(x, torch.stack([a.double() for a in args], dim=1).numpy())
+
+
+def sample_packed(x: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel on one parameter array, params [n, 5] fp64 (a tensor or a numpy array):
+    per row temperature, top_k, top_p, min_p and uniform (< 0: no draw), as in sample(); what
+    the engine's Sampler builds, one buffer a call. The outputs are numpy buffers viewed as
+    tensors: no torch op runs here beyond the logits' contiguity check."""
     assert fits(x), "fp32 [n, vocab] CPU logits"
     n, vocab = x.shape
-    x = x.contiguous()
-    args = _params(n, temperature, top_k, top_p, min_p, uniform)
-    token = torch.zeros(n, dtype=torch.long)
-    threshold = torch.empty(n, dtype=torch.float32)
-    rc = _load().sample_rows_f32(x.data_ptr(), n, vocab, *(a.data_ptr() for a in args),
-                                 token.data_ptr(), threshold.data_ptr(),
-                                 torch.get_num_threads())
+    if not x.is_contiguous():
+        x = x.contiguous()
+    params = np.ascontiguousarray(params, dtype=np.float64)
+    assert params.shape == (n, NUM_PARAMS), "five parameters per row"
+    token = np.zeros(n, dtype=np.int64)
+    threshold = np.empty(n, dtype=np.float32)
+    rc = _load().sample_rows(x.data_ptr(), n, vocab, params.ctypes.data, token.ctypes.data,
+                             threshold.ctypes.data, torch.get_num_threads())
     if rc != 0:
-        raise MemoryError("sample_rows_f32: out of memory")
-    return token, threshold
+        raise MemoryError("sample_rows: out of memory")
+    return torch.from_numpy(token), torch.from_numpy(threshold)
 
 
 def sample_ref(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -114,6 +127,6 @@ def _load():
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.sample_rows_f32.restype = ctypes.c_int
-    lib.sample_rows_f32.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+    lib.sample_rows.restype = ctypes.c_int
+    lib.sample_rows.argtypes = [_P, _I, _I, _P, _P, _P, ctypes.c_int]
     return lib
