@@ -50,9 +50,8 @@ struct work {
     float *e;        /* exp(x - m) */
     int64_t vocab;
     float m;
-    /* the tokens in the current window, in vocabulary order: value, exp and bucket */
-    float *xin, *ein;
-    int32_t *bin;
+    /* the tokens in the current window, in vocabulary order: position and bucket */
+    int32_t *idx, *bin;
     int64_t num_in;
     double before;   /* the mass of the tokens x >= floor above the window */
     double kept;     /* the mass of the tokens x >= top-p's threshold, as the walk summed it */
@@ -64,7 +63,7 @@ struct work {
 };
 
 static __thread struct scratch scaled_buf, exp_buf, pair_buf, finer_buf, sub_buf, work_buf,
-    xin_buf, ein_buf, bin_buf;
+    idx_buf, bin_buf;
 
 /* ------------------------------------------------------------------ vector passes */
 
@@ -267,7 +266,7 @@ static void sort_desc(struct pair *p, int64_t n) {
     }
 }
 
-/* the window's tokens (x >= floor, depth in [lo, lo + num / PER_UNIT)) into w->xin, ein and
+/* the window's tokens (x >= floor, depth in [lo, lo + num / PER_UNIT)) into w->idx and
  * bin, their count into w->num_in; with need_before the mass of those above it into
  * w->before. always_inline: the copy without a floor (top-p alone) drops its compare */
 static inline __attribute__((always_inline)) void assign_window(struct work *w, float lo,
@@ -277,8 +276,7 @@ static inline __attribute__((always_inline)) void assign_window(struct work *w, 
     /* locals, not w->...: the stores below could alias w, so every field would be reloaded */
     const float m = w->m;
     const float *restrict xs = w->x, *restrict es = w->e;
-    float *restrict xin = w->xin, *restrict ein = w->ein;
-    int32_t *restrict bin = w->bin;
+    int32_t *restrict idx = w->idx, *restrict bin = w->bin;
     const int64_t vocab = w->vocab;
     int64_t i = 0, n = 0;
     double before = 0.0;
@@ -288,6 +286,7 @@ static inline __attribute__((always_inline)) void assign_window(struct work *w, 
     const __m512 scale = _mm512_set1_ps((float)PER_UNIT);
     const __m512i top = _mm512_set1_epi32((int32_t)num), zero = _mm512_setzero_si512();
     const int sum_above = need_before && lo > 0.0f;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; i + 16 <= vocab; i += 16) {
         __m512 x = _mm512_loadu_ps(xs + i);
         __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_sub_ps(mv, x), lov), scale);
@@ -307,8 +306,8 @@ static inline __attribute__((always_inline)) void assign_window(struct work *w, 
         }
         if (!in) continue;
         /* compressed in registers, stored whole (the buffers have 16 spare lanes) */
-        _mm512_storeu_ps(xin + n, _mm512_maskz_compress_ps(in, x));
-        _mm512_storeu_ps(ein + n, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(es + i)));
+        const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)i));
+        _mm512_storeu_si512(idx + n, _mm512_maskz_compress_epi32(in, at));
         _mm512_storeu_si512(bin + n, _mm512_maskz_compress_epi32(in, b));
         n += __builtin_popcount(in);
     }
@@ -319,8 +318,7 @@ static inline __attribute__((always_inline)) void assign_window(struct work *w, 
         if (need_before && xs[i] >= floor && ((m - xs[i]) - lo) * (float)PER_UNIT < 0.0f)
             before += (double)es[i];
         if (b < 0) continue;
-        xin[n] = xs[i];
-        ein[n] = es[i];
+        idx[n] = (int32_t)i;
         bin[n++] = b;
     }
     w->num_in = n;
@@ -341,14 +339,15 @@ static void fill_buckets(struct work *w, float lo, int64_t num, float floor, int
     assign_buckets(w, lo, num, floor, need_mass);
     const int64_t n = w->num_in;
     const int32_t *restrict bin = w->bin;
-    const float *restrict ein = w->ein; /* a local: the tables live in w */
+    const int32_t *restrict idx = w->idx;
+    const float *restrict es = w->e; /* locals: the tables live in w */
     int64_t j = 0;
     if (need_mass) {
         double(*m)[MAX_BUCKETS] = w->mass;
         for (int t = 0; t < TABLES; t++) memset(m[t], 0, sizeof(double) * num);
         for (; j + TABLES <= n; j += TABLES)
-            for (int t = 0; t < TABLES; t++) m[t][bin[j + t]] += ein[j + t];
-        for (; j < n; j++) m[0][bin[j]] += ein[j];
+            for (int t = 0; t < TABLES; t++) m[t][bin[j + t]] += es[idx[j + t]];
+        for (; j < n; j++) m[0][bin[j]] += es[idx[j]];
         for (int64_t b = 0; b < num; b++)
             for (int t = 1; t < TABLES; t++) m[0][b] += m[t][b];
         return;
@@ -364,34 +363,39 @@ static void fill_buckets(struct work *w, float lo, int64_t num, float floor, int
 
 /* the tokens of bucket b (as assigned last) into w->pairs, in vocabulary order; their count */
 static int64_t collect(struct work *w, int64_t b) {
-    const float *restrict xin = w->xin, *restrict ein = w->ein;
-    const int32_t *restrict bin = w->bin;
+    const float *restrict xs = w->x, *restrict es = w->e;
+    const int32_t *restrict idx = w->idx, *restrict bin = w->bin;
     struct pair *restrict pairs = w->pairs;
     const int64_t num_in = w->num_in;
     int64_t j = 0, n = 0;
 #if defined(__AVX512F__)
-    /* branch-free: the hits' x and e compressed, interleaved into (x, e) pairs and stored
-     * whole (the buffer has 16 spare pairs) */
+    /* the hits' positions compressed and stored whole (the buffer has 16 spare pairs: two
+     * positions fit in a pair), then their x and e fetched */
+    int32_t *restrict at = (int32_t *)pairs;
     const __m512i want = _mm512_set1_epi32((int)b);
-    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     for (; j + 16 <= num_in; j += 16) {
         const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(bin + j), want);
-        const __m512 x = _mm512_maskz_compress_ps(hit, _mm512_loadu_ps(xin + j));
-        const __m512 e = _mm512_maskz_compress_ps(hit, _mm512_loadu_ps(ein + j));
-        float *out = (float *)(pairs + n);
-        _mm512_storeu_ps(out, _mm512_permutex2var_ps(x, first, e));
-        _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(x, second, e));
+        _mm512_storeu_si512(at + n, _mm512_maskz_compress_epi32(hit, _mm512_loadu_si512(idx + j)));
         n += __builtin_popcount(hit);
     }
-#endif
+    for (; j < num_in; j++)
+        if (bin[j] == b) at[n++] = idx[j];
+    /* in place, from the last: pair k (8 bytes) overwrites positions 2k and 2k + 1, read */
+    for (int64_t k = n - 1; k >= 0; k--) {
+        const int32_t i = at[k];
+        pairs[k].x = xs[i];
+        pairs[k].e = es[i];
+    }
+    return n;
+#else
     for (; j < num_in; j++) {
         if (bin[j] == b) {
-            pairs[n].x = xin[j];
-            pairs[n++].e = ein[j];
+            pairs[n].x = xs[idx[j]];
+            pairs[n++].e = es[idx[j]];
         }
     }
     return n;
+#endif
 }
 
 /* the finer bucket of each of the n tokens of bucket b (window starting at depth lo) into
@@ -621,10 +625,9 @@ static int setup(struct work *w, const float *x, int64_t vocab) {
     w->pairs = scratch_grow(&pair_buf, sizeof(struct pair) * (vocab + 16)); /* + 16: collect */
     w->finer = scratch_grow(&finer_buf, sizeof(struct pair) * vocab);
     w->sub = scratch_grow(&sub_buf, vocab);
-    w->xin = scratch_grow(&xin_buf, sizeof(float) * (vocab + 16)); /* + 16: whole-vector stores */
-    w->ein = scratch_grow(&ein_buf, sizeof(float) * (vocab + 16));
+    w->idx = scratch_grow(&idx_buf, sizeof(int32_t) * (vocab + 16)); /* + 16: whole vectors */
     w->bin = scratch_grow(&bin_buf, sizeof(int32_t) * (vocab + 16));
-    return w->e && w->pairs && w->finer && w->sub && w->xin && w->ein && w->bin ? 0 : -1;
+    return w->e && w->pairs && w->finer && w->sub && w->idx && w->bin ? 0 : -1;
 }
 
 /* one row; next: the row this thread has claimed to take after it (NULL: none), prefetched
