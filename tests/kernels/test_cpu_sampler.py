@@ -42,7 +42,8 @@ def logits_of(kind: str, n: int, vocab: int, seed: int) -> torch.Tensor:
 CASES = [dict(), dict(top_p=0.95), dict(top_p=0.5, temperature=0.7), dict(top_k=1),
          dict(top_k=40), dict(top_k=40, top_p=0.9, min_p=0.05), dict(min_p=0.1),
          dict(top_p=0.999999), dict(top_k=3000, top_p=0.99, temperature=1.5),
-         dict(top_p=1.0 - 1e-9)]  # in 'spread', the boundary ~21 below the max: window 2
+         dict(top_p=1.0 - 1e-9),  # in 'spread', the boundary ~21 below the max: window 2
+         dict(temperature=0.25, top_p=0.999)]  # most exps below -87: denormal and zero
 
 
 @pytest.mark.parametrize("kind", ["peaked", "flat", "spread", "tied", "masked"])
