@@ -10,7 +10,8 @@ A block is in exactly one of three states:
 
 Allocation pops from the front of the free queue (least recently freed first). Cached
 blocks are evicted when popped: their key leaves the prefix map and `on_evict` is told,
-so a lower tier can keep the content. Callers free a request's blocks deepest first, so
+once per call with every block that call evicted (one batched copy for a lower tier to
+keep their content, not one per block). Callers free a request's blocks deepest first, so
 the deepest blocks of a prefix are evicted before its shallow ones.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable, Iterable
 
 class BlockPool:
     def __init__(self, num_blocks: int,
-                 on_evict: Callable[[int, bytes], None] | None = None) -> None:
+                 on_evict: Callable[[list[int], list[bytes]], None] | None = None) -> None:
         assert num_blocks >= 1, "a block pool needs at least one block"
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
@@ -43,12 +44,16 @@ class BlockPool:
     def allocate(self, num: int) -> list[int]:
         if num > len(self._free):
             raise MemoryError(f"need {num} KV blocks, {len(self._free)} free")
-        block_ids = []
+        block_ids, evicted, keys = [], [], []
         for _ in range(num):
             block_id, _ = self._free.popitem(last=False)
-            self._evict_key(block_id)
+            key = self._evict_key(block_id)
+            if key is not None:
+                evicted.append(block_id)
+                keys.append(key)
             self.ref_cnt[block_id] = 1
             block_ids.append(block_id)
+        self._tell_evicted(evicted, keys)
         return block_ids
 
     def free(self, block_ids: Iterable[int], reuse_first: bool = False) -> None:
@@ -85,19 +90,21 @@ class BlockPool:
 
     def evict_all_cached(self) -> int:
         """Forget every cached (unreferenced) block; returns how many were dropped."""
-        dropped = 0
-        for block_id in list(self._free):
-            if self.block_key[block_id] is not None:
-                self._evict_key(block_id)
-                dropped += 1
-        return dropped
+        evicted = [b for b in self._free if self.block_key[b] is not None]
+        self._tell_evicted(evicted, [self._evict_key(b) for b in evicted])
+        return len(evicted)
 
-    def _evict_key(self, block_id: int) -> None:
+    def _evict_key(self, block_id: int) -> bytes | None:
+        """Drop the block's key from the prefix map; the key, or None when it had none."""
         key = self.block_key[block_id]
         if key is None:
-            return
+            return None
         self.block_key[block_id] = None
         del self.key_to_block[key]
         self.num_evictions += 1
-        if self.on_evict is not None:
-            self.on_evict(block_id, key)
+        return key
+
+    def _tell_evicted(self, block_ids: list[int], keys: list[bytes]) -> None:
+        """on_evict, once, for blocks whose content is still intact."""
+        if block_ids and self.on_evict is not None:
+            self.on_evict(block_ids, keys)

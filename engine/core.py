@@ -184,7 +184,7 @@ class EngineCore:
         """The device block pool and its manager (hybrid with a sliding-window layout), linked
         to the tiers below when there are any."""
         link = None if self.tiers is None else \
-            TierLink(self.tiers, BlockCodec(self.runner.kv), self.num_kv_blocks)
+            TierLink(self.tiers, BlockCodec(self.runner.kv, self.platform), self.num_kv_blocks)
         pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
         caching = self.config.cache.enable_prefix_caching
         if self.layout is None:

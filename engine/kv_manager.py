@@ -151,9 +151,10 @@ class KVCacheManager:
     def _load(self, req: Request, start: int, loaded: list[TierHit]) -> None:
         """Copy tier entries into req's blocks start.. and publish them (they hold exactly
         the content their keys name, so later requests may hit them on the device)."""
-        for i, hit in enumerate(loaded, start):
-            self.tiers.load(req.block_ids[i], hit.entry)
-            self.pool.publish(req.block_ids[i], req.block_keys[i])
+        block_ids = req.block_ids[start:start + len(loaded)]
+        self.tiers.load(block_ids, [hit.entry for hit in loaded])  # one batched copy
+        for i, block_id in enumerate(block_ids, start):
+            self.pool.publish(block_id, req.block_keys[i])
 
     def publish(self, req: Request) -> None:
         """Make req's fully computed blocks addressable for later prefix hits."""
@@ -163,10 +164,14 @@ class KVCacheManager:
         if num_full <= req.num_published_blocks:
             return
         self.update_keys(req, num_full * self.block_size)
+        new_ids, new_keys = [], []
         for i in range(req.num_published_blocks, num_full):
             block_id, key = req.block_ids[i], req.block_keys[i]
-            if self.pool.publish(block_id, key) and self.tiers is not None:
-                self.tiers.on_publish(block_id, key, req.retention)
+            if self.pool.publish(block_id, key):
+                new_ids.append(block_id)
+                new_keys.append(key)
+        if new_ids and self.tiers is not None:
+            self.tiers.on_publish(new_ids, new_keys, req.retention)  # one batched copy
         req.num_published_blocks = num_full
 
     def trim(self, req: Request) -> None:

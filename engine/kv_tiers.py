@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from engine.config import EngineConfig
+from engine.platform import Platform, cpu
 from engine.stats import KVStats, KVTierStats, SharedTierStats
 from kvstore.disk import DiskConfig, DiskTier
 from kvstore.entry import BlockEntry
@@ -221,10 +222,14 @@ class BlockCodec:
     """Copies device blocks to and from BlockEntry payloads.
 
     One block of every layer is kv[:, :, block_id]: [num_layers, 2, block_size, kv_heads,
-    head_dim]; its payload is that view made contiguous, as raw bytes."""
+    head_dim]; its payload is that view made contiguous, as raw bytes. Several blocks move
+    as one batch on a device (`gather`): one gather kernel and one copy through a pinned
+    host buffer, one wait, instead of a strided copy and a wait per block; on the CPU there
+    is no transfer to save, so each block is one copy."""
 
-    def __init__(self, kv: torch.Tensor) -> None:
+    def __init__(self, kv: torch.Tensor, platform: Platform | None = None) -> None:
         self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.platform = platform or cpu()  # only decides whether batches gather
         self.dtype = str(kv.dtype).removeprefix("torch.")
         self.shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
         self.block_size = kv.shape[3]
@@ -236,6 +241,22 @@ class BlockCodec:
         payload = block.reshape(-1).view(torch.uint8).cpu().numpy()  # .cpu(): no copy on a CPU
         return BlockEntry(payload, self.dtype, self.shape, self.block_size, expires_at)
 
+    def save_many(self, block_ids: Sequence[int], expires_at: Sequence[float],
+                  gather: bool | None = None) -> list[BlockEntry]:
+        """Private copies of several blocks. gather (default: on a device, for two blocks or
+        more): one batched device-to-host copy, each entry then copied out of it so that it
+        owns its bytes (the host tier budgets entries one by one)."""
+        if not (self.platform.is_cuda if gather is None else gather) or len(block_ids) < 2:
+            return [self.save(b, e) for b, e in zip(block_ids, expires_at)]
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        blocks = self.kv.index_select(2, ids).movedim(2, 0)  # [n, layers, 2, ...]
+        host = self.platform.empty_host(blocks.shape, self.kv.dtype)
+        host.copy_(blocks, non_blocking=True)
+        self.platform.synchronize()
+        flat = host.reshape(len(block_ids), -1).view(torch.uint8).numpy()  # [n, nbytes]
+        return [BlockEntry(flat[i].copy(), self.dtype, self.shape, self.block_size, e)
+                for i, e in enumerate(expires_at)]
+
     def fits(self, entry: BlockEntry) -> bool:
         """Whether `entry` is a block of this pool's layout (anything else is a miss)."""
         return (entry.dtype == self.dtype and tuple(entry.shape) == self.shape
@@ -243,10 +264,30 @@ class BlockCodec:
 
     def load(self, block_id: int, entry: BlockEntry) -> None:
         assert self.fits(entry), "load only entries that fit the pool"
+        self.kv[:, :, block_id].copy_(self._host_view(entry))
+
+    def load_many(self, block_ids: Sequence[int], entries: Sequence[BlockEntry],
+                  gather: bool | None = None) -> None:
+        """Entries into blocks. gather (default: on a device, for two blocks or more): the
+        payloads packed into one pinned host buffer, one asynchronous host-to-device copy
+        and one scatter kernel."""
+        assert all(self.fits(e) for e in entries), "load only entries that fit the pool"
+        if not (self.platform.is_cuda if gather is None else gather) or len(block_ids) < 2:
+            for block_id, entry in zip(block_ids, entries):
+                self.load(block_id, entry)
+            return
+        host = self.platform.empty_host((len(entries), *self.shape), self.kv.dtype)
+        for i, entry in enumerate(entries):
+            host[i].copy_(self._host_view(entry))
+        blocks = self.platform.to_device(host)  # non-blocking from pinned memory
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(2, ids, blocks.movedim(0, 2))
+
+    def _host_view(self, entry: BlockEntry) -> torch.Tensor:
         with warnings.catch_warnings():  # read-only payloads are only read here
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(entry.payload, dtype=self.kv.dtype)
-        self.kv[:, :, block_id].copy_(src.view(self.shape))
+        return src.view(self.shape)
 
 
 class SharedSpec(NamedTuple):
@@ -284,16 +325,26 @@ class TierLink:
         self._loads: dict[str, _Load] = {}
 
     # ------------------------------------------------------------------ down
-    def on_evict(self, block_id: int, key: bytes) -> None:
-        """BlockPool hook: the block's content is still intact; keep a copy in host RAM."""
-        if self.is_live(block_id):
-            self.tiers.put(key, self.codec.save(block_id, self.expires_at[block_id]))
+    def on_evict(self, block_ids: list[int], keys: list[bytes]) -> None:
+        """BlockPool hook: the blocks' content is still intact; keep a copy of each one
+        not yet expired in host RAM (one batched copy)."""
+        live = [i for i, block_id in enumerate(block_ids) if self.is_live(block_id)]
+        if not live:
+            return
+        ids = [block_ids[i] for i in live]
+        for i, entry in zip(live, self.codec.save_many(ids, [self.expires_at[b] for b in ids])):
+            self.tiers.put(keys[i], entry)
 
-    def on_publish(self, block_id: int, key: bytes, retention: str) -> None:
-        """A freshly computed block became addressable: stamp its expiry, write it to disk."""
-        self.expires_at[block_id] = self._expiry(retention)
+    def on_publish(self, block_ids: list[int], keys: list[bytes], retention: str) -> None:
+        """Freshly computed blocks became addressable: stamp their expiry, write them to
+        disk (one batched copy)."""
+        expires_at = self._expiry(retention)
+        for block_id in block_ids:
+            self.expires_at[block_id] = expires_at
         if self.tiers.has_disk or self.tiers.has_shared:
-            self.tiers.write_behind(key, self.codec.save(block_id, self.expires_at[block_id]))
+            entries = self.codec.save_many(block_ids, [expires_at] * len(block_ids))
+            for key, entry in zip(keys, entries):
+                self.tiers.write_behind(key, entry)
 
     def store(self, key: bytes, payload, retention: str) -> None:
         """Keep a block that arrived from elsewhere (a prefill worker's hand-off) in host
@@ -370,10 +421,11 @@ class TierLink:
             hits.append(TierHit(entry, tier))
         return hits
 
-    def load(self, block_id: int, entry: BlockEntry) -> None:
-        """Copy a tier entry into a freshly allocated device block."""
-        self.codec.load(block_id, entry)
-        self.expires_at[block_id] = entry.expires_at
+    def load(self, block_ids: list[int], entries: list[BlockEntry]) -> None:
+        """Copy tier entries into freshly allocated device blocks (one batched copy)."""
+        self.codec.load_many(block_ids, entries)
+        for block_id, entry in zip(block_ids, entries):
+            self.expires_at[block_id] = entry.expires_at
 
     def forget(self, req_id: str) -> None:
         """Drop a request's load state (reads still running just fill host RAM)."""

@@ -13,8 +13,8 @@ BS = 4
 
 
 def make_kv(num_blocks: int, evicted=None) -> KVCacheManager:
-    pool = BlockPool(num_blocks, on_evict=(lambda b, k: evicted.append(b)) if evicted is not None
-                     else None)
+    hook = (lambda ids, keys: evicted.extend(ids)) if evicted is not None else None
+    pool = BlockPool(num_blocks, on_evict=hook)
     ns = kvkeys.namespace("test-model", "float32", BS)
     return KVCacheManager(pool, BS, lambda salt: kvkeys.namespace("m", "f", BS,
                                                                   tenant_salt=salt.encode()) if salt else ns)
@@ -32,6 +32,20 @@ def test_allocate_free_counts_and_order():
         pool.allocate(2)
     pool.free([2, 1, 0])
     assert pool.allocate(4) == [3, 2, 1, 0], "least recently freed first"
+
+
+def test_one_allocation_tells_its_evictions_in_one_call():
+    calls = []
+    pool = BlockPool(4, on_evict=lambda ids, keys: calls.append((ids, keys)))
+    ids = pool.allocate(4)
+    for block_id, key in zip(ids, [b"a", b"b", b"c"]):
+        pool.publish(block_id, key)
+    pool.free(ids)
+    assert pool.allocate(4) == [0, 1, 2, 3] and calls == [([0, 1, 2], [b"a", b"b", b"c"])]
+    assert pool.lookup(b"a") is None and pool.num_evictions == 3
+    pool.publish(0, b"d")
+    pool.free([0])
+    assert pool.evict_all_cached() == 1 and calls[-1] == ([0], [b"d"])
 
 
 def test_double_free_is_caught():

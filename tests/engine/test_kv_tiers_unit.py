@@ -70,6 +70,44 @@ def test_second_owner_of_a_dir_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_codec_copies_equal_the_per_block_ones(dtype):
+    """The device path (one gather, one copy through a host buffer, one scatter), forced
+    on the CPU, against one copy per block: the same bytes, entries that own them."""
+    kv = torch.randn(3, 2, 6, 4, 2, 8).to(dtype)
+    codec = BlockCodec(kv)
+    ids, expiry = [4, 1, 3], [1.0, 2.0, 3.0]
+    one_by_one = codec.save_many(ids, expiry, gather=False)
+    batched = codec.save_many(ids, expiry, gather=True)
+    for a, b in zip(one_by_one, batched):
+        assert bytes(a.payload) == bytes(b.payload) and a.expires_at == b.expires_at
+        assert b.payload.base is None, "an entry owns its bytes (the host tier budgets each)"
+    kv[:, :, 4] = 0  # copies, not views of the pool
+    fresh = bytes(codec.save(4, 0.0).payload)
+    assert bytes(batched[0].payload) == bytes(one_by_one[0].payload) != fresh
+    into = [0, 5, 2]
+    reference = kv.clone()
+    for block_id, entry in zip(into, one_by_one):
+        codec.load(block_id, entry)
+    expected, kv[:] = kv.clone(), reference
+    codec.load_many(into, batched, gather=True)
+    assert torch.equal(kv, expected)
+
+
+@pytest.mark.gpu
+def test_batched_codec_copies_on_cuda_equal_the_cpu_ones():
+    """On CUDA, the default path batches (pinned buffer, one copy each way)."""
+    from engine.platform import resolve
+
+    host_kv = torch.randn(3, 2, 6, 4, 2, 8).to(torch.bfloat16)
+    codec = BlockCodec(host_kv.cuda(), resolve("cuda"))
+    entries = codec.save_many([4, 1, 3], [1.0, 2.0, 3.0])
+    assert [bytes(e.payload) for e in entries] == \
+        [bytes(e.payload) for e in BlockCodec(host_kv).save_many([4, 1, 3], [1.0] * 3)]
+    codec.load_many([0, 5], entries[:2])
+    assert torch.equal(codec.kv[:, :, [0, 5]].cpu(), host_kv[:, :, [4, 1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_codec_round_trip_and_fit(dtype):
     kv = torch.randn(2, 2, 5, 4, 3, 8).to(dtype)  # [layers, k/v, blocks, slots, heads, dim]
     codec = BlockCodec(kv)
