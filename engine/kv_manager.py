@@ -140,6 +140,7 @@ class KVCacheManager:
         if hit_block_ids:
             self.pool.touch(hit_block_ids)
             req.block_ids = list(hit_block_ids)
+            req.block_version += 1
         req.block_ids.extend(self.pool.allocate(need))
         if loaded:
             self._load(req, len(hit_block_ids), loaded)
@@ -182,11 +183,13 @@ class KVCacheManager:
         if len(req.block_ids) > keep:
             self.pool.free(reversed(req.block_ids[keep:]), reuse_first=True)
             del req.block_ids[keep:]
+            req.block_version += 1
 
     def free(self, req: Request) -> None:
         """Release req's blocks, deepest first, so shallow prefix blocks outlive deep ones."""
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
+        req.block_version += 1
         req.num_published_blocks = 0
         if self.tiers is not None:
             self.tiers.forget(req.req_id)

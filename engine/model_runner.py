@@ -105,6 +105,7 @@ class ModelRunner:
         self.device = self.platform.device
         self.model = place(model, self.platform) if self.platform.is_cuda else model
         self.transfer = StepTransfer(self.platform)
+        self.block_tables = BlockTables()
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured (CUDA, opt-in)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -156,9 +157,7 @@ class ModelRunner:
                 sample_rows.append(row)
                 sample_positions.append(num_rows - 1)
         max_blocks = max(1, max(len(req.block_ids) for req, _ in scheduled))
-        table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for row, (req, _) in enumerate(scheduled):
-            table[row, :len(req.block_ids)] = req.block_ids
+        table = self.block_tables.table([req for req, _ in scheduled], max_blocks)
         arrays = [np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
                   np.asarray(slots, dtype=np.int64), table,
                   np.asarray([0, *itertools.accumulate(query_lens)], dtype=np.int32),
@@ -197,6 +196,55 @@ class ModelRunner:
             if rows != list(range(hidden.shape[0])):
                 hidden = hidden[torch.tensor(rows, device=hidden.device)]
             return self.model.compute_logits(hidden)
+
+
+class _Row(NamedTuple):
+    req: object  # the Request itself: a new request under an old id is not this row
+    version: int  # its block_version when the row was written
+    ids: np.ndarray  # int32, its block ids in [:length], spare room after
+    length: int
+
+
+class BlockTables:
+    """Each running request's block-table row, kept on the host between steps: a step
+    appends the blocks a request gained since the last one, rewrites a row only when the
+    KV manager replaced or cut its blocks (Request.block_version), and copies rows from
+    arrays instead of converting Python lists. Rows of requests a step no longer runs are
+    dropped once they outnumber the step's by KEEP_ROWS."""
+    KEEP_ROWS = 4
+
+    def __init__(self) -> None:
+        self.rows: dict[str, _Row] = {}
+
+    def table(self, reqs: Sequence, num_cols: int) -> np.ndarray:
+        """int32 [len(reqs), num_cols]: row i = reqs[i].block_ids, zeros after."""
+        table = np.zeros((len(reqs), num_cols), dtype=np.int32)
+        for i, req in enumerate(reqs):
+            row = self._row(req)
+            table[i, :row.length] = row.ids[:row.length]
+        if len(self.rows) > self.KEEP_ROWS * max(len(reqs), 16):
+            self.rows = {req.req_id: self.rows[req.req_id] for req in reqs}
+        return table
+
+    def _row(self, req) -> _Row:
+        ids, n = req.block_ids, len(req.block_ids)
+        row = self.rows.get(req.req_id)
+        if row is None or row.req is not req or row.version != req.block_version \
+                or row.length > n:
+            buf = np.empty(max(16, 2 * n), dtype=np.int32)
+            buf[:n] = ids
+            row = _Row(req, req.block_version, buf, n)
+        elif row.length < n:
+            buf = row.ids
+            if len(buf) < n:
+                buf = np.empty(2 * n, dtype=np.int32)
+                buf[:row.length] = row.ids[:row.length]
+            buf[row.length:n] = ids[row.length:]
+            row = _Row(req, row.version, buf, n)
+        else:
+            return row
+        self.rows[req.req_id] = row
+        return row
 
 
 def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:

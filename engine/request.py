@@ -50,6 +50,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
         self.cached_tokens_by_tier: dict[str, int] = {}
         self.block_ids: list[int] = []
+        # bumped by the KV manager whenever block_ids is replaced or cut (not when it only
+        # grows): the model runner keeps each request's block-table row between steps by it
+        self.block_version = 0
         self.block_keys: list[bytes] = []  # content addresses of the full blocks of all_token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         # hybrid KV (engine/hybrid_kv.py): the sliding-window layers' block table, NULL out of
