@@ -210,7 +210,8 @@ class BlockTables:
     appends the blocks a request gained since the last one, rewrites a row only when the
     KV manager replaced or cut its blocks (Request.block_version), and copies rows from
     arrays instead of converting Python lists. Rows of requests a step no longer runs are
-    dropped once they outnumber the step's by KEEP_ROWS."""
+    dropped once they outnumber the step's by KEEP_ROWS. Objects without a block_version
+    (a draft forward's RequestView) get their row from scratch."""
     KEEP_ROWS = 4
 
     def __init__(self) -> None:
@@ -220,10 +221,14 @@ class BlockTables:
         """int32 [len(reqs), num_cols]: row i = reqs[i].block_ids, zeros after."""
         table = np.zeros((len(reqs), num_cols), dtype=np.int32)
         for i, req in enumerate(reqs):
+            if not hasattr(req, "block_version"):  # a draft forward's view: not kept
+                table[i, :len(req.block_ids)] = req.block_ids
+                continue
             row = self._row(req)
             table[i, :row.length] = row.ids[:row.length]
         if len(self.rows) > self.KEEP_ROWS * max(len(reqs), 16):
-            self.rows = {req.req_id: self.rows[req.req_id] for req in reqs}
+            self.rows = {r.req_id: self.rows[r.req_id] for r in reqs
+                         if hasattr(r, "block_version")}
         return table
 
     def _row(self, req) -> _Row:
