@@ -246,7 +246,7 @@ class BlockCodec:
         """Private copies of several blocks. gather (default: on a device, for two blocks or
         more): one batched device-to-host copy, each entry then copied out of it so that it
         owns its bytes (the host tier budgets entries one by one)."""
-        if not (self.platform.is_cuda if gather is None else gather) or len(block_ids) < 2:
+        if not self._batched(len(block_ids), gather):
             return [self.save(b, e) for b, e in zip(block_ids, expires_at)]
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
         blocks = self.kv.index_select(2, ids).movedim(2, 0)  # [n, layers, 2, ...]
@@ -272,7 +272,7 @@ class BlockCodec:
         payloads packed into one pinned host buffer, one asynchronous host-to-device copy
         and one scatter kernel."""
         assert all(self.fits(e) for e in entries), "load only entries that fit the pool"
-        if not (self.platform.is_cuda if gather is None else gather) or len(block_ids) < 2:
+        if not self._batched(len(block_ids), gather):
             for block_id, entry in zip(block_ids, entries):
                 self.load(block_id, entry)
             return
@@ -282,6 +282,10 @@ class BlockCodec:
         blocks = self.platform.to_device(host)  # non-blocking from pinned memory
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
         self.kv.index_copy_(2, ids, blocks.movedim(0, 2))
+
+    def _batched(self, num_blocks: int, gather: bool | None) -> bool:
+        """Whether num_blocks move as one batch: gather, by default on a device; never one."""
+        return num_blocks > 1 and (self.platform.is_cuda if gather is None else gather)
 
     def _host_view(self, entry: BlockEntry) -> torch.Tensor:
         with warnings.catch_warnings():  # read-only payloads are only read here

@@ -122,13 +122,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
         """The sampled rows' logits [m, vocab] -> their token ids [m]. The parameters reach
         the C kernel as the one array _rows built."""
-        params = rows.params
-        self._fill_uniforms(params[:, -1], rows.seeded)
-        if cpu_sampler.fits(logits) and cpu_sampler.available():
-            return cpu_sampler.sample_packed(logits, params)[0]
-        temperature, top_k, top_p, min_p, uniform = torch.from_numpy(params).unbind(1)
-        return cpu_sampler.sample_ref(logits, temperature.float(), top_k.long(), top_p, min_p,
-                                      uniform)[0]
+        self._fill_uniforms(rows.params[:, -1], rows.seeded)
+        return _truncate(logits, rows.params)[0]
 
     def _fill_uniforms(self, uniform: np.ndarray, seeded: list[int]) -> None:
         """One uniform in [0, 1) per row: seeded rows already hold their own; the others
@@ -165,22 +160,21 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float,
     min_p x the top probability. logits: [vocab] or [n, vocab] (already temperature-scaled),
     one set of parameters for every row."""
     rows = logits.reshape(-1, logits.shape[-1])  # [n, vocab]
-    n = rows.shape[0]
-    _, threshold = _truncate(rows, torch.ones(n), [top_k] * n, [top_p] * n, [min_p] * n, None)
+    params = np.tile([1.0, top_k, top_p, min_p, -1.0], (rows.shape[0], 1))  # no draw
+    _, threshold = _truncate(rows, params, draw=False)
     return torch.where(rows >= threshold[:, None], rows, NEG_INF).view_as(logits)
 
 
-def _truncate(x: torch.Tensor, temperature: torch.Tensor, top_k: Sequence[int],
-              top_p: Sequence[float], min_p: Sequence[float],
-              uniform: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x [n, vocab] -> (drawn token ids [n] when uniform is given, kept thresholds [n]
-    of x / temperature)."""
-    args = (temperature.float(), torch.tensor(list(top_k), dtype=torch.long),
-            torch.tensor(list(top_p), dtype=torch.float64),
-            torch.tensor(list(min_p), dtype=torch.float64), uniform)
+def _truncate(x: torch.Tensor, params: np.ndarray,
+              draw: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [n, vocab], params [n, 5] (temperature, top_k, top_p, min_p, uniform) ->
+    (drawn token ids [n], undefined without draw; kept thresholds [n] of x / temperature):
+    the C kernel on CPU logits, its torch reference on x's device otherwise."""
     if cpu_sampler.fits(x) and cpu_sampler.available():
-        return cpu_sampler.sample(x, *args)
-    return cpu_sampler.sample_ref(x, *args)  # on x's device
+        return cpu_sampler.sample_packed(x, params)
+    temperature, top_k, top_p, min_p, uniform = torch.from_numpy(params).unbind(1)
+    return cpu_sampler.sample_ref(x, temperature.float(), top_k.long(), top_p, min_p,
+                                  uniform if draw else None)
 
 
 # ------------------------------------------------------------------ masks and penalties
