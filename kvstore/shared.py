@@ -114,9 +114,15 @@ class SharedTier:
             return
         await self.flush()
         self._closed = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # The writer sees `_closed` and returns by itself. Cancelling alone is not
+            # enough on Python 3.11: `asyncio.wait_for` drops a cancellation that lands
+            # just as its inner await completes, and the loop would run on forever.
+            done, _ = await asyncio.wait([self._task], timeout=self.config.write_timeout_s)
+            if not done:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
         await self.backend.close()
 
     async def flush(self) -> None:
@@ -145,7 +151,7 @@ class SharedTier:
         return True
 
     async def _drain(self) -> None:
-        while True:
+        while not self._closed:
             await self._refresh()
             if not self._queue:
                 self._idle.set()

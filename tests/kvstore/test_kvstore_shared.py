@@ -301,3 +301,31 @@ def test_store_urls():
     assert plain_url("redis://h:6379/0") == ("redis://h:6379/0", False)
     with pytest.raises(ValueError, match="--kv-remote must be"):
         open_shared("memcached://h", NS, 1)
+
+
+async def test_close_ends_the_writer_even_when_a_cancellation_is_lost(tmp_path, monkeypatch):
+    """Python 3.11's `asyncio.wait_for` returns the inner result, dropping the cancellation,
+    when the cancel lands just as the inner await completes; CI once hung 900 s on it in
+    `close`. Lose every cancellation on purpose: close must still end the writer."""
+    real_wait_for = asyncio.wait_for
+
+    async def losing_wait_for(aw, timeout):
+        try:
+            return await real_wait_for(aw, timeout)
+        except asyncio.CancelledError:
+            return None
+
+    monkeypatch.setattr(asyncio, "wait_for", losing_wait_for)
+    tier = open_shared(str(tmp_path / "shared"), NS, 1 << 30, FAST)
+    await tier.start()
+    key, = make_keys(1, salt=9)
+    assert tier.put(key, now_entry(1))
+    await tier.flush()
+    closing = asyncio.ensure_future(tier.close())
+    done, _ = await asyncio.wait([closing], timeout=2.0)
+    if not done:  # let the writer go, so that the failure is reported rather than a hang
+        monkeypatch.undo()
+        for _ in range(3):
+            tier._task.cancel()
+            await asyncio.sleep(FAST.cooldown_s)
+    assert done and tier._task.done(), "close() hung on a writer that lost its cancellation"
