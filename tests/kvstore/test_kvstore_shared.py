@@ -14,7 +14,6 @@ from kvstore import blockfile, retention
 from kvstore.keys import namespace
 from kvstore.redis_tier import RedisBackend
 from kvstore.shared import SharedConfig, SharedTier, open_shared
-from kvstore.shared_dir import SharedDirBackend
 from kvstore_factories import NS, make_entry, make_keys
 
 FAST = SharedConfig(op_timeout_s=0.3, max_failures=1, cooldown_s=0.2)
