@@ -272,6 +272,7 @@ class EngineCore:
         with set_batch_invariant_mode(self.config.batch_invariant):
             logits = self.runner.execute(inputs, rows)
             out = self._sample(logits, sampled)
+        self.runner.end_step()  # after the sampler read the tokens: nothing left to wait for
         deltas += self._update(sched, out)
         self.cost_model.observe(features, time.perf_counter() - start)
         self._counters["steps"] += 1

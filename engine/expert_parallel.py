@@ -4,27 +4,33 @@ torch.distributed group (gloo on CPU, NCCL on CUDA); everything else is replicat
 Owns, on each rank, the weights of that rank's expert slots, the balancer (placement, load
 statistics, staged placement) and the per-rank token counters. Every rank runs the same batch
 through the same attention, routers and shared experts, so every rank knows every token's
-experts. Per MoE layer (`ExpertParallel.forward`):
+experts. Per MoE layer (`ExpertParallel.forward`), all on the device, nothing read back
+(shapes come from host numbers only, so a decode step can be captured in a CUDA graph):
 
-  1 route     every (token, j) pair gets a slot: the least-loaded replica of its expert under
-              the current placement (`eplb.route`); the same answer on every rank.
+  1 route     every (token, j) pair gets a slot: the q-th pair of expert e (pair order)
+              goes to e's replica q mod replicas(e) under the current placement; the same
+              answer on every rank (`route_on_device`, equal to `eplb.route` from zero load).
   2 dispatch  rank r owns the tokens [bounds[r], bounds[r+1]) of the batch and sends each of
-              its pairs' hidden rows to the rank holding the pair's slot (all_to_all_single).
-  3 experts   each rank runs its slots' expert MLPs on the rows it received.
-  4 combine   results return by the reverse all_to_all_single, are weighted and summed per
-              token in top-k order (`moe.combine`), and all_gather rebuilds the whole batch.
+              its pairs' hidden rows to the rank holding the pair's slot, through one
+              fixed-capacity all_to_all_single: block d of the send buffer, `capacity` rows
+              (the most pairs one rank owns), holds the pairs bound for rank d, in pair order,
+              then empty rows.
+  3 experts   each rank runs its slots' expert MLPs on the rows it received; empty rows have
+              no expert (an id past the local slots) and cost nothing in the fused kernels.
+  4 combine   results return by the reverse all_to_all_single to the rows they came from,
+              are weighted and summed per token in top-k order (`moe.combine`), and
+              all_gather rebuilds the whole batch.
 
-Pair order, every rank computes it from step 1 alone (so no counts are exchanged):
-
-    pairs     flat (token, j) index p = token * top_k + j, tokens in batch order
-    send      rank r's pairs (p in [bounds[r]*k, bounds[r+1]*k)), stably sorted by
-              destination rank: block d goes to rank d
-    receive   all pairs whose slot is on this rank, ascending p: block s came from rank s
+Every rank knows every token's slots, so a receiver computes which rows of each source's
+block are filled and with which slot (no counts are exchanged): block s holds, in pair
+order, the pairs of rank s's tokens whose slot is here. The counters (pairs per expert and
+per rank) stay on the device and come to the host once per step, in `end_step`, which the
+core calls after sampling.
 
 A token's result depends only on its own rows, whichever rank or replica computed them; under
 batch-invariant mode the output is bitwise the single-process output (tests/moe).
 
-Rebalancing (`end_step`, once per forward, in lockstep on all ranks): the balancer recomputes
+Rebalancing (`end_step`, once per step, in lockstep on all ranks): the balancer recomputes
 the placement every `interval_steps` steps from the routed-token window (identical on every
 rank, so no vote is needed); the weights of every slot that changes are staged (local copies
 at once, remote ones by an asynchronous all_to_all_single on a second group, overlapping the
@@ -46,9 +52,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.eplb import Balancer, ExpertLoadStats, Placement, moves, route
+from engine.eplb import Balancer, ExpertLoadStats, Placement, moves
 from engine.models.moe import (DEFAULT_STATS_WINDOW, ExpertLoadReport, ExpertWeights,
-                               LocalExperts, combine, count_tokens, max_over_mean, run_experts)
+                               LocalExperts, StepCounts, combine, count_pairs, max_over_mean,
+                               run_experts)
 
 DEFAULT_INTERVAL_STEPS = 3000
 
@@ -60,6 +67,41 @@ class _Staged(NamedTuple):
     received: torch.Tensor  # [num_remote_moves, expert_numel]
     received_moves: list  # Move per row of `received`
     weights: dict[int, ExpertWeights]  # moe layer -> this rank's new slot weights
+
+
+class _Tables(NamedTuple):
+    """A placement's routing tables on the device (made again when the placement changes)."""
+    placement: Placement
+    device: torch.device
+    expert_to_slots: torch.Tensor  # [layers, experts, max replicas] (-1 padded)
+    replica_count: torch.Tensor  # [layers, experts]
+    slot_rank: torch.Tensor  # [slots]
+
+    @classmethod
+    def of(cls, placement: Placement, device: torch.device) -> _Tables:
+        on = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(device)  # noqa: E731
+        return cls(placement, device, on(placement.expert_to_slots),
+                   on(placement.replica_count), on(placement.slot_rank))
+
+
+def occurrence(values: torch.Tensor, num_values: int) -> torch.Tensor:
+    """[N]: for each of `values` [N] (ints in [0, num_values)), how many earlier entries hold
+    the same value. Device ops only."""
+    order = torch.argsort(values, stable=True)  # grouped by value, original order kept
+    counts = count_pairs(values, num_values)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(values)
+    rank[order] = torch.arange(values.numel(), device=values.device) - starts[values[order]]
+    return rank
+
+
+def route_on_device(topk_ids: torch.Tensor, tables: _Tables, layer: int) -> torch.Tensor:
+    """[T * k] slot of each (token, j) pair: the q-th pair of expert e, in pair order, goes
+    to e's replica q mod replicas(e). This is `eplb.route` from an all-zero load (water
+    filling equal loads deals the picks round-robin, ties to the lowest slot)."""
+    ids = topk_ids.reshape(-1).long()
+    replica = occurrence(ids, tables.replica_count.shape[1]) % tables.replica_count[layer][ids]
+    return tables.expert_to_slots[layer][ids, replica]
 
 
 class ExpertParallel:
@@ -83,7 +125,9 @@ class ExpertParallel:
         self.rank_tokens = ExpertLoadStats(num_layers, self.num_ranks,
                                            self.balancer.stats.window_steps)
         self.last_step_rank_tokens = np.zeros((num_layers, self.num_ranks), dtype=np.int64)
-        self._step_rank_tokens = np.zeros_like(self.last_step_rank_tokens)
+        self.expert_counts = StepCounts(num_layers, self.num_experts)  # pairs per expert
+        self.rank_counts = StepCounts(num_layers, self.num_ranks)  # pairs each rank computes
+        self._tables: _Tables | None = None
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self._copy_group = dist.new_group(ranks, backend=dist.get_backend(group))
         self._staged: _Staged | None = None
@@ -98,33 +142,58 @@ class ExpertParallel:
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         num_tokens, k = topk_ids.shape
-        self.balancer.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
-        slot = route(topk_ids.cpu().numpy(), self.placement, moe_layer,
-                     np.zeros(self.placement.num_slots)).reshape(-1)  # [T * k]
-        dest = self.placement.slot_rank[slot]  # [T * k] rank computing each pair
-        self._step_rank_tokens[moe_layer] += np.bincount(dest, minlength=self.num_ranks)
+        hidden = x.shape[1]
+        if num_tokens == 0:
+            return torch.zeros_like(x)
+        tables = self._device_tables(x.device)
+        slot = route_on_device(topk_ids, tables, moe_layer)  # [T * k]
+        dest = tables.slot_rank[slot]  # [T * k] rank computing each pair
+        self.expert_counts.add(moe_layer, topk_ids)
+        self.rank_counts.add(moe_layer, dest)
         bounds = token_bounds(num_tokens, self.num_ranks)
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        send_order = np.argsort(dest[lo * k:hi * k], kind="stable")  # my pairs by destination
-        send_counts = np.bincount(dest[lo * k:hi * k], minlength=self.num_ranks)
-        recv_pairs = np.flatnonzero(dest == self.rank)  # ascending: grouped by source rank
-        recv_counts = np.bincount(np.searchsorted(bounds * k, recv_pairs, side="right") - 1,
-                                  minlength=self.num_ranks)
-        rows = x[_index(lo + send_order // k, x.device)]  # [num_send, hidden]
-        received = self._exchange(rows, send_counts, recv_counts)  # [num_recv, hidden]
-        local_slot = _index(slot[recv_pairs] - self.slots.start, x.device)
+        lo, hi = int(bounds[self.rank]), int(bounds[self.rank + 1])
+        capacity = int(np.diff(bounds).max()) * k  # host numbers only
+        my_dest = dest[lo * k:hi * k]
+        my_row = occurrence(my_dest, self.num_ranks)  # row in the destination's block
+        send = x.new_zeros(self.num_ranks, capacity, hidden)
+        send[my_dest, my_row] = x[lo:hi].repeat_interleave(k, dim=0)
+        received = self._exchange(send).view(-1, hidden)  # [ranks * capacity, hidden]
+        local_slot = self._received_slots(slot, dest, num_tokens, k, capacity)
         computed = run_experts(received, local_slot, self.weights[moe_layer])
-        returned = self._exchange(computed, recv_counts, send_counts)  # in send order
-        pairs = torch.empty_like(returned)
-        pairs[_index(send_order, x.device)] = returned  # [my tokens * k, hidden], pair order
-        mine = combine(pairs.view(hi - lo, k, x.shape[1]), topk_weights[lo:hi])
+        returned = self._exchange(computed.view(self.num_ranks, capacity, hidden))
+        pairs = returned[my_dest, my_row]  # [my tokens * k, hidden], pair order
+        mine = combine(pairs.view(hi - lo, k, hidden), topk_weights[lo:hi])
         return self._all_gather(mine, bounds)
 
-    def _exchange(self, rows: torch.Tensor, send_counts, recv_counts) -> torch.Tensor:
-        out = rows.new_empty(int(recv_counts.sum()), rows.shape[1])
-        dist.all_to_all_single(out, rows.contiguous(), recv_counts.tolist(),
-                               send_counts.tolist(), group=self.group)
+    def _received_slots(self, slot: torch.Tensor, dest: torch.Tensor, num_tokens: int, k: int,
+                        capacity: int) -> torch.Tensor:
+        """[ranks * capacity]: the local slot of each row this rank receives; the number of
+        local slots (no expert) for an empty row. Block s holds, in pair order, the pairs of
+        rank s's tokens whose slot is here."""
+        num_ranks, num_local = self.num_ranks, self.slots.stop - self.slots.start
+        token = torch.arange(num_tokens * k, device=slot.device) // k
+        source = ((token + 1) * num_ranks - 1) // num_tokens  # rank owning each token
+        here = dest == self.rank
+        row = occurrence(torch.where(here, source, num_ranks), num_ranks + 1)
+        # pairs computed elsewhere all write the same value to one extra row, then dropped
+        index = torch.where(here, source * capacity + row, num_ranks * capacity)
+        local = torch.full((num_ranks * capacity + 1,), num_local, dtype=torch.long,
+                           device=slot.device)
+        local[index] = torch.where(here, slot - self.slots.start, num_local)
+        return local[:-1]
+
+    def _exchange(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[ranks, capacity, hidden]: block d goes to rank d; block s of the result came
+        from rank s. Equal splits: no count goes to the host."""
+        out = torch.empty_like(blocks)
+        dist.all_to_all_single(out, blocks.contiguous(), group=self.group)
         return out
+
+    def _device_tables(self, device: torch.device) -> _Tables:
+        tables = self._tables
+        if tables is None or tables.placement is not self.placement or tables.device != device:
+            tables = self._tables = _Tables.of(self.placement, device)
+        return tables
 
     def _all_gather(self, mine: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
         """Every rank's token results, in batch order. all_gather needs equal shapes: pad."""
@@ -137,9 +206,11 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ step boundary
     def end_step(self) -> None:
-        """Close the step: switch to a staged placement, maybe stage a new one."""
-        self.last_step_rank_tokens, self._step_rank_tokens = \
-            self._step_rank_tokens, np.zeros_like(self._step_rank_tokens)
+        """Close the step: the step's counters to the host (one copy), then switch to a
+        staged placement, maybe stage a new one."""
+        for layer, counts in enumerate(self.expert_counts.take()):
+            self.balancer.stats.record(layer, counts)
+        self.last_step_rank_tokens = self.rank_counts.take()
         for layer, counts in enumerate(self.last_step_rank_tokens):
             self.rank_tokens.record(layer, counts)
         self.rank_tokens.step()
@@ -242,10 +313,6 @@ def _put(weights: ExpertWeights, local_slot: int, flat: torch.Tensor) -> None:
     w13_numel = weights.w13[0].numel()
     weights.w13[local_slot].copy_(flat[:w13_numel].view_as(weights.w13[0]))
     weights.w2[local_slot].copy_(flat[w13_numel:].view_as(weights.w2[0]))
-
-
-def _index(array: np.ndarray, device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
 
 
 def _counts(ranks: list[int], num_ranks: int) -> list[int]:

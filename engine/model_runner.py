@@ -177,6 +177,13 @@ class ModelRunner:
             ctx.swa_block_tables, ctx.swa_slot_mapping = moved[6:]
         return StepInputs(input_ids, ctx, sample_rows, sample_positions, computes_prompt)
 
+    def end_step(self) -> None:
+        """Once per step, after its forward(s) and sampling: the model closes its per-step
+        state (a MoE model's expert statistics, expert-parallel rebalancing)."""
+        end_step = getattr(self.model, "end_step", None)
+        if end_step is not None:
+            end_step()
+
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, logit_positions: list[int] | None = None) -> torch.Tensor:
         """Run the forward; fp32 logits [len(positions), vocab] for the sampled positions

@@ -10,7 +10,10 @@ padded to a whole number of BLOCK_M rows (`align_by_expert`), so a block of rows
 expert and the GEMMs read that expert's weights once per block:
 
     sorted_pairs  int32 [P]           pair index of each sorted row; `T * k` marks padding
-    block_experts int32 [P / BLOCK_M] the expert of each block; -1: past the last group
+    block_experts int32 [P / BLOCK_M] the expert of each block; -1: idle (no expert)
+
+A pair whose id is `E` has no expert: it lands in an idle group and its output is 0 (the
+fixed-capacity buffers of expert parallelism mark their empty rows so).
 
     kernel 1, program (block, inter tile): x rows @ w13[e] gate and up tiles, SiLU-and-mul
         -> h [P, inter] (sorted order)
@@ -36,7 +39,8 @@ def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     ids = topk_ids.reshape(-1)
     rows = x.repeat_interleave(top_k, dim=0)  # [T * k, hidden], (token, j) order
     out = torch.empty_like(rows)
-    for expert in torch.unique(ids).tolist():
+    out[ids == w13.shape[0]] = 0  # pairs with no expert
+    for expert in torch.unique(ids[ids < w13.shape[0]]).tolist():
         mine = (ids == expert).nonzero(as_tuple=True)[0]
         gate, up = torch.nn.functional.linear(rows[mine], w13[expert]).split(inter, dim=-1)
         out[mine] = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
@@ -67,18 +71,21 @@ def _check(x, topk_ids, topk_weights, w13, w2) -> None:
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs int32 [P], block_experts int32 [P / block_m]) for `topk_ids [T, k]`
-    (see the module docstring). P is the worst case, `T * k + E * (block_m - 1)` rounded up
-    to block_m, so that no count has to come back to the host."""
+    (see the module docstring; an id of `num_experts` is a pair with no expert). P is the
+    worst case, `T * k + (E + 1) * (block_m - 1)` rounded up to block_m, so that no count has
+    to come back to the host (nor does torch.bincount's, which CUDA reads the max of)."""
     ids = topk_ids.reshape(-1).long()
     num_pairs = ids.numel()
     device = ids.device
-    counts = torch.bincount(ids, minlength=num_experts)  # [E]
+    num_groups = num_experts + 1  # the last: pairs with no expert, in idle blocks
+    counts = torch.zeros(num_groups, dtype=torch.long, device=device).scatter_add_(
+        0, ids, torch.ones_like(ids))  # [E + 1]
     padded = (counts + block_m - 1) // block_m * block_m
-    group_end = torch.cumsum(padded, 0)  # [E]: end of each expert's padded group
+    group_end = torch.cumsum(padded, 0)  # [E + 1]: end of each group, padded
     order = torch.argsort(ids, stable=True)  # pairs grouped by expert, in pair order
     sorted_ids = ids[order]
     rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_ids]
-    num_rows = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    num_rows = -(-(num_pairs + num_groups * (block_m - 1)) // block_m) * block_m
     sorted_pairs = torch.full((num_rows,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs[(group_end - padded)[sorted_ids] + rank] = order.int()
     block_start = torch.arange(0, num_rows, block_m, device=device)

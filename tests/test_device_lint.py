@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FACTORIES = {"empty", "zeros", "ones", "full", "arange", "tensor", "randn", "rand"}
 STEP_PATH = ["engine/model_runner.py", "engine/hybrid_kv.py", "engine/spec/verify.py",
+             "engine/expert_parallel.py",
              *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine/models").glob("*.py"))]
 
 # (module, enclosing function, factory) -> why the tensor belongs on the host

@@ -11,7 +11,8 @@ Hugging Face config: engine/models/loader.py hands those model types to `moe_con
 An expert backend computes, for one MoE layer, `sum_j weight[t, j] * expert[ids[t, j]](x[t])`:
 
     forward(moe_layer, x [T, hidden], topk_ids [T, k], topk_weights [T, k]) -> [T, hidden]
-    end_step()        once after every model forward (closes the statistics step)
+    end_step()        once per step, after its forward and sampling (closes the statistics
+                      step; the core calls it through the model's end_step)
     load_report()     ExpertLoadReport over the statistics window
 
 Expert outputs are combined per token in top-k order with elementwise ops only, so a token's
@@ -177,7 +178,8 @@ def load_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int,
 
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     """x [N, hidden], expert_ids [N] (index into `weights`) -> [N, hidden]: each row through
-    its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair.
+    its expert's SwiGLU MLP. Rows are grouped by expert so each expert is one GEMM pair. An
+    id equal to the number of experts marks a row with no expert: its output is 0.
 
     CUDA (or the triton interpreter): the grouped-GEMM triton kernels (kernels.fused_moe).
     CPU: a loop over the experts
@@ -187,18 +189,20 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: ExpertWeight
     to the per-expert GEMMs; the loop stays."""
     if ops.runs_triton(x):
         return ops.fused_moe(x, expert_ids[:, None], None, weights.w13, weights.w2)
-    order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=weights.w13.shape[0]).tolist()
+    num_experts = weights.w13.shape[0]
+    order = torch.argsort(expert_ids, stable=True)  # rows with no expert sort last
+    counts = torch.bincount(expert_ids, minlength=num_experts + 1).tolist()
     xs = x[order]  # rows grouped by expert
     ys = torch.empty_like(xs)
     inter = weights.w2.shape[2]
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):
         if count:
             rows = slice(start, start + count)
             gate, up = ops.linear(xs[rows], weights.w13[expert]).split(inter, dim=-1)
             ys[rows] = ops.linear(ops.silu(gate) * up, weights.w2[expert])
             start += count
+    ys[start:] = 0
     out = torch.empty_like(ys)
     out[order] = ys
     return out
@@ -234,6 +238,34 @@ def max_over_mean(rank_load: np.ndarray) -> np.ndarray:
     return np.where(mean > 0, rank_load.max(axis=-1) / np.where(mean > 0, mean, 1), 1.0)
 
 
+class StepCounts:
+    """Counters of one step, per layer, kept on the device: `add` counts in place (a
+    captured CUDA graph replays it; nothing is read back), `take` brings the step's counts
+    to the host in one copy and starts the next step. The core takes them after the
+    sampler has read the step's tokens, so the copy waits for nothing."""
+
+    def __init__(self, num_layers: int, num_bins: int) -> None:
+        self.shape = (num_layers, num_bins)
+        self._counts: torch.Tensor | None = None  # made on the first add's device
+
+    def add(self, layer: int, values: torch.Tensor) -> None:
+        """Count each of `values` (ints in [0, num_bins), any shape) for `layer`."""
+        with torch.inference_mode():  # steps run under it; a unit test may not
+            if self._counts is None or self._counts.device != values.device:
+                self._counts = torch.zeros(self.shape, dtype=torch.long, device=values.device)
+            flat = values.reshape(-1).long()
+            self._counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
+
+    def take(self) -> np.ndarray:
+        """[num_layers, num_bins] int64 counted since the last take."""
+        if self._counts is None:
+            return np.zeros(self.shape, dtype=np.int64)
+        counts = self._counts.cpu().numpy().copy()  # a copy: on the CPU, .cpu() is the same
+        with torch.inference_mode():
+            self._counts.zero_()
+        return counts
+
+
 class LocalExperts:
     """Expert backend of a single process: every expert of every MoE layer is here."""
 
@@ -241,28 +273,22 @@ class LocalExperts:
         self.weights = weights  # [num_moe_layers]
         self.num_experts = weights[0].w13.shape[0]
         self.stats = ExpertLoadStats(len(weights), self.num_experts, window_steps)
-        # device counts of this step's layers, brought to the host once, in end_step
-        self._device_counts: list[tuple[int, torch.Tensor]] = []
+        self.step_counts = StepCounts(len(weights), self.num_experts)
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        self.step_counts.add(moe_layer, topk_ids)
         if ops.runs_triton(x):  # routing weights and the top-k sum inside the fused kernels
-            self._device_counts.append(
-                (moe_layer, torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)))
             weights = self.weights[moe_layer]
             return ops.fused_moe(x, topk_ids, topk_weights, weights.w13, weights.w2)
-        self.stats.record(moe_layer, count_tokens(topk_ids, self.num_experts))
         k = topk_ids.shape[1]
         out = run_experts(x.repeat_interleave(k, dim=0), topk_ids.reshape(-1),
                           self.weights[moe_layer])  # [T * k, hidden], (token, j) order
         return combine(out.view(x.shape[0], k, -1), topk_weights)
 
     def end_step(self) -> None:
-        if self._device_counts:  # one device -> host copy per step, not one per layer
-            counts = torch.stack([c for _, c in self._device_counts]).cpu().numpy()
-            for (moe_layer, _), row in zip(self._device_counts, counts):
-                self.stats.record(moe_layer, row)
-            self._device_counts.clear()
+        for moe_layer, counts in enumerate(self.step_counts.take()):
+            self.stats.record(moe_layer, counts)
         self.stats.step()
 
     def load_report(self) -> ExpertLoadReport:
@@ -271,9 +297,12 @@ class LocalExperts:
         return ExpertLoadReport(load, rank_load, max_over_mean(rank_load))
 
 
-def count_tokens(topk_ids: torch.Tensor, num_experts: int) -> np.ndarray:
-    """[num_experts] int64: (token, expert) pairs routed to each expert."""
-    return torch.bincount(topk_ids.reshape(-1), minlength=num_experts).cpu().numpy()
+def count_pairs(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[num_bins] int64 on ids' device: how many of `ids` (any shape, values < num_bins) are
+    each value. A scatter-add, not torch.bincount, which on CUDA reads the ids' max back."""
+    flat = ids.reshape(-1).long()
+    return torch.zeros(num_bins, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
 
 
 # ---------------------------------------------------------------------------- routers
@@ -397,10 +426,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         for block in self.moe_blocks:
             block.experts = backend
 
-    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        hidden = super().forward(input_ids, ctx)
+    def end_step(self) -> None:
+        """Close the step's expert statistics (and, under expert parallelism, maybe switch
+        placements): the core calls it once after each step's forward and sampling."""
         self.expert_backend.end_step()
-        return hidden
 
     def expert_load(self) -> ExpertLoadReport:
         """Routed tokens per layer, expert and rank over the statistics window."""

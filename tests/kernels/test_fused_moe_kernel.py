@@ -21,7 +21,7 @@ def test_align_puts_every_pair_once_in_a_block_of_its_expert():
     _, ids, _, _, _ = _moe_case()
     sorted_pairs, block_experts = align_by_expert(ids, 8, 16)
     flat = ids.reshape(-1)
-    assert sorted_pairs.shape == (16 * -(-(40 + 8 * 15) // 16),)
+    assert sorted_pairs.shape == (16 * -(-(40 + 9 * 15) // 16),)  # 8 experts + idle
     real = sorted_pairs < 40
     assert sorted(sorted_pairs[real].tolist()) == list(range(40))
     row_experts = block_experts.long().repeat_interleave(16)
@@ -29,6 +29,21 @@ def test_align_puts_every_pair_once_in_a_block_of_its_expert():
     used = block_experts[block_experts >= 0]
     assert used.tolist() == sorted(used.tolist()) and 7 not in used.tolist()
     assert (block_experts[len(used):] == -1).all()  # idle blocks only at the end
+
+
+def test_pairs_with_no_expert_sit_in_idle_blocks_and_give_zero():
+    """id == num_experts (the empty rows of expert parallelism's fixed-capacity buffers)."""
+    x, ids, weights, w13, w2 = _moe_case()
+    ids[::3, 1] = 8  # every third token's second pair has no expert
+    sorted_pairs, block_experts = align_by_expert(ids, 8, 16)
+    row_experts = block_experts.long().repeat_interleave(16)
+    idle = (ids.reshape(-1) == 8).nonzero().reshape(-1)
+    at = torch.isin(sorted_pairs.long(), idle)
+    assert int(at.sum()) == idle.numel() and (row_experts[at] == -1).all()
+    out = fused_moe_ref(x, ids, weights, w13, w2)
+    kept = ids[:, :1]  # the same tokens through their first expert alone
+    torch.testing.assert_close(out[::3], fused_moe_ref(x, kept, weights[:, :1], w13, w2)[::3],
+                               atol=1e-6, rtol=1e-6)
 
 
 def test_reference_is_the_weighted_sum_of_experts():
@@ -42,10 +57,12 @@ def test_reference_is_the_weighted_sum_of_experts():
         torch.testing.assert_close(out[t], expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("with_weights", [True, False])
-def test_triton_matches_reference(device, with_weights):
+@pytest.mark.parametrize("with_weights,with_idle", [(True, False), (False, False), (True, True)])
+def test_triton_matches_reference(device, with_weights, with_idle):
     from kernels.fused_moe import fused_moe_triton
     x, ids, weights, w13, w2 = _moe_case()
+    if with_idle:
+        ids[1::2, 0] = 8  # pairs with no expert: output 0
     weights = weights if with_weights else None
     expected = fused_moe_ref(x, ids, weights, w13, w2)
     on = lambda t: None if t is None else t.to(device)  # noqa: E731

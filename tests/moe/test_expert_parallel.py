@@ -108,3 +108,38 @@ def test_four_ranks_bitwise_single_process_with_rebalancing(tiny_moe, tmp_path):
         assert result["num_rebalances"] >= 2
         _assert_same_tokens(result, single, atol=0)
     assert sum(result["num_received"] for (result,) in ranks) > 0  # weights crossed ranks
+
+
+def _device_path_rank(rank: int, num_ranks: int, path: str, out_dir: str) -> None:
+    """On the device path (triton kernels under the interpreter): what decode forwards read
+    back, and the tokens of the prompts, with EP on (2 spare slots)."""
+    from kernels import _triton
+    from tests.engine.test_triton_backend import decode_read_backs
+
+    def ep(core):
+        enable_expert_parallel(core.model, num_redundant=2, interval_steps=NO_REBALANCE)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        read_backs = decode_read_backs(path, monkeypatch, setup=ep)
+    with _triton.on_cpu():
+        core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)
+        ep(core)
+        outputs = run_engine(core, _prompts(), PARAMS, ARRIVALS)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(dict(read_backs=read_backs, outputs=outputs), fh)
+
+
+def test_device_path_routes_on_the_device_and_matches_single_process(tiny_moe, tmp_path):
+    """Mixtral on 2 ranks through the fused MoE kernels (the GPU path, run by the
+    interpreter): routing, the fixed-capacity exchange (empty rows with no expert) and the
+    counters read nothing back in a decode forward; tokens equal the single-process
+    device path's, logprobs within fp32 rounding."""
+    from kernels import _triton
+    path = tiny_moe("mixtral")
+    with _triton.on_cpu():
+        core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)
+        single = dict(outputs=run_engine(core, _prompts(), PARAMS, ARRIVALS))
+    launch(_device_path_rank, 2, path, str(tmp_path))
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["read_backs"] == [[], [], []]
+        _assert_same_tokens(got, single, atol=1e-4)

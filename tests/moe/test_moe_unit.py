@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from engine.eplb import Placement
-from engine.expert_parallel import _source_rank, token_bounds
+from engine.eplb import compute_placement, route
+from engine.expert_parallel import (_source_rank, _Tables, occurrence, route_on_device,
+                                    token_bounds)
 from engine.messages import AddRequest
 from engine.model_runner import ModelRunner
 from engine.models.loader import ModelLoadError, hf_config_to_args
-from engine.models.moe import (ExpertWeights, LocalExperts, MoEArgs, grouped_topk,
-                               softmax_topk)
+from engine.models.moe import (ExpertWeights, LocalExperts, MoEArgs, count_pairs,
+                               grouped_topk, run_experts, softmax_topk)
 from engine.sampling_params import SamplingParams
 from kernels.fused_moe import fused_moe_ref
 from tests.engine.conftest import hf_model, make_core, run_engine
@@ -86,6 +88,20 @@ def test_expert_block_matches_per_token_loop():
     assert report.rank_load.tolist() == [[60]] and report.imbalance.tolist() == [1.0]
 
 
+def test_rows_with_no_expert_come_out_zero_and_leave_the_others_alone():
+    gen = torch.Generator().manual_seed(1)
+    weights = ExpertWeights(torch.randn(4, 2 * 8, 16, generator=gen),
+                            torch.randn(4, 16, 8, generator=gen))
+    x = torch.randn(12, 16, generator=gen)
+    ids = torch.randint(0, 4, (12,), generator=gen)
+    idle = ids.clone()
+    idle[::2] = 4  # no expert
+    got, want = run_experts(x, idle, weights), run_experts(x, ids, weights)
+    assert torch.equal(got[::2], torch.zeros_like(got[::2]))
+    assert torch.equal(got[1::2], want[1::2])
+    assert count_pairs(idle, 5).tolist() == np.bincount(idle, minlength=5).tolist()
+
+
 def test_load_stats_recorded_during_forward(tiny_moe):
     core = make_core(tiny_moe("qwen3_moe"))
     prompts = [[5] * 7, list(range(11))]
@@ -151,14 +167,32 @@ def test_token_bounds_and_copy_sources():
     assert _source_rank(old, 0, 3, dst=0) == 1
 
 
-def test_device_counts_are_recorded_once_per_step():
-    """The CUDA path keeps a step's counts on the device and records them in end_step
-    (driven here with CPU tensors through the same bookkeeping)."""
+def test_step_counts_are_recorded_once_per_step():
+    """A step's counts stay where the ids are (in place, nothing read back) and reach the
+    statistics in end_step; the next step starts from zero."""
     weights = ExpertWeights(torch.zeros(4, 2, 3), torch.zeros(4, 3, 1))
     experts = LocalExperts([weights, weights])
-    for layer, ids in ((0, [[0, 1], [1, 3]]), (1, [[2, 2]])):
-        experts._device_counts.append((layer, torch.bincount(torch.tensor(ids).reshape(-1),
-                                                             minlength=4)))
+    for layer, ids in ((0, [[0, 1], [1, 3]]), (1, [[2, 2]]), (0, [[3, 3]])):
+        experts.step_counts.add(layer, torch.tensor(ids))
     experts.end_step()
-    assert experts.load_report().expert_load.tolist() == [[1, 2, 0, 1], [0, 0, 2, 0]]
-    assert experts._device_counts == []
+    assert experts.load_report().expert_load.tolist() == [[1, 2, 0, 3], [0, 0, 2, 0]]
+    assert experts.step_counts.take().sum() == 0
+    experts.step_counts.add(1, torch.tensor([[1, 1]]))
+    experts.end_step()
+    assert experts.load_report().expert_load.tolist() == [[1, 2, 0, 3], [0, 2, 2, 0]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_routing_is_the_host_router_from_zero_load(seed):
+    """The EP forward's routing on the device gives the slots `eplb.route` gives (host,
+    water-filling from an all-zero load), replicas dealt round-robin in pair order."""
+    rng = np.random.default_rng(seed)
+    load = rng.integers(0, 100, size=(3, 8)) * (rng.random((3, 8)) < 0.7)
+    placement = compute_placement(load, num_ranks=4, num_redundant=4 + seed)
+    tables = _Tables.of(placement, torch.device("cpu"))
+    assert placement.replica_count.max() > 1
+    for layer in range(3):
+        ids = torch.from_numpy(rng.integers(0, 8, size=(int(rng.integers(1, 40)), 2)))
+        want = route(ids.numpy(), placement, layer, np.zeros(placement.num_slots))
+        assert route_on_device(ids, tables, layer).tolist() == want.reshape(-1).tolist()
+    assert occurrence(torch.tensor([2, 0, 2, 2, 1, 0]), 3).tolist() == [0, 0, 1, 2, 0, 1]
