@@ -125,5 +125,5 @@ class DecodeGraphs:
             positions=b.positions, slot_mapping=b.slot_mapping, block_tables=b.block_tables,
             query_start_loc=b.query_start_loc, seq_lens=b.seq_lens, kv_caches=self.kv_caches,
             query_lens=[1] * size, host_seq_lens=[self.max_len] * size,
-            block_size=self.block_size, slots_valid=False)
+            block_size=self.block_size, slots_valid=False, counted=b.seq_lens > 0)
         return self.model.compute_logits(self.model.forward(b.input_ids, ctx))

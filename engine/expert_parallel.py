@@ -127,6 +127,7 @@ class ExpertParallel:
         self.last_step_rank_tokens = np.zeros((num_layers, self.num_ranks), dtype=np.int64)
         self.expert_counts = StepCounts(num_layers, self.num_experts)  # pairs per expert
         self.rank_counts = StepCounts(num_layers, self.num_ranks)  # pairs each rank computes
+        self.counted: torch.Tensor | None = None  # the step's counted rows (ForwardContext)
         self._tables: _Tables | None = None
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self._copy_group = dist.new_group(ranks, backend=dist.get_backend(group))
@@ -148,8 +149,8 @@ class ExpertParallel:
         tables = self._device_tables(x.device)
         slot = route_on_device(topk_ids, tables, moe_layer)  # [T * k]
         dest = tables.slot_rank[slot]  # [T * k] rank computing each pair
-        self.expert_counts.add(moe_layer, topk_ids)
-        self.rank_counts.add(moe_layer, dest)
+        self.expert_counts.add(moe_layer, topk_ids, self.counted)
+        self.rank_counts.add(moe_layer, dest.view(num_tokens, k), self.counted)
         bounds = token_bounds(num_tokens, self.num_ranks)
         lo, hi = int(bounds[self.rank]), int(bounds[self.rank + 1])
         capacity = int(np.diff(bounds).max()) * k  # host numbers only

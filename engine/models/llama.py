@@ -43,6 +43,9 @@ class ForwardContext:
     host_seq_lens: list[int] | None = None
     block_size: int = 0
     slots_valid: bool | None = None  # no negative slot in slot_mapping (None: unknown)
+    # bool [num_tokens]: the tokens a step's statistics count (a decode graph's padding rows
+    # do not; engine/cuda_graphs.py); None: every token
+    counted: torch.Tensor | None = None
     # set by the model for the step: the dtype its matmuls take and give (bf16 when every one
     # runs through a bf16 dense copy); None: the activations' dtype throughout
     gemm_dtype: torch.dtype | None = None

@@ -248,13 +248,16 @@ class StepCounts:
         self.shape = (num_layers, num_bins)
         self._counts: torch.Tensor | None = None  # made on the first add's device
 
-    def add(self, layer: int, values: torch.Tensor) -> None:
-        """Count each of `values` (ints in [0, num_bins), any shape) for `layer`."""
+    def add(self, layer: int, values: torch.Tensor, counted: torch.Tensor | None = None) -> None:
+        """Count each of `values` (ints in [0, num_bins), [T] or [T, k]) for `layer`; with
+        `counted` (bool [T]) only the rows it marks."""
         with torch.inference_mode():  # steps run under it; a unit test may not
             if self._counts is None or self._counts.device != values.device:
                 self._counts = torch.zeros(self.shape, dtype=torch.long, device=values.device)
-            flat = values.reshape(-1).long()
-            self._counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
+            ones = torch.ones_like(values, dtype=torch.long)
+            if counted is not None:
+                ones = ones * counted.view(-1, *([1] * (values.dim() - 1)))
+            self._counts[layer].scatter_add_(0, values.reshape(-1).long(), ones.reshape(-1))
 
     def take(self) -> np.ndarray:
         """[num_layers, num_bins] int64 counted since the last take."""
@@ -274,10 +277,11 @@ class LocalExperts:
         self.num_experts = weights[0].w13.shape[0]
         self.stats = ExpertLoadStats(len(weights), self.num_experts, window_steps)
         self.step_counts = StepCounts(len(weights), self.num_experts)
+        self.counted: torch.Tensor | None = None  # the step's counted rows (ForwardContext)
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        self.step_counts.add(moe_layer, topk_ids)
+        self.step_counts.add(moe_layer, topk_ids, self.counted)
         if ops.runs_triton(x):  # routing weights and the top-k sum inside the fused kernels
             weights = self.weights[moe_layer]
             return ops.fused_moe(x, topk_ids, topk_weights, weights.w13, weights.w2)
@@ -425,6 +429,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         self.expert_backend = backend
         for block in self.moe_blocks:
             block.experts = backend
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        self.expert_backend.counted = ctx.counted  # a decode graph's padding rows: not load
+        return super().forward(input_ids, ctx)
 
     def end_step(self) -> None:
         """Close the step's expert statistics (and, under expert parallelism, maybe switch
