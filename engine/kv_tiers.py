@@ -224,7 +224,8 @@ class BlockCodec:
     One block of every layer is kv[:, :, block_id]: [num_layers, 2, block_size, kv_heads,
     head_dim]; its payload is that view made contiguous, as raw bytes. Several blocks move
     as one batch on a device (`gather`): one gather kernel and one copy through a pinned
-    host buffer, one wait, instead of a strided copy and a wait per block; on the CPU there
+    host buffer on the copy stream (`Platform.to_host`), one wait for that copy, instead of
+    a strided copy and a wait per block; on the CPU there
     is no transfer to save, so each block is one copy."""
 
     def __init__(self, kv: torch.Tensor, platform: Platform | None = None) -> None:
@@ -250,9 +251,7 @@ class BlockCodec:
             return [self.save(b, e) for b, e in zip(block_ids, expires_at)]
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
         blocks = self.kv.index_select(2, ids).movedim(2, 0)  # [n, layers, 2, ...]
-        host = self.platform.empty_host(blocks.shape, self.kv.dtype)
-        host.copy_(blocks, non_blocking=True)
-        self.platform.synchronize()
+        host = self.platform.to_host(blocks)  # pinned, on the copy stream
         flat = host.reshape(len(block_ids), -1).view(torch.uint8).numpy()  # [n, nbytes]
         return [BlockEntry(flat[i].copy(), self.dtype, self.shape, self.block_size, e)
                 for i, e in enumerate(expires_at)]

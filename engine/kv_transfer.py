@@ -79,16 +79,18 @@ class BlockLayout(NamedTuple):
         return self.shape[2]
 
 
-def export_blocks(kv, block_ids: list[int]) -> list[memoryview]:
+def export_blocks(kv, block_ids: list[int], platform=None) -> list[memoryview]:
     """Read-only: a contiguous copy of each block (all layers, K and V; the BlockEntry payload
     layout), one memoryview per block, ready to be sent without another copy."""
     if not block_ids:
         return []
     import torch  # here, so that workers on fake cores (tests) never load torch
     # one gather of every block, [n, layers, 2, block_size, kv_heads, head_dim] (contiguous),
-    # then, from a device pool, one copy to the host (not one per block)
+    # then, from a device pool, one copy to the host (not one per block): into pinned
+    # memory on the platform's copy stream when there is one
     ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-    out = kv.permute(2, 0, 1, 3, 4, 5).index_select(0, ids).cpu()
+    out = kv.permute(2, 0, 1, 3, 4, 5).index_select(0, ids)
+    out = platform.to_host(out) if platform is not None else out.cpu()
     rows = out.reshape(len(block_ids), -1).view(torch.uint8).numpy()
     return [memoryview(row) for row in rows]
 
@@ -137,9 +139,11 @@ class KVSender:
 
     def __init__(self, kv: KVHandoff, kv_cache, max_model_len: int, ctx: zmq.asyncio.Context,
                  worker_id: str, *, wakeup: Callable[[], None],
-                 lease_s: float = HANDOFF_LEASE_S, keys: CurveKeys | None = None) -> None:
+                 lease_s: float = HANDOFF_LEASE_S, keys: CurveKeys | None = None,
+                 platform=None) -> None:
         self._kv = kv
         self._kv_cache = kv_cache  # the runner's [layers, 2, blocks, slot, kv_head, head_dim]
+        self._platform = platform  # engine.platform.Platform (pinned copies); None: .cpu()
         self._max_model_len = max_model_len
         self._ctx = ctx
         self._keys = keys  # CURVE keys of the deployment (engine.curve), None: plain
@@ -269,7 +273,7 @@ class KVSender:
 
     async def _send_blocks(self, link: _Link, h: _Outgoing, indices: list[int],
                            block_ids: list[int]) -> None:
-        frames = export_blocks(self._kv_cache, [block_ids[i] for i in indices])
+        frames = export_blocks(self._kv_cache, [block_ids[i] for i in indices], self._platform)
         layout = self._layout
         header = KvBlocks(h.msg.req_id, indices, [h.keys[i] for i in indices], layout.dtype,
                           list(layout.shape), layout.block_size)

@@ -110,6 +110,25 @@ class Platform:
         """A host staging buffer for copies to and from the device: pinned on CUDA."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of device tensor `t`: through a pinned buffer on the side copy stream,
+        after the work queued so far on the current stream, waiting for that copy alone (not
+        for the whole device). On the CPU: `t` itself, no copy."""
+        if not self.is_cuda:
+            return t
+        host = self.empty_host(t.shape, t.dtype)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # the allocator must not reuse t before the copy ran
+        stream.synchronize()
+        return host
+
+    @functools.cached_property
+    def _copy_stream(self):
+        return self.copy_stream()
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on this device; the same tensor (no copy) when it is already there. A host
         tensor in pinned memory copies asynchronously."""

@@ -52,7 +52,7 @@ class HandoffSides:
             return cls(sender=KVSender(core.kv.handoff, core.runner.kv, core.max_model_len,
                                        ctx, worker_id, wakeup=wakeup,
                                        lease_s=options.handoff_lease_s,
-                                       keys=keys))
+                                       keys=keys, platform=core.platform))
         return cls(intake=KVIntake(core.kv.handoff, core.runner.kv, ctx, options.kv_bind,
                                    deliver=deliver, is_live=core.has_request, keys=keys))
 

@@ -173,3 +173,13 @@ def test_step_transfer_on_cuda_is_one_copy_from_two_pinned_buffers():
                    for a, t in zip(arrays, tensors))
     assert transfer.copies == 5
     assert all(h is not None and h.is_pinned() for h in transfer._host)
+
+
+@pytest.mark.gpu
+def test_to_host_copies_through_pinned_memory_on_the_copy_stream():
+    platform = plat.resolve("cuda")
+    t = torch.randn(3, 5, 7, device="cuda").movedim(2, 0)  # a strided view, as the tiers'
+    host = platform.to_host(t)
+    assert host.is_pinned() and torch.equal(host, t.cpu())
+    cpu = torch.randn(2, 3)
+    assert plat.cpu().to_host(cpu) is cpu  # no copy on the CPU
