@@ -102,22 +102,22 @@ class Sampler:
             logits = _apply_logit_bias(logits, reqs)
         logits = apply_grammar_mask(logits, mask)
         if not rows.sampled:  # one kind of row: no scatter
-            ids = _argmax(logits).tolist()
+            token_ids = _argmax(logits)
         elif not rows.greedy:
-            ids = self._sample(logits, rows).tolist()
+            token_ids = self._sample(logits, rows)
         else:
             token_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
             token_ids[rows.greedy] = _argmax(take_rows(logits, rows.greedy))
             token_ids[rows.sampled] = self._sample(take_rows(logits, rows.sampled), rows)
-            ids = token_ids.tolist()
-        return SamplerOutput(ids, _logprobs(raw, reqs, ids, rows.logprobs))
+        return SamplerOutput(*_read_back(token_ids, raw, reqs, rows.logprobs))
 
     @staticmethod
     def logprobs(logits: torch.Tensor, reqs: Sequence[Request],
                  token_ids: list[int]) -> list[TokenLogprob | None]:
         """Logprobs of given tokens (e.g. verified drafts) under raw logits [n, vocab]."""
         rows = [row for row, req in enumerate(reqs) if req.params.logprobs is not None]
-        return _logprobs(logits, reqs, token_ids, rows)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        return _read_back(ids, logits, reqs, rows)[1]
 
     def _sample(self, logits: torch.Tensor, rows: _Rows) -> torch.Tensor:
         """The sampled rows' logits [m, vocab] -> their token ids [m]. The parameters reach
@@ -277,33 +277,39 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ logprobs
 
-def _logprobs(raw: torch.Tensor, reqs: Sequence[Request], token_ids: list[int],
-              rows: list[int]) -> list[TokenLogprob | None]:
-    """Logprobs of token_ids in the given rows (those asking for them), None elsewhere."""
+def _read_back(token_ids: torch.Tensor, raw: torch.Tensor, reqs: Sequence[Request],
+               rows: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The step's token ids [len(reqs)] and the logprobs of the rows that ask for them (None
+    elsewhere), brought to the host in one copy: on a GPU, the sampler's one wait."""
     out: list[TokenLogprob | None] = [None] * len(reqs)
     if not rows:
-        return out
+        return token_ids.tolist(), out
     logprobs = ops.log_softmax(take_rows(raw, rows))  # [len(rows), vocab]
-    chosen = torch.tensor([token_ids[row] for row in rows],
-                          device=raw.device)[:, None]  # [len(rows), 1]
-    chosen_logprobs = logprobs.gather(1, chosen)[:, 0].tolist()
-    tops = _top_logprobs(logprobs, [reqs[row].params.logprobs for row in rows])
+    mine = token_ids if len(rows) == len(reqs) else \
+        token_ids[torch.tensor(rows, device=token_ids.device)]
+    parts = [token_ids.double(), logprobs.gather(1, mine[:, None])[:, 0].double()]
+    nums = [reqs[row].params.logprobs for row in rows]
+    groups = []  # one topk per distinct count, so ties come out as from a one-row topk
+    for num in sorted(set(nums) - {0}):
+        group = [j for j, n in enumerate(nums) if n == num]
+        values, ids = torch.topk(take_rows(logprobs, group), num)  # [len(group), num]
+        parts += [ids.double().reshape(-1), values.double().reshape(-1)]
+        groups.append((num, group))
+    flat = torch.cat(parts).tolist()  # fp64 holds every id and fp32 logprob exactly
+    num_reqs = len(reqs)
+    ids_out = [int(t) for t in flat[:num_reqs]]
+    chosen, at = flat[num_reqs:num_reqs + len(rows)], num_reqs + len(rows)
+    tops: list[list[tuple[int, float]]] = [[] for _ in rows]
+    for num, group in groups:
+        size = len(group) * num
+        top_ids, top_values = flat[at:at + size], flat[at + size:at + 2 * size]
+        for i, j in enumerate(group):
+            tops[j] = [(int(t), v) for t, v in
+                       zip(top_ids[i * num:(i + 1) * num], top_values[i * num:(i + 1) * num])]
+        at += 2 * size
     for j, row in enumerate(rows):
-        out[row] = TokenLogprob(token_ids[row], chosen_logprobs[j], tops[j])
-    return out
-
-
-def _top_logprobs(logprobs: torch.Tensor,
-                  nums: list[int]) -> list[list[tuple[int, float]]]:
-    """The top nums[j] (token, logprob) of each row of logprobs [r, vocab]; one topk per
-    distinct count, so ties come out as from a one-row topk."""
-    tops: list[list[tuple[int, float]]] = [[] for _ in nums]
-    for num in set(nums) - {0}:
-        rows = [j for j, n in enumerate(nums) if n == num]
-        values, ids = torch.topk(take_rows(logprobs, rows), num)  # [len(rows), num]
-        for j, row_ids, row_values in zip(rows, ids.tolist(), values.tolist()):
-            tops[j] = list(zip(row_ids, row_values))
-    return tops
+        out[row] = TokenLogprob(ids_out[row], chosen[j], tops[j])
+    return ids_out, out
 
 
 # ------------------------------------------------------------------ helpers

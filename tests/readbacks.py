@@ -29,12 +29,14 @@ class ReadBacks(TorchDispatchMode):
         super().__init__()
         self.count = 0
         self.ops: list[str] = []  # what was counted, for the failure message
+        self.reads: list[str] = []  # the values read by name (.item(), .tolist(), ...)
         self.monkeypatch = monkeypatch
         self.real = {name: getattr(torch.Tensor, name) for name in self.READS}
 
     def _counting(self, name, real):
         def read(t, *args, **kwargs):
             self._count(name)
+            self.reads.append(name)
             with torch._C.DisableTorchFunctionSubclass():
                 return real(t, *args, **kwargs)
         return read

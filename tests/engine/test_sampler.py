@@ -470,3 +470,27 @@ def test_frequency_and_presence_penalties_count_output_only():
 def test_nonsense_values_are_rejected(bad):
     with pytest.raises(ValueError, match="SamplingParams"):
         SamplingParams(**bad)
+
+
+def test_the_device_path_reads_the_step_back_in_one_copy(monkeypatch):
+    """Tokens and every logprob asked for (two top-n sizes), with penalties, seeds, min_p
+    and a mix of greedy and sampled rows: on the device path (the torch reference, as on a
+    GPU) one value read back, the same outputs as the C kernel's path."""
+    from tests.readbacks import ReadBacks
+
+    reqs = [req(SamplingParams(temperature=0, logprobs=2)),
+            req(SamplingParams(temperature=0.8, top_p=0.9, seed=3, logprobs=0)),
+            req(SamplingParams(temperature=1.0, top_k=5, min_p=0.1, presence_penalty=0.5,
+                               repetition_penalty=1.2, logprobs=2), output=(3, 4)),
+            req(SamplingParams(temperature=0.7, logprobs=1)),
+            req(SamplingParams(temperature=0))]
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(7))
+    want = Sampler(0)(logits, reqs)
+    monkeypatch.setattr(cpu_sampler, "available", lambda: False)
+    with torch.inference_mode(), ReadBacks(monkeypatch) as reads:
+        got = Sampler(0)(logits, reqs)
+    assert reads.reads == ["tolist"]
+    assert got.token_ids == want.token_ids
+    assert [lp is None for lp in got.logprobs] == [False, False, False, False, True]
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a == b
