@@ -47,7 +47,7 @@ from engine.request_checks import check_add_request
 from engine.sampling_params import SamplingParams
 from engine.worker_handoff import HandoffSides, check_role
 from engine.worker_link import WorkerLink
-from engine.zmq_io import worker_channel
+from engine.zmq_io import new_context, worker_channel
 from kvstore.shared import store_identity
 
 if TYPE_CHECKING:  # torch stays unloaded in workers on fake cores
@@ -138,7 +138,7 @@ class Worker:
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
         """Serve until Shutdown (returns 0) or a fatal error (sends WorkerError, returns 1)."""
-        ctx = self._ctx = zmq.asyncio.Context()
+        ctx = self._ctx = new_context()
         self._link = WorkerLink(worker_channel(ctx, self._address, self.worker_id, self._keys),
                                 self.worker_id, self.config.worker.heartbeat_s)
         try:

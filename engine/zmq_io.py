@@ -177,6 +177,16 @@ class _Zap:
             self._auth.stop()
 
 
+def new_context() -> zmq.asyncio.Context:
+    """A context whose sockets default to LINGER 0, so that neither `term` nor a context
+    left to the garbage collector (which destroys it) can wait forever on messages queued
+    for a peer that is gone; a socket that should flush on close says so there
+    (`Channel.close(linger_ms=...)`)."""
+    ctx = zmq.asyncio.Context()
+    ctx.setsockopt(zmq.LINGER, 0)
+    return ctx
+
+
 def _secure_router(ctx: zmq.asyncio.Context, socket: zmq.asyncio.Socket,
                    keys: curve.CurveKeys | None) -> "_Zap | None":
     """ROUTER options before bind: plain (handover on, for fast restarts on the local path),

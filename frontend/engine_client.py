@@ -30,7 +30,7 @@ import zmq.asyncio
 from engine.curve import CurveKeys
 from engine.messages import (AbortRequests, AddRequest, FinishReason, HandoffFailed, Heartbeat,
                              Outputs, Ready, RequestDelta, WorkerError, WorkerStats)
-from engine.zmq_io import Channel, frontend_channel
+from engine.zmq_io import Channel, frontend_channel, new_context
 from frontend.flights import DEAD_PREFIX, HANDOFF_PREFIX, POLICIES, Flights
 from frontend.router import Router
 
@@ -139,7 +139,7 @@ class EngineClient:
     # ------------------------------------------------------------------ public API
     async def start(self) -> None:
         """Bind the channel (a `tcp://host:*` address resolves to a free port) and listen."""
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = new_context()
         self._channel = frontend_channel(self._ctx, self.address, self._keys)
         self.address = self._channel.address
         self._tasks = [asyncio.create_task(coro) for coro in

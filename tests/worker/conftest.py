@@ -10,13 +10,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.messages import AddRequest, Heartbeat, Outputs, Ready, RequestDelta
 from engine.sampling_params import SamplingParams
-from engine.zmq_io import Channel, frontend_channel
+from engine.zmq_io import Channel, frontend_channel, new_context
 from frontend.engine_client import EngineClient
 from frontend.supervisor import Supervisor
 
@@ -100,7 +98,7 @@ class RawFrontend:
     """The frontend end of a worker channel, driven by hand: send any bytes, read messages."""
 
     def __init__(self, address: str) -> None:
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = new_context()
         self.channel: Channel = frontend_channel(self.ctx, address)
         self.address = self.channel.address
         self.peer = b""

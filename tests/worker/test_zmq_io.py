@@ -82,3 +82,22 @@ async def test_frontend_rejects_a_worker_sending_nonsense(pair):
     await worker.sender.put(heartbeat)
     assert (await frontend.receiver.get()).msg == heartbeat
     assert frontend.receiver.num_rejected == 4
+
+
+async def test_a_context_with_messages_for_a_missing_peer_terminates_at_once():
+    """engine.zmq_io.new_context: sockets default to LINGER 0, so term (and the destroy a
+    leaked context gets from the garbage collector, which once hung a CI worker) does not
+    wait forever on a message queued for a peer that never came."""
+    import threading
+    import zmq
+
+    from engine.zmq_io import new_context
+    ctx = new_context()
+    socket = ctx.socket(zmq.DEALER)
+    socket.connect("tcp://127.0.0.1:9")  # nothing listens: the message stays queued
+    socket.send(b"never delivered", zmq.NOBLOCK)
+    socket.close()
+    done = threading.Thread(target=ctx.term, daemon=True)
+    done.start()
+    done.join(5.0)
+    assert not done.is_alive(), "term() waited on a queued message"
