@@ -77,28 +77,10 @@ def check_which_steps_take_a_graph(core):
     assert graphs.replays == sum(ran for _, _, ran in seen)
 
 
-@pytest.mark.gpu
-def test_captured_decode_graphs_give_the_eager_tokens(llama):
-    """On CUDA: the captured graphs replayed, greedy tokens equal to eager steps'."""
-    prompts = [tokens(n, 30 + n) for n in (5, 9, 14)]
-    reference = run_engine(make_core(llama, device="cuda"), prompts, GREEDY)
-    core = make_core(llama, device="cuda")
-    core.runner.graphs = graphs_of(core, capture=True)
-    got = run_engine(core, prompts, GREEDY)
-    assert core.runner.graphs.replays >= 4
-    for name, (ids, logprobs) in reference.items():
-        assert got[name][0] == ids
-        torch.testing.assert_close(got[name][1], logprobs, rtol=0, atol=1e-3)
-
-
-@pytest.mark.gpu
-def test_captured_graphs_of_a_moe_model(tmp_path_factory):
-    """On CUDA: Mixtral's decode steps captured (routing, the fused MoE kernels and the
-    in-place expert counters inside the graph) replay to the eager tokens, and the expert
-    load leaves the padding rows out."""
-    from tests.moe.conftest import build_tiny_moe
-    path = build_tiny_moe(tmp_path_factory.mktemp("mixtral_cuda_graphs"), "mixtral")
-    prompts = [tokens(n, 50 + n) for n in (5, 9, 14)]
+def captured_against_eager(path: str, seed: int):
+    """(eager core, graphed core) after the same three prompts on CUDA, the graphed one's
+    decode steps replayed from captured graphs; greedy tokens equal, logprobs within 1e-3."""
+    prompts = [tokens(n, seed + n) for n in (5, 9, 14)]
     eager = make_core(path, device="cuda")
     reference = run_engine(eager, prompts, GREEDY)
     core = make_core(path, device="cuda")
@@ -108,4 +90,21 @@ def test_captured_graphs_of_a_moe_model(tmp_path_factory):
     for name, (ids, logprobs) in reference.items():
         assert got[name][0] == ids
         torch.testing.assert_close(got[name][1], logprobs, rtol=0, atol=1e-3)
+    return eager, core
+
+
+@pytest.mark.gpu
+def test_captured_decode_graphs_give_the_eager_tokens(llama):
+    """On CUDA: the captured graphs replayed, greedy tokens equal to eager steps'."""
+    captured_against_eager(llama, seed=30)
+
+
+@pytest.mark.gpu
+def test_captured_graphs_of_a_moe_model(tmp_path_factory):
+    """On CUDA: Mixtral's decode steps captured (routing, the fused MoE kernels and the
+    in-place expert counters inside the graph) replay to the eager tokens, and the expert
+    load leaves the padding rows out."""
+    from tests.moe.conftest import build_tiny_moe
+    path = build_tiny_moe(tmp_path_factory.mktemp("mixtral_cuda_graphs"), "mixtral")
+    eager, core = captured_against_eager(path, seed=50)
     assert core.model.expert_load().expert_load.sum() == eager.model.expert_load().expert_load.sum()
