@@ -586,7 +586,9 @@ def repo_frame(stack: list[traceback.FrameSummary]) -> str:
 def sync_debug(check: Check) -> dict:
     """Decode steps under set_sync_debug_mode("warn"), every synchronizing op counted by
     the repository line that issued it; then one step under "error", which raises at the
-    first one (expected: the step's readback of sampled token ids, engine/sampler.py)."""
+    first one. The step's one wait is for its draws' copy to pinned memory (an event,
+    engine/platform.py HostCopy), read after the next step was queued when overlap is on
+    (the engine's default on CUDA; `overlap` in the result)."""
     from engine.sampling_params import SamplingParams
 
     path = write_shape_dir(check.tmp, "smollm2-135m")
@@ -627,6 +629,7 @@ def sync_debug(check: Check) -> dict:
         torch.cuda.set_sync_debug_mode("default")
     per_step = sum(sites.values()) / num_steps
     return dict(num_steps=num_steps, batch=len(prompts), syncs_per_step=per_step,
+                overlap=core.overlap,
                 sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])),
                 error_mode=error_site or "no error: the step did not synchronize",
                 summary=f"{per_step:g} syncs per decode step at {len(sites)} site(s)"
@@ -642,8 +645,10 @@ def decode_cells(check: Check) -> list[tuple[str, int, int]]:
 
 
 def decode(check: Check) -> dict:
-    """ms per decode step (host clock around core.step, which returns after the sampled ids
-    reach the host) at each batch and context, beside its bytes / bandwidth floor."""
+    """ms per decode step (host clock around core.step, overlapped scheduling on: a step
+    returns once the previous step's ids reached the host and this one is queued) at each
+    batch and context, beside its bytes / bandwidth floor; for the host-bound small shapes
+    also without overlap (`sync_ms_per_step`)."""
     warmup, steps = (1, 2) if check.quick else (5, 20)
     cells, rows = decode_cells(check), []
     dtype = engine_dtype(check)
@@ -660,6 +665,7 @@ def decode(check: Check) -> dict:
         try:
             with random_weights(check.device, dtype_t) as info:
                 core = make_engine(str(path), check.platform, weights_dtype=dtype,
+                                   overlap="on",  # also on the CPU of --quick: both timings
                                    num_kv_blocks=num_blocks, max_num_seqs=max_batch,
                                    max_num_batched_tokens=256 if check.quick else 8192,
                                    enable_prefix_caching=False, block_size=block)
@@ -675,6 +681,9 @@ def decode(check: Check) -> dict:
             try:
                 rows.append(dict(cell, **time_decode(core, batch, ctx, warmup, steps,
                                                      info["weight_bytes"], check, dtype_t)))
+                if shape != "llama-8b" and check.budget.left() > 20:  # host-bound shapes
+                    rows[-1].update(time_without_overlap(core, batch, ctx, warmup, steps,
+                                                         info["weight_bytes"], check, dtype_t))
             except Exception as error:  # e.g. out of memory: the next cells still run
                 rows.append(dict(cell, status=f"error: {type(error).__name__}: "
                                               f"{str(error)[:200]}"))
@@ -724,6 +733,19 @@ def graph_cells(core, check: Check, rows: list[dict], max_batch: int, warmup: in
         except Exception as error:
             row["graph_status"] = f"error: {type(error).__name__}: {str(error)[:160]}"
     core.runner.graphs = None
+
+
+def time_without_overlap(core, *cell) -> dict:
+    """The cell again with overlapped scheduling off (engine/core.py): the step then waits
+    for its tokens before the host schedules the next. `overlap` says what ms_per_step ran
+    with; `sync_ms_per_step` is the other timing when overlap was on."""
+    if not core.overlap:
+        return dict(overlap=False)
+    core.overlap = False
+    try:
+        return dict(overlap=True, sync_ms_per_step=time_decode(core, *cell)["ms_per_step"])
+    finally:
+        core.overlap = True
 
 
 def time_decode(core, batch: int, ctx: int, warmup: int, steps: int, weight_bytes: int,
@@ -983,11 +1005,13 @@ def markdown(report: dict) -> str:
                          f"{_num(b.get('max_logprob_diff'))} ({_num(h.get('max_logprob_diff'))}) |")
     rows = report["sections"]["decode"].get("rows")
     if rows:
-        lines += ["", "| shape | batch | context | ms/step | CUDA graphs ms/step | floor ms "
-                  "| × floor | prefill s |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| shape | batch | context | ms/step | without overlap ms/step "
+                  "| CUDA graphs ms/step | floor ms | × floor | prefill s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['shape']} | {r.get('batch', '-')} | {r.get('context', '-')} | "
                          f"{_num(r.get('ms_per_step'), r.get('status', '-'))} | "
+                         f"{_num(r.get('sync_ms_per_step'))} | "
                          f"{_num(r.get('graph_ms_per_step'), r.get('graph_status', '-'))} | "
                          f"{_num(r.get('floor_ms'))} | {_num(r.get('over_floor'))} | "
                          f"{_num(r.get('prefill_s'))} |")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench.report import write_json
-from engine.config import KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES, OVERLAP_MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-dtype", "--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--batch-invariant", action="store_true")
+    parser.add_argument("--overlap", default="auto", choices=OVERLAP_MODES,
+                        help="overlapped scheduling (engine/core.py): auto (on a GPU), on, off")
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the JSON result here")
@@ -189,7 +191,8 @@ def _gemm_input_dtype(w, m: int):
 
 
 class _TimedSampler:
-    """The engine's sampler, timing each call."""
+    """The engine's sampler, timing each step's draws: the launch and, when its result is
+    read, the read (one entry per step)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -198,11 +201,19 @@ class _TimedSampler:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def __call__(self, *args, **kwargs):
+    def launch(self, *args, **kwargs):
         start = time.perf_counter()
-        out = self.inner(*args, **kwargs)
+        draws = self.inner.launch(*args, **kwargs)
         self.seconds.append(time.perf_counter() - start)
-        return out
+        entry, result = len(self.seconds) - 1, draws.result
+
+        def timed_result():
+            start = time.perf_counter()
+            out = result()
+            self.seconds[entry] += time.perf_counter() - start
+            return out
+        draws.result = timed_result
+        return draws
 
 
 def decode_step_seconds(llm, batch: int, context: int, steps: int = 12,
@@ -220,7 +231,7 @@ def decode_step_seconds(llm, batch: int, context: int, steps: int = 12,
     rng = random.Random(batch)
     ids = [f"step-{batch}-{i}" for i in range(batch)]
     for req_id in ids:
-        prompt = [rng.randrange(100, 20000) for _ in range(context)]
+        prompt = [rng.randrange(100, min(20000, core.vocab_size)) for _ in range(context)]
         core.add_request(AddRequest(req_id, prompt, params))
     while any(r.num_output_tokens == 0 for r in core.requests.values()):
         core.step()  # prefill everything first
@@ -253,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(path)
     machine = measure_machine()
     llm = LLM(path, weights_dtype=args.weights_dtype, kv_cache_dtype=args.kv_cache_dtype,
-              batch_invariant=args.batch_invariant,
+              batch_invariant=args.batch_invariant, overlap=args.overlap,
               max_num_seqs=max(64, args.num_requests), progress=False, tokenizer=False)
     prompts, outputs = make_workload(tokenizer, args.num_requests,
                                      (args.min_prompt, args.max_prompt),

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, EngineConfig, WorkerConfig, section_of
+from engine.config import (KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_DTYPES, EngineConfig,
+                           WorkerConfig, section_of)
 
 _HELP = {
     "model": "local GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)",
@@ -37,6 +38,9 @@ _HELP = {
                               "pool may take (the pool gets what the weights leave)",
     "cuda_graphs": "CUDA: replay decode steps from CUDA graphs captured per batch size "
                    "(steps with a prompt token, drafts or a context over 8,192 run eagerly)",
+    "overlap": "schedule and launch each step before the previous step's tokens are read "
+               "(auto: on a GPU; on: also on the CPU; off). Outputs are the same; a request "
+               "that stops on EOS or a stop token computes one wasted token",
     "kv_dir": "directory of the SSD KV tier (off when unset)",
     "kv_host_bytes": "host-RAM KV tier capacity in bytes (0: off)",
     "kv_disk_bytes": "SSD KV tier capacity in bytes",
@@ -63,7 +67,8 @@ _ALIASES = {"weights_dtype": ("--dtype",)}  # vLLM's spelling
 # each `duplex worker`), so no engine flag; nor the worker section, which `duplex worker`
 # builds from its own flags (engine/worker_cli.py)
 _NOT_FLAGS = ("fair_prefill", *(f.name for f in dataclasses.fields(WorkerConfig)))
-_CHOICES = {"weights_dtype": WEIGHT_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES}
+_CHOICES = {"weights_dtype": WEIGHT_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
+            "overlap": OVERLAP_MODES}
 
 
 _GROUPS = {"": "engine: model and precision", "scheduler": "engine: scheduler",

@@ -27,6 +27,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+OVERLAP_MODES = ("auto", "on", "off")
 SPECULATION = ("off", "ngram", "draft", "self")
 ROLES = ("unified", "prefill", "decode")
 DEFAULT_KV_BIND = "tcp://127.0.0.1:*"  # the decode role's KV door: a free loopback port
@@ -215,6 +216,9 @@ class EngineConfig:
     device: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory weights + KV may use
     cuda_graphs: bool = False  # CUDA: decode steps replay captured graphs (engine/cuda_graphs.py)
+    # schedule step n+1 before step n's tokens are read (engine/core.py): auto (on a GPU),
+    # on, off
+    overlap: str = "auto"
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     spec: SpecConfig = dataclasses.field(default_factory=SpecConfig)
@@ -228,6 +232,8 @@ class EngineConfig:
                  "must be >= 1", self.max_model_len)
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
                  "must be auto, cpu, cuda or cuda:N", self.device)
+        _require(self.overlap in OVERLAP_MODES, "overlap",
+                 f"must be one of {', '.join(OVERLAP_MODES)}", self.overlap)
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  "must be in (0, 1]", self.gpu_memory_utilization)
         _require(not (self.batch_invariant and self.weights_dtype in ("int4", "int8")),

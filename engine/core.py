@@ -25,17 +25,17 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, SchedulerConfig, available_cores, resolve_model_path
-from engine.cost_model import CostModel, step_features
+from engine.cost_model import CostModel, StepFeatures, step_features
 from engine.grammar import Grammars
 from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
 from engine.kv_manager import KVCacheManager
 from engine.kv_tiers import DEVICE, DISK, HOST, SHARED, BlockCodec, KVTiers, TierLink
 from engine.messages import AddRequest, FinishReason, RequestDelta, WorkerStats
-from engine.model_runner import ModelRunner
+from engine.model_runner import Feed, ModelRunner
 from engine.models import build_model, load
 from engine.platform import Platform, place, resolve
-from engine.request import Request
-from engine.sampler import Sampler, take_rows
+from engine.request import PENDING, Request, Status
+from engine.sampler import Draws, Sampler, take_rows
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import Speculator
 from engine.stats import KVStats, KVTierStats, MoEStats
@@ -118,6 +118,13 @@ def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, quant: str) -> to
     return _DTYPES[name]
 
 
+def kv_format(config: EngineConfig, quant: str, dtype: torch.dtype,
+              kv_dtype: torch.dtype) -> str:
+    """What the KV's values depend on besides the model: key namespaces and the hand-off's
+    compatibility check carry it, so blocks of another precision are never mixed in."""
+    return f"{config.weights_dtype}/{quant}/{_DTYPE_NAMES[dtype]}/kv={_DTYPE_NAMES[kv_dtype]}"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = True, *,
                  cost_model: CostModel | None = None,
@@ -138,16 +145,14 @@ class EngineCore:
         self.weights_label = _DTYPE_NAMES[self.dtype] if self.quant == "none" else \
             f"{self.quant} (quantized linears, fp32 activations)"
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, self.quant)
-        # what the KV's values depend on besides the model: key namespaces and the hand-off's
-        # compatibility check carry it, so blocks of another precision are never mixed in
-        self.kv_format = f"{config.weights_dtype}/{self.quant}/{_DTYPE_NAMES[self.dtype]}" \
-                         f"/kv={_DTYPE_NAMES[self.kv_dtype]}"
+        self.kv_format = kv_format(config, self.quant, self.dtype, self.kv_dtype)
         self.args, self.model_name, self.model_identity = loaded.args, loaded.name, loaded.identity
         self.vocab_size = self.args.vocab_size
         self.block_size = config.cache.block_size
         is_hybrid = uses_hybrid_kv(config, self.args)  # before the model is built: it may refuse
         self.kv_layout = KV_LAYOUT + ("+hybrid" if is_hybrid else "")
-        self._namespaces: dict[str | None, bytes] = {}
+        self._namespace = _Namespaces(self.model_identity, self.kv_format, self.block_size,
+                                      self.kv_layout)  # of each tenant
         self.tiers = KVTiers.from_config(config, self._namespace(None)) \
             if config.cache.enable_prefix_caching else None  # first: a bad --kv-dir fails fast
         self.model = build_model(loaded.args, loaded.state_dict)
@@ -176,6 +181,8 @@ class EngineCore:
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
                                           self.eos_token_ids, blocking=config.ep.is_on)
         self.requests: dict[str, Request] = {}
+        self.overlap = resolve_overlap(config, self.platform)  # step n+1 before n's tokens
+        self._in_flight: _Flight | None = None
         self._pending_deltas: list[RequestDelta] = []
         self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0,
                               requests=0, aborted=0)
@@ -208,7 +215,7 @@ class EngineCore:
                       arrival_time=msg.arrival_time or None, cache_salt=msg.cache_salt,
                       retention=msg.retention, max_tokens=max_tokens)  # deadline: the worker's
         for token_id in msg.output_token_ids:  # generated elsewhere: continue after them
-            req.append_output(token_id)
+            req.add_token(token_id)
         self.requests[req.req_id] = req
         self._counters["prompt"] += req.num_prompt_tokens
         self._counters["requests"] += 1
@@ -230,7 +237,7 @@ class EngineCore:
             self.scheduler.remove(req)
             if self.spec is not None:
                 self.spec.free(req)
-            self._pending_deltas.append(self._delta(req, [], [], FinishReason.ABORT, error=error))
+            self._pending_deltas.append(_delta(req, [], [], FinishReason.ABORT, error=error))
 
     def has_request(self, req_id: str) -> bool:
         """Whether req_id runs here (added, neither finished nor aborted yet)."""
@@ -241,7 +248,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._pending_deltas) or \
-            self.grammar.num_waiting > 0
+            self.grammar.num_waiting > 0 or self._in_flight is not None
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestDelta]:
@@ -256,24 +263,72 @@ class EngineCore:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
             self.grammar.clip_drafts(self.scheduler.running)
+        overlaps = self.overlap and not _needs_host_tokens(self.requests.values())
+        if not overlaps:  # the next step needs the tokens of the one in flight
+            deltas += self._land()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.grammar.num_waiting:
+            if self._in_flight is not None:
+                deltas += self._land()
+            elif self.grammar.num_waiting:
                 time.sleep(0.001)  # only grammars compiling: do not spin the step thread
             return deltas
         if self.spec is not None:
             self.spec.clip(sched.scheduled)
+            return deltas + self._step_verified(sched)
+        flight = self._launch(sched)
+        deltas += self._land()  # the step before, read while `flight` runs on the device
+        self._in_flight = flight
+        return deltas if overlaps else deltas + self._land()
+
+    def _launch(self, sched: SchedulerOutput) -> _Flight:
+        """Queue a step's forward and draws on the device, without waiting for them: its
+        requests advance at once, each sampled one with a placeholder token (its id is read
+        when the step lands); a placeholder of the step in flight is fed from the device."""
+        features, start = step_features(sched.scheduled), time.perf_counter()
+        flying = self._in_flight
+        inputs = self.runner.prepare(sched.scheduled,
+                                     None if flying is None else flying.feed)
+        sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
+        with set_batch_invariant_mode(self.config.batch_invariant):
+            logits = self.runner.execute(inputs)
+            draws = self.sampler.launch(logits, sampled, self.grammar.masks(sampled))
+        _advance(sched, self._counters)
+        for req in sampled:
+            req.add_token(PENDING)
+        feed = Feed(draws.token_ids, {req.req_id: i for i, req in enumerate(sampled)})
+        return _Flight(sched, sampled, draws, feed, features, start)
+
+    def _land(self) -> list[RequestDelta]:
+        """The step in flight, if any: its tokens read back, put in their placeholders, and
+        its requests settled (a request that ended meanwhile, by abort or by an earlier
+        token, is skipped: its placeholder was a wasted row)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        result = flight.draws.result()
+        self.runner.end_step()  # after the tokens were read: nothing left to wait for
+        out = {req.req_id: _Sampled([token_id], [logprob], 0, 0) for req, token_id, logprob
+               in zip(flight.sampled, result.token_ids, result.logprobs)}
+        deltas = self._settle(flight.sched, out)
+        self.cost_model.observe(flight.features, time.perf_counter() - flight.start)
+        self._counters["steps"] += 1
+        return deltas
+
+    def _step_verified(self, sched: SchedulerOutput) -> list[RequestDelta]:
+        """A step with speculation: drafts verified against the step's logits, on the host
+        before the next step is scheduled (the next drafts start from its tokens)."""
         features, start = step_features(sched.scheduled), time.perf_counter()
         inputs = self.runner.prepare(sched.scheduled)
         sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
-        rows = None if self.spec is None else \
-            Speculator.logit_rows(inputs.sample_positions, sampled)
+        rows = Speculator.logit_rows(inputs.sample_positions, sampled)
         # batch-invariant ops are a process-wide switch: set it for this engine's step only
         with set_batch_invariant_mode(self.config.batch_invariant):
             logits = self.runner.execute(inputs, rows)
             out = self._sample(logits, sampled)
         self.runner.end_step()  # after the sampler read the tokens: nothing left to wait for
-        deltas += self._update(sched, out)
+        _advance(sched, self._counters)
+        deltas = self._settle(sched, out)
         self.cost_model.observe(features, time.perf_counter() - start)
         self._counters["steps"] += 1
         return deltas
@@ -305,12 +360,11 @@ class EngineCore:
                 out[req.req_id] = _Sampled([token_id], [logprob], 0, 0)
         return out
 
-    def _update(self, sched: SchedulerOutput, sampled: dict[str, _Sampled]) -> list[RequestDelta]:
+    def _settle(self, sched: SchedulerOutput, sampled: dict[str, _Sampled]) -> list[RequestDelta]:
         deltas = []
-        for req, num_new in sched.scheduled:
-            req.advance(num_new)
-            self._counters["computed"] += min(num_new, max(0, req.num_prompt_tokens -
-                                                           (req.num_computed_tokens - num_new)))
+        for req, _ in sched.scheduled:
+            if req.status is Status.FINISHED:  # aborted, or ended while this step flew
+                continue
             out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
             delta = None if out is None else self._append(req, out)
             if req.spec_token_ids:
@@ -331,31 +385,19 @@ class EngineCore:
         them ends the request there and drops the rest."""
         num, finished = 0, False
         while num < len(out.token_ids) and not finished:
-            req.append_output(out.token_ids[num])
+            index = req.add_token(out.token_ids[num])  # a placeholder's, or a new one
             num += 1
-            finished = req.check_stop(self.max_model_len) or self._grammar_ended(req)
+            finished = req.check_stop(self.max_model_len, index) or \
+                _grammar_ended(self.grammar, req)
         mask = [i < out.num_accepted for i in range(num)]
         req.record_drafts(out.num_proposed, sum(mask))
         self._counters["generated"] += num
         is_rejected = finished and req.finish_reason == FinishReason.ERROR
         error = "the grammar rejected a token" if is_rejected else ""
-        return self._delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
+        return _delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
                            req.finish_reason if finished else None, error=error,
                            num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
                            accepted_draft_mask=mask if out.num_proposed else [])
-
-    def _grammar_ended(self, req: Request) -> bool:
-        """A constrained request ends when its grammar is complete (a stop token, or a
-        grammar that allows nothing more); a token it rejects ends it with an error."""
-        if not self.grammar.has(req):
-            return False
-        if not self.grammar.sync(req):
-            req.finish_reason = FinishReason.ERROR
-            return True
-        if self.grammar.is_terminated(req):
-            req.finish_reason = req.finish_reason or FinishReason.STOP
-            return True
-        return False
 
     def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
         """Requests whose grammar finished compiling join the scheduler; a grammar that
@@ -367,7 +409,7 @@ class EngineCore:
         for req, error in failed:
             self.requests.pop(req.req_id, None)
             req.finish_reason = FinishReason.ERROR
-            deltas.append(self._delta(req, [], [], FinishReason.ERROR, error=f"grammar: {error}"))
+            deltas.append(_delta(req, [], [], FinishReason.ERROR, error=f"grammar: {error}"))
 
     def _finish(self, req: Request) -> None:
         self.grammar.free(req.req_id)
@@ -377,32 +419,11 @@ class EngineCore:
         self.requests.pop(req.req_id, None)
         self._counters["cached"] += max(0, req.num_cached_tokens)
 
-    def _delta(self, req: Request, token_ids, logprobs, finish_reason, error="",
-               **spec) -> RequestDelta:
-        return RequestDelta(
-            req.req_id, token_ids, logprobs, finish_reason, req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            cached_tokens_by_tier=req.cached_tokens_by_tier, error=error,
-            queue_s=max(0.0, req.scheduled_time - req.arrival_time) if req.scheduled_time else 0.0,
-            **spec)
-
     def _load_draft_model(self, path: str):
         loaded = load(resolve_model_path(path), self.dtype, progress=False, quant=self.quant)
         return build_model(loaded.args, loaded.state_dict)
 
-    # ------------------------------------------------------------------ keys and stats
-    def _namespace(self, cache_salt: str | None) -> bytes:
-        """Key namespace of a tenant (cache_salt: hex of its salt); None: the model-level
-        namespace, no tenant, which guards the disk tier's files."""
-        ns = self._namespaces.get(cache_salt)
-        if ns is None:
-            salt = b"" if cache_salt is None else kvkeys.salt_from_wire(cache_salt)
-            ns = kvkeys.namespace(self.model_identity, self.kv_format,
-                                  self.block_size, self.kv_layout, salt)
-            self._namespaces[cache_salt] = ns
-        return ns
-
+    # ------------------------------------------------------------------ stats
     def close(self) -> None:
         """Flush queued KV writes to disk and release the KV directory. Idempotent."""
         self.grammar.close()
@@ -424,12 +445,89 @@ class EngineCore:
             spec=self.spec.report() if self.spec is not None else None, moe=_moe_stats(self.model))
 
 
+class _Namespaces:
+    """Key namespace of a tenant (cache_salt: hex of its salt), made once per tenant; None:
+    the model-level namespace, no tenant, which guards the disk tier's files."""
+
+    def __init__(self, model_identity: str, kv_format: str, block_size: int,
+                 kv_layout: str) -> None:
+        self._parts = (model_identity, kv_format, block_size, kv_layout)
+        self._made: dict[str | None, bytes] = {}
+
+    def __call__(self, cache_salt: str | None) -> bytes:
+        ns = self._made.get(cache_salt)
+        if ns is None:
+            salt = b"" if cache_salt is None else kvkeys.salt_from_wire(cache_salt)
+            ns = self._made[cache_salt] = kvkeys.namespace(*self._parts, salt)
+        return ns
+
+
+class _Flight(NamedTuple):
+    """A step launched on the device and not yet landed (its tokens not read)."""
+    sched: SchedulerOutput
+    sampled: list[Request]  # in the draws' row order
+    draws: Draws
+    feed: Feed  # what the next step's placeholders read
+    features: StepFeatures
+    start: float
+
+
 class _Sampled(NamedTuple):
     """A request's new tokens from one step (before stop checks)."""
     token_ids: list[int]
     logprobs: list
     num_proposed: int  # drafts verified
     num_accepted: int  # of which accepted (they lead token_ids)
+
+
+def _delta(req: Request, token_ids, logprobs, finish_reason, error="", **spec) -> RequestDelta:
+    return RequestDelta(
+        req.req_id, token_ids, logprobs, finish_reason, req.stop_reason,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=max(0, req.num_cached_tokens),
+        cached_tokens_by_tier=req.cached_tokens_by_tier, error=error,
+        queue_s=max(0.0, req.scheduled_time - req.arrival_time) if req.scheduled_time else 0.0,
+        **spec)
+
+
+def _grammar_ended(grammar: Grammars, req: Request) -> bool:
+    """A constrained request ends when its grammar is complete (a stop token, or a
+    grammar that allows nothing more); a token it rejects ends it with an error."""
+    if not grammar.has(req):
+        return False
+    if not grammar.sync(req):
+        req.finish_reason = FinishReason.ERROR
+        return True
+    if grammar.is_terminated(req):
+        req.finish_reason = req.finish_reason or FinishReason.STOP
+        return True
+    return False
+
+
+def _needs_host_tokens(requests) -> bool:
+    """Whether a request needs its token ids on the host before its next draw (penalties
+    count them, a grammar walks them): overlapped scheduling then waits for each step."""
+    return any(req.params.has_penalties or req.params.constraint is not None
+               for req in requests)
+
+
+def _advance(sched: SchedulerOutput, counters: dict) -> None:
+    """The step computes its tokens' KV: each request's counter moves past them."""
+    for req, num_new in sched.scheduled:
+        req.advance(num_new)
+        counters["computed"] += min(num_new, max(0, req.num_prompt_tokens -
+                                                 (req.num_computed_tokens - num_new)))
+
+
+def resolve_overlap(config: EngineConfig, platform: Platform) -> bool:
+    """Overlapped scheduling from config.overlap: auto is on on a GPU (the host's work for
+    the next step hides behind the device's for this one) and off on the CPU, where the
+    forward runs on the host's own cores and only the wasted rows (a request that stopped
+    on a token still in flight computes one more) would change; never with speculation or
+    expert parallelism, whose next steps start from this one's tokens or schedule."""
+    if config.spec.is_on or config.ep.is_on:
+        return False
+    return config.overlap == "on" or (config.overlap == "auto" and platform.is_cuda)
 
 
 def uses_hybrid_kv(config: EngineConfig, args) -> bool:

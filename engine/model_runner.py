@@ -41,6 +41,13 @@ class StepInputs(NamedTuple):
     computes_prompt: bool = False  # some row is a prompt token (see quant.prompt_step)
 
 
+class Feed(NamedTuple):
+    """Overlapped scheduling: the step in flight's draws, from which a request whose last
+    token is a placeholder (Request.add_pending) takes that token's id on the device."""
+    token_ids: torch.Tensor  # int64 [num draws], on the device
+    rows: dict[str, int]  # req_id -> its row in token_ids
+
+
 class StepTransfer:
     """A step's integer inputs in one byte buffer, moved to the device in one copy.
 
@@ -133,11 +140,14 @@ class ModelRunner:
         elem = dtype.itemsize
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
-        """Host lists first (one pass over the requests), then one tensor per input."""
+    def prepare(self, scheduled: Sequence[ScheduledRequest],
+                feed: Feed | None = None) -> StepInputs:
+        """Host lists first (one pass over the requests), then one tensor per input. A row
+        whose last token is a placeholder takes its id from `feed`, on the device."""
         bs = self.block_size
         ids, positions, slots = [], [], []
         query_lens, seq_lens, sample_rows, sample_positions = [], [], [], []
+        fed, feed_rows = [], []  # flattened rows whose id is fed, and their rows in the feed
         num_rows, slots_valid, computes_prompt = 0, True, False
         for row, (req, num_new) in enumerate(scheduled):
             start = req.num_computed_tokens
@@ -151,6 +161,10 @@ class ModelRunner:
                     [-1] * min(num_new, req.replay_end - start)
                 slots_valid = False
             num_rows += num_new
+            if getattr(req, "num_pending", 0):  # one placeholder, the last token (Scheduler)
+                assert req.num_pending == 1 and end == req.num_tokens, "one placeholder, last"
+                fed.append(num_rows - 1)
+                feed_rows.append(feed.rows[req.req_id])
             query_lens.append(num_new)
             seq_lens.append(end)
             if end >= req.num_tokens:  # the prompt is fully computed: this step samples
@@ -166,7 +180,11 @@ class ModelRunner:
             num_cols = max(max_blocks, *(len(s.req.swa_block_ids) for s in scheduled))
             tables, swa_slots = swa_step_inputs(scheduled, bs, self.layout.null_block, num_cols)
             arrays += [tables.numpy(), swa_slots.numpy()]
+        if fed:
+            arrays += [np.asarray(fed, dtype=np.int64), np.asarray(feed_rows, dtype=np.int64)]
         moved = self.transfer.move(arrays)  # one host -> device copy (none on the CPU)
+        if fed:  # the ids drawn by the step in flight, device to device
+            moved[0].index_copy_(0, moved[-2], feed.token_ids.index_select(0, moved[-1]))
         input_ids, positions_t, slots_t, table_t, starts_t, seq_lens_t = moved[:6]
         ctx = ForwardContext(
             positions=positions_t, slot_mapping=slots_t, block_tables=table_t,
@@ -174,7 +192,7 @@ class ModelRunner:
             query_lens=query_lens, host_seq_lens=seq_lens, block_size=bs,
             slots_valid=slots_valid)
         if self.layout is not None:
-            ctx.swa_block_tables, ctx.swa_slot_mapping = moved[6:]
+            ctx.swa_block_tables, ctx.swa_slot_mapping = moved[6:8]
         return StepInputs(input_ids, ctx, sample_rows, sample_positions, computes_prompt)
 
     def end_step(self) -> None:

@@ -174,6 +174,27 @@ class Platform:
         return backends
 
 
+class HostCopy:
+    """A copy of a device tensor to the host, started and not waited for: a pinned buffer
+    filled on the current stream after the work queued on it so far (a step's draws), an
+    event after it. `wait` returns the host tensor once the copy is done, waiting for that
+    copy and what came before it, not for work queued later (the next step). A CPU tensor
+    is its own copy, done at once."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        if not t.is_cuda:
+            self._host, self._event = t, NullEvent()
+            return
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        self._event.synchronize()
+        return self._host
+
+
 def resolve(spec: str = "auto") -> Platform:
     """The platform of a device string `auto | cpu | cuda | cuda:N`."""
     spec = spec.strip().lower()

@@ -10,6 +10,12 @@ for a prefix-cache or tier hit, `set_drafts` / `keep_drafts` for
 speculation's draft tokens, `rollback` when verification rejected drafts, `preempt` when
 the scheduler takes the request's KV away, `start_running` / `finish` for the status.
 
+Overlapped scheduling (engine/core.py) gives a request tokens before their ids are known:
+`add_token(PENDING)` appends a placeholder for a token a step in flight is drawing on the
+device (the next step already computes it, its id fed from the device), `add_token(id)`
+puts an id in the first placeholder (or appends it), `finish` drops what is left.
+Placeholders are always the last output tokens, and land in order.
+
     token index:  0 ........ num_cached ....... num_computed ......... num_tokens
                   |  KV from cache  |  KV computed here  |  scheduled next  |
 """
@@ -69,6 +75,7 @@ class Request:
             self._generator = torch.Generator()
             self.draft_generator = torch.Generator().manual_seed(params.seed)
         self.spec_token_ids: list[int] = []  # draft tokens appended for verification
+        self.num_pending = 0  # trailing output tokens whose ids a step in flight still draws
         self.num_draft_proposed = 0
         self.num_draft_accepted = 0
 
@@ -162,7 +169,12 @@ class Request:
         self.num_preemptions += 1
 
     def finish(self) -> None:
+        """Done (its last token, an abort): placeholders after its last token are dropped,
+        the tokens a step in flight computed past the end."""
         self.status = Status.FINISHED
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output + drafts, without building the whole list."""
@@ -173,13 +185,25 @@ class Request:
             return self.prompt_token_ids[start:end]
         return (self.all_token_ids + self.spec_token_ids)[start:end]
 
-    def append_output(self, token_id: int) -> None:
+    def add_token(self, token_id: int) -> int:
+        """A new output token, returning its index: PENDING appends a placeholder (a step in
+        flight draws its id); an id goes into the first placeholder, or is appended."""
+        if token_id == PENDING:
+            self.num_pending += 1
+        elif self.num_pending:
+            index = self.num_output_tokens - self.num_pending
+            self.output_token_ids[index] = token_id
+            self.num_pending -= 1
+            return index
         self.output_token_ids.append(token_id)
+        return self.num_output_tokens - 1
 
-    def check_stop(self, max_model_len: int) -> bool:
-        """Set finish_reason from the last output token; True if the request is done."""
-        token_id = self.output_token_ids[-1]
-        num_out = self.num_output_tokens
+    def check_stop(self, max_model_len: int, index: int | None = None) -> bool:
+        """Set finish_reason from output token `index` (default: the last); True if the
+        request is done there."""
+        index = self.num_output_tokens - 1 if index is None else index
+        token_id = self.output_token_ids[index]
+        num_out = index + 1
         params = self.params
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
@@ -188,10 +212,13 @@ class Request:
             if token_id in params.stop_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
                 return True
-        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_out >= self.max_tokens or self.num_prompt_tokens + num_out >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False
+
+
+PENDING = -1  # the id of a placeholder token (engine.core: overlapped scheduling)
 
 
 def position_seed(seed: int, position: int) -> int:

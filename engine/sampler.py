@@ -28,6 +28,7 @@ import torch
 
 from engine.grammar import TokenMask
 from engine.messages import TokenLogprob
+from engine.platform import HostCopy
 from engine.request import Request, position_seed
 from kernels import cpu_sampler
 from kernels import ops
@@ -41,6 +42,20 @@ UNIFORM_POOL = 4096
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+class Draws:
+    """One step's draws: `token_ids` [num_reqs] int64 on the device (what the next step of
+    an overlapped schedule reads its inputs from), and their host copy in flight."""
+
+    def __init__(self, token_ids: torch.Tensor, packed: _Packed) -> None:
+        self.token_ids = token_ids
+        self._packed = packed
+        self._copy = HostCopy(packed.flat)
+
+    def result(self) -> SamplerOutput:
+        """The token ids and logprobs on the host: on a GPU, the wait for this step."""
+        return SamplerOutput(*_unpack(self._copy.wait().tolist(), self._packed))
 
 
 class _Rows(NamedTuple):
@@ -92,6 +107,12 @@ class Sampler:
                  mask: TokenMask | None = None) -> SamplerOutput:
         """logits: fp32 [num_reqs, vocab]; not modified. mask: the tokens a grammar allows
         in some rows (engine/grammar.py); other rows are computed exactly as without it."""
+        return self.launch(logits, reqs, mask).result()
+
+    def launch(self, logits: torch.Tensor, reqs: Sequence[Request],
+               mask: TokenMask | None = None) -> Draws:
+        """The step's draws queued on the device, their copy to the host started and not
+        waited for (`Draws.result` waits); arguments as for a call."""
         raw = logits
         rows = _rows(reqs)
         if rows.early_stop:
@@ -109,7 +130,7 @@ class Sampler:
             token_ids = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
             token_ids[rows.greedy] = _argmax(take_rows(logits, rows.greedy))
             token_ids[rows.sampled] = self._sample(take_rows(logits, rows.sampled), rows)
-        return SamplerOutput(*_read_back(token_ids, raw, reqs, rows.logprobs))
+        return Draws(token_ids, _pack(token_ids, raw, reqs, rows.logprobs))
 
     @staticmethod
     def logprobs(logits: torch.Tensor, reqs: Sequence[Request],
@@ -277,13 +298,22 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ logprobs
 
-def _read_back(token_ids: torch.Tensor, raw: torch.Tensor, reqs: Sequence[Request],
-               rows: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The step's token ids [len(reqs)] and the logprobs of the rows that ask for them (None
-    elsewhere), brought to the host in one copy: on a GPU, the sampler's one wait."""
-    out: list[TokenLogprob | None] = [None] * len(reqs)
+class _Packed(NamedTuple):
+    """Token ids, and the logprobs asked for, in one flat tensor: int64 ids alone, or fp64
+    (which holds every id and fp32 logprob exactly) ids, chosen logprobs, then per distinct
+    top-n count its (ids, values)."""
+    flat: torch.Tensor
+    num_reqs: int
+    rows: list[int]  # the rows that ask for logprobs
+    groups: list[tuple[int, list[int]]]  # (top-n, positions in rows)
+
+
+def _pack(token_ids: torch.Tensor, raw: torch.Tensor, reqs: Sequence[Request],
+          rows: list[int]) -> _Packed:
+    """The step's token ids [len(reqs)] and the logprobs of `rows` under raw logits, on the
+    device in one tensor, so that one copy brings them to the host."""
     if not rows:
-        return token_ids.tolist(), out
+        return _Packed(token_ids, len(reqs), rows, [])
     logprobs = ops.log_softmax(take_rows(raw, rows))  # [len(rows), vocab]
     mine = token_ids if len(rows) == len(reqs) else \
         token_ids[torch.tensor(rows, device=token_ids.device)]
@@ -295,12 +325,20 @@ def _read_back(token_ids: torch.Tensor, raw: torch.Tensor, reqs: Sequence[Reques
         values, ids = torch.topk(take_rows(logprobs, group), num)  # [len(group), num]
         parts += [ids.double().reshape(-1), values.double().reshape(-1)]
         groups.append((num, group))
-    flat = torch.cat(parts).tolist()  # fp64 holds every id and fp32 logprob exactly
-    num_reqs = len(reqs)
+    return _Packed(torch.cat(parts), len(reqs), rows, groups)
+
+
+def _unpack(flat: list, packed: _Packed) -> tuple[list[int], list[TokenLogprob | None]]:
+    """(token ids, logprobs: None for the rows that did not ask) of a packed tensor's
+    values on the host."""
+    num_reqs, rows = packed.num_reqs, packed.rows
+    out: list[TokenLogprob | None] = [None] * num_reqs
+    if not rows:
+        return flat, out
     ids_out = [int(t) for t in flat[:num_reqs]]
     chosen, at = flat[num_reqs:num_reqs + len(rows)], num_reqs + len(rows)
     tops: list[list[tuple[int, float]]] = [[] for _ in rows]
-    for num, group in groups:
+    for num, group in packed.groups:
         size = len(group) * num
         top_ids, top_values = flat[at:at + size], flat[at + size:at + 2 * size]
         for i, j in enumerate(group):
@@ -310,6 +348,14 @@ def _read_back(token_ids: torch.Tensor, raw: torch.Tensor, reqs: Sequence[Reques
     for j, row in enumerate(rows):
         out[row] = TokenLogprob(ids_out[row], chosen[j], tops[j])
     return ids_out, out
+
+
+def _read_back(token_ids: torch.Tensor, raw: torch.Tensor, reqs: Sequence[Request],
+               rows: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The step's token ids and the logprobs of `rows` (None elsewhere), brought to the
+    host in one copy: on a GPU, the sampler's one wait."""
+    packed = _pack(token_ids, raw, reqs, rows)
+    return _unpack(HostCopy(packed.flat).wait().tolist(), packed)
 
 
 # ------------------------------------------------------------------ helpers

@@ -8,6 +8,11 @@ recomputes (its prompt is then prompt + output so far, which is the same counter
 
 A waiting request whose cached prefix is still being read from disk is passed over, so
 the reads overlap other requests' compute; only an otherwise idle step waits for them.
+
+With overlapped scheduling (engine/core.py) a request may carry placeholder tokens, drawn
+by the step in flight: a running one is scheduled on (its next token's id comes from the
+device), except when those placeholders already end it by length; a waiting one (it was
+preempted by this very schedule) waits until they land.
 """
 from __future__ import annotations
 
@@ -93,6 +98,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and ends_by_length(req, self.max_model_len):
+                i += 1  # its last token is drawn already: nothing more to compute
+                continue
             num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens,
                           self._chunk_budget(req, budget))
             while not self.kv.allocate_slots(req, num_new):
@@ -118,7 +126,7 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            if self.kv.is_loading(req):
+            if self.kv.is_loading(req) or req.num_pending:
                 continue
             num_new = self._admit(req, budget)
             if num_new is None:
@@ -148,3 +156,9 @@ class Scheduler:
         req.preempt()
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def ends_by_length(req: Request, max_model_len: int) -> bool:
+    """Its tokens, placeholders included, reach max_tokens or the context: whatever their
+    ids, the last of them ends it."""
+    return req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len

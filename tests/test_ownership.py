@@ -20,7 +20,7 @@ SCANNED = ("engine", "frontend", "bench", "kvstore")
 
 REQUEST_COUNTERS = {"num_computed_tokens", "spec_token_ids", "num_preemptions",
                     "num_draft_proposed", "num_draft_accepted", "num_cached_tokens",
-                    "cached_tokens_by_tier", "scheduled_time", "replay_end"}
+                    "cached_tokens_by_tier", "scheduled_time", "replay_end", "num_pending"}
 REQUEST_STATUS = {"status"}  # a common word: checked in engine/ only (bench records have one)
 REQUEST_OWNER = "engine/request.py"
 

@@ -60,6 +60,7 @@ def test_quick_cpu_run_reports_every_section(tmp_path):
     decode = sections["decode"]
     assert decode["status"] == "ok" and len(decode["rows"]) == 4
     assert all(row["ms_per_step"] > 0 and row["floor_ms"] > 0 for row in decode["rows"])
+    assert all(row["overlap"] and row["sync_ms_per_step"] > 0 for row in decode["rows"])
     table = (tmp_path / "gpu_check.md").read_text()
     assert all(f"| {name} |" in table for name in gpu_check.SECTIONS)
 

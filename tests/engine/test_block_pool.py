@@ -155,14 +155,14 @@ def test_request_transitions_move_the_counters():
     r.restore_prefix(4)
     assert r.num_computed_tokens == 4 and not r.is_decoding
     r.advance(2)
-    r.append_output(7)
+    r.add_token(7)
     assert r.is_decoding and r.num_computed_tokens == r.num_tokens - 1
     r.set_drafts([8, 9, 10])
     r.keep_drafts(2)
     assert r.spec_token_ids == [8, 9] and r.token_slice(6, 9) == [7, 8, 9]
     r.advance(3)  # the last token and two drafts
-    r.append_output(8)  # one draft accepted, then the bonus token
-    r.append_output(5)
+    r.add_token(8)  # one draft accepted, then the bonus token
+    r.add_token(5)
     assert r.rollback() == 1 and r.num_computed_tokens == 8 and r.spec_token_ids == []
     r.set_drafts([1])
     r.set_drafts([])

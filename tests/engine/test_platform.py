@@ -183,3 +183,14 @@ def test_to_host_copies_through_pinned_memory_on_the_copy_stream():
     assert host.is_pinned() and torch.equal(host, t.cpu())
     cpu = torch.randn(2, 3)
     assert plat.cpu().to_host(cpu) is cpu  # no copy on the CPU
+
+
+@pytest.mark.gpu
+def test_a_host_copy_is_started_in_pinned_memory_and_waited_for_later():
+    t = torch.arange(6, device="cuda") * 3
+    copy = plat.HostCopy(t)
+    t.add_(1)  # queued after the copy: not in it
+    host = copy.wait()
+    assert host.is_pinned() and host.tolist() == [0, 3, 6, 9, 12, 15]
+    cpu = torch.arange(3)
+    assert plat.HostCopy(cpu).wait() is cpu  # a CPU tensor is its own copy

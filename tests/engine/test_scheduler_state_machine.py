@@ -66,7 +66,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             req.num_computed_tokens += num_new
             self.kv.publish(req)
             if req.num_computed_tokens == req.num_tokens:
-                req.append_output(next_token(req.all_token_ids))
+                req.add_token(next_token(req.all_token_ids))
                 if req.check_stop(40):
                     self.sched.remove(req)
                     self.done[req.req_id] = req.output_token_ids
