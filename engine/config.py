@@ -239,6 +239,9 @@ class EngineConfig:
         _require(not (self.batch_invariant and self.weights_dtype in ("int4", "int8")),
                  "weights_dtype", "cannot be int4 or int8 with batch_invariant (its fixed-order "
                  "matmuls need float weights; use auto or float32)", self.weights_dtype)
+        _require(self.overlap != "on" or not (self.spec.is_on or self.ep.is_on), "overlap",
+                 "cannot be on with speculation or expert_parallel > 1 (their next step starts "
+                 "from this one's tokens or schedule): use auto or off", self.overlap)
         _require(not self.ep.is_on or self.worker.role == "unified", "role", "must be unified "
                  "with expert_parallel > 1 (the group serves every request itself)",
                  self.worker.role)

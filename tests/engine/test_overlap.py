@@ -250,10 +250,13 @@ def test_a_request_ended_by_length_in_flight_is_not_scheduled_again():
 def test_overlap_is_on_by_default_only_on_a_gpu_and_never_with_speculation():
     assert not resolve_overlap(EngineConfig(), cpu())
     assert resolve_overlap(EngineConfig(overlap="on"), cpu())
-    speculating = EngineConfig(overlap="on", spec=SpecConfig(speculation="ngram"))
+    assert not resolve_overlap(EngineConfig(overlap="off"), cpu())
+    speculating = EngineConfig(overlap="auto", spec=SpecConfig(speculation="ngram"))
     assert not resolve_overlap(speculating, cpu())
-    with pytest.raises(ValueError, match="overlap"):
-        EngineConfig(overlap="sometimes")
+    for bad in (dict(overlap="sometimes"), dict(overlap="on", speculation="ngram"),
+                dict(overlap="on", expert_parallel=2)):
+        with pytest.raises(ValueError, match="overlap"):
+            EngineConfig.of(**bad)
 
 
 @pytest.mark.gpu
