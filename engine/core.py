@@ -9,6 +9,18 @@ each draft row and the bonus row, and verification appends the accepted drafts p
 token, after which the rejected drafts' KV is dropped (num_computed_tokens rolls back,
 KVCacheManager.trim frees blocks that held nothing else).
 
+With overlapped scheduling (`--overlap`; auto: on a GPU) a step is launched, not finished:
+its requests advance at once, each sampled one with a placeholder token, and its tokens are
+read ("landed") only after the next step has been scheduled and launched, that step taking
+the placeholders' ids from the device (model_runner.Feed). So the device runs step n while
+the host schedules step n+1 and then settles step n:
+
+    step = schedule n+1 -> launch n+1 (inputs fed from n's draws) -> land n -> deltas of n
+
+A request that stopped on one of step n's tokens was in step n+1 too; that row is dropped.
+While a request needs its ids on the host before its next draw (penalties, a grammar), each
+step lands before the next is scheduled; speculation and expert parallelism keep it off.
+
 The worker process (engine/worker.py) drives it from one thread at a time; the offline
 API (engine/llm.py) drives it in-process. Both see the same RequestDelta stream.
 """
