@@ -43,7 +43,7 @@ class StepInputs(NamedTuple):
 
 class Feed(NamedTuple):
     """Overlapped scheduling: the step in flight's draws, from which a request whose last
-    token is a placeholder (Request.add_pending) takes that token's id on the device."""
+    token is a placeholder (Request.add_token(PENDING)) takes that token's id on the device."""
     token_ids: torch.Tensor  # int64 [num draws], on the device
     rows: dict[str, int]  # req_id -> its row in token_ids
 

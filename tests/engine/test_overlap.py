@@ -274,3 +274,21 @@ def test_on_cuda_overlap_is_on_by_default_and_gives_the_same_tokens(llama):
     (overlapped, late), (sync, _) = run("auto"), run("off")
     assert_same(overlapped, sync)
     assert late
+
+
+def test_the_flag_reaches_a_worker_process_config():
+    """`--overlap on` on the command line, through the JSON a worker process decodes its
+    config from (engine/worker_cli.py)."""
+    import argparse
+
+    import msgspec
+
+    from engine.args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(["--overlap", "on"]))
+    sent = msgspec.json.decode(msgspec.json.encode(config), type=EngineConfig)
+    assert sent.overlap == "on" and resolve_overlap(sent, cpu())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--overlap", "maybe"])
