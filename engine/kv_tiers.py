@@ -16,25 +16,29 @@ Owns three things:
                                                      part of the prefix no local tier has)
 
 Nothing here blocks a step on disk: writes are queued, reads start when a request arrives
-and the scheduler runs other requests until they land (or a short timeout passes).
+and the scheduler runs other requests until they land (or a short timeout passes). Nor on
+the device: a spill's copy to the host is queued on the step's stream and waited for by
+the tiers' thread (BlockCodec.save_many_later, KVTiers.put_copied / write_behind).
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
 import concurrent.futures
+import functools
+import logging
 import math
 import os
 import threading
 import time
 import warnings
-from typing import Callable, NamedTuple, Sequence
+from typing import Awaitable, Callable, NamedTuple, Sequence
 
 import msgspec
 import torch
 
 from engine.config import EngineConfig
-from engine.platform import Platform, cpu
+from engine.platform import HostCopy, Platform, cpu
 from engine.stats import KVStats, KVTierStats, SharedTierStats
 from kvstore.disk import DiskConfig, DiskTier
 from kvstore.entry import BlockEntry
@@ -49,6 +53,7 @@ TIERS = (DEVICE, HOST, DISK, SHARED)
 # of a 2,000-token prefix take ~0.1-0.7 s on the CPU boxes; computing it takes a minute.
 LOAD_TIMEOUT_S = 2.0
 _CLOSE_TIMEOUT_S = 60.0
+log = logging.getLogger("duplex.kv_tiers")
 
 
 def private_kv_dir(config: EngineConfig, worker_id: str) -> EngineConfig:
@@ -63,7 +68,9 @@ class KVTiers:
     """A KVStore on a private event loop thread; every method may be called from any thread.
 
     `clock` (seconds) stamps expiries and decides what has expired; tests replace it to
-    travel in time. `put`/`write_behind` never block; the rest wait for one loop hop.
+    travel in time. `put`, `put_copied` and `write_behind` never block (the last two take
+    blocks whose copy off the device may still be in flight and wait for it on a thread of
+    the loop; `flush` and `close` wait for those too); the rest wait for one loop hop.
     """
 
     def __init__(self, host_bytes: int, disk: DiskConfig | None,
@@ -80,6 +87,7 @@ class KVTiers:
                                         daemon=True)
         self._thread.start()
         self._closed = False
+        self._copies = _CopyWaits(self._loop)  # writes waiting for their device copies
         try:
             self._store = self._call(self._open(host_bytes, disk, shared))
         except BaseException:
@@ -123,10 +131,20 @@ class KVTiers:
         if not self._closed:
             self._loop.call_soon_threadsafe(self._store.put, key, entry)
 
-    def write_behind(self, key: bytes, entry: BlockEntry) -> None:
-        """Queue `entry` for the disk tier and the shared store (deduplicated by key)."""
+    def put_copied(self, keys: Sequence[bytes], copies: BlockCopies) -> None:
+        """`put` of each key's entry once `copies` are done: at once when they are, else
+        waited for on a thread of the loop, never the caller's (until then those keys
+        miss). Dropped once closed."""
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._copies.store, list(keys), copies,
+                                            self._store.put)
+
+    def write_behind(self, keys: Sequence[bytes], copies: BlockCopies) -> None:
+        """Queue each key's entry for the disk tier and the shared store (deduplicated by
+        key), once `copies` are done (as put_copied)."""
         if (self.has_disk or self.has_shared) and not self._closed:
-            self._loop.call_soon_threadsafe(self._store.put_behind, key, entry)
+            self._loop.call_soon_threadsafe(self._copies.store, list(keys), copies,
+                                            self._store.put_behind)
 
     @property
     def shared_is_on(self) -> bool:
@@ -191,7 +209,7 @@ class KVTiers:
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Wait until every disk write queued so far is on disk."""
-        self._call(self._store.flush(), _CLOSE_TIMEOUT_S)
+        self._call(self._copies.then(self._store.flush), _CLOSE_TIMEOUT_S)
 
     def close(self) -> None:
         """Flush queued writes, release the disk directory, stop the thread. Idempotent."""
@@ -200,7 +218,7 @@ class KVTiers:
         self._closed = True
         atexit.unregister(self.close)
         try:
-            self._call(self._store.close(), _CLOSE_TIMEOUT_S)
+            self._call(self._copies.then(self._store.close), _CLOSE_TIMEOUT_S)
         finally:
             self._stop_loop()
 
@@ -223,10 +241,11 @@ class BlockCodec:
 
     One block of every layer is kv[:, :, block_id]: [num_layers, 2, block_size, kv_heads,
     head_dim]; its payload is that view made contiguous, as raw bytes. Several blocks move
-    as one batch on a device (`gather`): one gather kernel and one copy through a pinned
-    host buffer on the copy stream (`Platform.to_host`), one wait for that copy, instead of
-    a strided copy and a wait per block; on the CPU there
-    is no transfer to save, so each block is one copy."""
+    as one batch on a device (`gather`): one gather kernel and one copy into a pinned host
+    buffer queued on the current stream (`platform.HostCopy`), instead of a strided copy
+    and a wait per block; `save_many_later` does not even wait for that copy (the tiers'
+    thread does), so a spill never stalls the step thread behind the step in flight. On the
+    CPU there is no transfer to save, so each block is one copy, made at once."""
 
     def __init__(self, kv: torch.Tensor, platform: Platform | None = None) -> None:
         self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -249,10 +268,22 @@ class BlockCodec:
         owns its bytes (the host tier budgets entries one by one)."""
         if not self._batched(len(block_ids), gather):
             return [self.save(b, e) for b, e in zip(block_ids, expires_at)]
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
-        blocks = self.kv.index_select(2, ids).movedim(2, 0)  # [n, layers, 2, ...]
-        host = self.platform.to_host(blocks)  # pinned, on the copy stream
-        flat = host.reshape(len(block_ids), -1).view(torch.uint8).numpy()  # [n, nbytes]
+        return self.save_many_later(block_ids, expires_at, gather=True)()
+
+    def save_many_later(self, block_ids: Sequence[int], expires_at: Sequence[float],
+                        gather: bool | None = None) -> BlockCopies:
+        """save_many without waiting for the copy. gather (default: on a device) queues one
+        gather and one copy to pinned memory on the current stream, after the steps queued
+        so far and before any later one, so a block a later step reuses is copied first;
+        without it the entries are made now."""
+        if not (self.platform.is_cuda if gather is None else gather) or not block_ids:
+            return BlockCopies(self.save_many(block_ids, expires_at, gather=False))
+        blocks = self.kv.index_select(2, self.platform.ids_to_device(block_ids))
+        copy = HostCopy(blocks.movedim(2, 0))  # [n, layers, 2, ...], not waited for
+        return BlockCopies(functools.partial(self._entries, copy, list(expires_at)), copy)
+
+    def _entries(self, copy: HostCopy, expires_at: list[float]) -> list[BlockEntry]:
+        flat = copy.wait().reshape(len(expires_at), -1).view(torch.uint8).numpy()
         return [BlockEntry(flat[i].copy(), self.dtype, self.shape, self.block_size, e)
                 for i, e in enumerate(expires_at)]
 
@@ -279,8 +310,7 @@ class BlockCodec:
         for i, entry in enumerate(entries):
             host[i].copy_(self._host_view(entry))
         blocks = self.platform.to_device(host)  # non-blocking from pinned memory
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(2, ids, blocks.movedim(0, 2))
+        self.kv.index_copy_(2, self.platform.ids_to_device(block_ids), blocks.movedim(0, 2))
 
     def _batched(self, num_blocks: int, gather: bool | None) -> bool:
         """Whether num_blocks move as one batch: gather, by default on a device; never one."""
@@ -291,6 +321,59 @@ class BlockCodec:
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(entry.payload, dtype=self.kv.dtype)
         return src.view(self.shape)
+
+
+class BlockCopies:
+    """Entries of blocks whose copy to the host may still be in flight
+    (BlockCodec.save_many_later): `ready` says whether the copy is done, calling it waits
+    for the copy (from any thread) and gives the entries."""
+
+    def __init__(self, entries: list[BlockEntry] | Callable[[], list[BlockEntry]],
+                 copy: HostCopy | None = None) -> None:
+        self._entries, self._copy = entries, copy
+
+    @property
+    def ready(self) -> bool:
+        return self._copy is None or self._copy.is_done()
+
+    def __call__(self) -> list[BlockEntry]:
+        return self._entries if self._copy is None else self._entries()
+
+
+class _CopyWaits:
+    """On the tiers' loop: writes whose entries are still being copied off the device."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._tasks: set[asyncio.Task] = set()
+
+    def store(self, keys: list[bytes], copies: BlockCopies,
+              put: Callable[[bytes, BlockEntry], None]) -> None:
+        """put(key, entry) for each key, at once if the copies are done (in order with
+        the calls queued after this one), else once a thread has waited for them."""
+        if copies.ready:
+            for key, entry in zip(keys, copies()):
+                put(key, entry)
+            return
+
+        async def wait_then_put():
+            try:
+                entries = await self._loop.run_in_executor(None, copies)
+            except Exception:  # a failed copy loses these writes, never a step
+                log.exception("a KV block copy to the host failed; %d blocks not stored",
+                              len(keys))
+                return
+            for key, entry in zip(keys, entries):
+                put(key, entry)
+        task = self._loop.create_task(wait_then_put())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def then(self, after: Callable[[], Awaitable[None]]) -> None:
+        """Wait for the writes queued so far to reach the store, then for after()."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+        await after()
 
 
 class SharedSpec(NamedTuple):
@@ -335,8 +418,8 @@ class TierLink:
         if not live:
             return
         ids = [block_ids[i] for i in live]
-        for i, entry in zip(live, self.codec.save_many(ids, [self.expires_at[b] for b in ids])):
-            self.tiers.put(keys[i], entry)
+        self.tiers.put_copied([keys[i] for i in live],
+                             self.codec.save_many_later(ids, [self.expires_at[b] for b in ids]))
 
     def on_publish(self, block_ids: list[int], keys: list[bytes], retention: str) -> None:
         """Freshly computed blocks became addressable: stamp their expiry, write them to
@@ -345,9 +428,8 @@ class TierLink:
         for block_id in block_ids:
             self.expires_at[block_id] = expires_at
         if self.tiers.has_disk or self.tiers.has_shared:
-            entries = self.codec.save_many(block_ids, [expires_at] * len(block_ids))
-            for key, entry in zip(keys, entries):
-                self.tiers.write_behind(key, entry)
+            self.tiers.write_behind(
+                keys, self.codec.save_many_later(block_ids, [expires_at] * len(block_ids)))
 
     def store(self, key: bytes, payload, retention: str) -> None:
         """Keep a block that arrived from elsewhere (a prefill worker's hand-off) in host

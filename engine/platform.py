@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -110,6 +110,14 @@ class Platform:
         """A host staging buffer for copies to and from the device: pinned on CUDA."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
 
+    def ids_to_device(self, ids: Sequence[int]) -> torch.Tensor:
+        """int64 indices on the device, copied from a pinned buffer without waiting (a plain
+        `torch.tensor(ids, device=cuda)` copies from pageable memory and waits for every
+        step queued before it). On the CPU: the host tensor."""
+        host = self.empty_host((len(ids),), torch.long)
+        host.copy_(torch.as_tensor(ids, dtype=torch.long))
+        return self.to_device(host)
+
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of device tensor `t`: through a pinned buffer on the side copy stream,
         after the work queued so far on the current stream, waiting for that copy alone (not
@@ -193,6 +201,10 @@ class HostCopy:
     def wait(self) -> torch.Tensor:
         self._event.synchronize()
         return self._host
+
+    def is_done(self) -> bool:
+        """Whether the copy has run (never waits)."""
+        return self._event.query()
 
 
 def resolve(spec: str = "auto") -> Platform:

@@ -1,10 +1,13 @@
 """KVTiers (the store on its own thread) and BlockCodec (device block <-> entry), no model."""
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 
-from engine.kv_tiers import BlockCodec, KVTiers
+from engine.kv_tiers import BlockCodec, BlockCopies, KVTiers
 from kvstore import keys as kvkeys
 from kvstore.disk import DiskConfig
 from kvstore.entry import BlockEntry
@@ -36,8 +39,7 @@ def test_put_lookup_get_host_without_disk():
 
 def test_write_behind_survives_restart_and_prefetch_promotes(tmp_path):
     tiers = disk_tiers(tmp_path)
-    for i, key in enumerate(KEYS):
-        tiers.write_behind(key, entry(i))
+    tiers.write_behind(KEYS, BlockCopies([entry(i) for i in range(len(KEYS))]))
     assert tiers.get_host(KEYS[0]) is None, "write-behind skips host RAM"
     tiers.close()  # flushes the queued writes
 
@@ -105,6 +107,88 @@ def test_batched_codec_copies_on_cuda_equal_the_cpu_ones():
         [bytes(e.payload) for e in BlockCodec(host_kv).save_many([4, 1, 3], [1.0] * 3)]
     codec.load_many([0, 5], entries[:2])
     assert torch.equal(codec.kv[:, :, [0, 5]].cpu(), host_kv[:, :, [4, 1]])
+
+
+class InFlight:
+    """A HostCopy stand-in whose copy never reports done: the tiers must wait for it."""
+
+    def is_done(self) -> bool:
+        return False
+
+
+def test_later_writes_wait_for_their_copies_on_the_tiers_thread(tmp_path):
+    """put_copied / write_behind return before the copies they name are done, their
+    keys miss until then, the copies are waited for on another thread, and close() stores
+    them (a call that waited on the caller's thread would never return: the gate opens
+    only after it)."""
+    tiers, gate, waited_on = disk_tiers(tmp_path), threading.Event(), []
+
+    def copied(*fills):
+        def wait():
+            waited_on.append(threading.current_thread())
+            assert gate.wait(30), "the gate never opened"
+            return [entry(f) for f in fills]
+        return BlockCopies(wait, InFlight())
+
+    tiers.write_behind(KEYS[:2], copied(1, 2))
+    tiers.put_copied(KEYS[2:], copied(3))
+    assert tiers.lookup(KEYS) == [] and tiers.get_host(KEYS[2]) is None
+    gate.set()
+    tiers.flush()
+    assert tiers.get_host(KEYS[2]).payload == bytes([3]) * 64
+    tiers.close()
+    assert waited_on and threading.main_thread() not in waited_on
+    tiers = disk_tiers(tmp_path)
+    assert tiers.lookup(KEYS[:2]) == ["disk", "disk"]
+    assert tiers.prefetch(KEYS[:2]).result(timeout=30)[1].payload == bytes([2]) * 64
+    tiers.close()
+
+
+def test_a_failed_copy_loses_only_its_own_writes(tmp_path, caplog):
+    def broken():
+        raise RuntimeError("device lost")
+
+    tiers = disk_tiers(tmp_path)
+    with caplog.at_level(logging.ERROR, logger="duplex.kv_tiers"):
+        tiers.write_behind(KEYS[:1], BlockCopies(broken, InFlight()))
+        tiers.write_behind(KEYS[1:2], BlockCopies(lambda: [entry(7)], InFlight()))
+        tiers.close()  # neither hangs nor raises
+    assert "1 blocks not stored" in caplog.text
+    tiers = disk_tiers(tmp_path)
+    assert tiers.lookup(KEYS[:1]) == [] and tiers.lookup(KEYS[1:2]) == ["disk"]
+    tiers.close()
+
+
+def test_later_codec_copies_equal_the_eager_ones():
+    """save_many_later with the device path forced on the CPU: the same bytes as save_many;
+    a CPU copy is done at once, so the tiers store it in call order."""
+    kv = torch.randn(3, 2, 6, 4, 2, 8)
+    codec = BlockCodec(kv)
+    later = codec.save_many_later([5, 0], [1.0, 2.0], gather=True)
+    eager = codec.save_many([5, 0], [1.0, 2.0], gather=False)
+    assert later.ready and codec.save_many_later([5], [1.0]).ready
+    assert [bytes(e.payload) for e in later()] == [bytes(e.payload) for e in eager]
+    assert codec.save_many_later([], [])() == []
+
+
+@pytest.mark.gpu
+def test_later_codec_copies_on_cuda_do_not_wait_for_the_device():
+    """On CUDA the gather and its copy are queued behind the work in flight, with no host
+    wait (sync debug mode "error" would raise), and give the CPU codec's bytes."""
+    from engine.platform import resolve
+
+    host_kv = torch.randn(3, 2, 6, 4, 2, 8).to(torch.bfloat16)
+    codec = BlockCodec(host_kv.cuda(), resolve("cuda"))
+    torch.cuda._sleep(50_000_000)  # keeps the stream busy: a wait would have to block
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        later = codec.save_many_later([4, 1], [1.0, 2.0])
+        codec.load_many([0, 5], BlockCodec(host_kv).save_many([2, 3], [1.0, 1.0]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [bytes(e.payload) for e in later()] == \
+        [bytes(e.payload) for e in BlockCodec(host_kv).save_many([4, 1], [1.0] * 2)]
+    assert torch.equal(codec.kv[:, :, [0, 5]].cpu(), host_kv[:, :, [2, 3]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
