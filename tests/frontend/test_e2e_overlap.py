@@ -22,9 +22,11 @@ from tests.frontend.test_e2e_serve import Server
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None, reason="default model not installed")]
 
+# few and short: the exact float32 mode is the slow one on the CPU (this file is about
+# the overlap's bookkeeping, which a few requests exercise as well as many)
 QUESTIONS = ["What is the capital of France?", "Name three colours.",
-             "Write one word that rhymes with cat.", "Count from one to five."]
-MAX_TOKENS = 24
+             "Count from one to five."]
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +67,11 @@ def ask(server, question: str, stream: bool) -> tuple[str, object]:
 
 
 def test_a_request_alone_gives_the_step_by_step_engines_text(server, reference):
-    for question, want in zip(QUESTIONS, reference):
-        for stream in (False, True):
-            text, usage = ask(server, question, stream)
-            assert text == want, (question, stream)
-            assert 0 < usage.completion_tokens <= MAX_TOKENS
+    for i, (question, want) in enumerate(zip(QUESTIONS, reference)):
+        stream = i % 2 == 1  # both ways, each question once
+        text, usage = ask(server, question, stream)
+        assert text == want, (question, stream)
+        assert 0 < usage.completion_tokens <= MAX_TOKENS
 
 
 def test_concurrent_streams_and_one_closed_early_all_end(server, reference):
@@ -82,7 +84,7 @@ def test_concurrent_streams_and_one_closed_early_all_end(server, reference):
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         early = [pool.submit(closed_early) for _ in range(2)]
-        streams = [pool.submit(ask, server, q, True) for q in QUESTIONS * 2]
+        streams = [pool.submit(ask, server, q, True) for q in QUESTIONS]
         results = [f.result(timeout=180) for f in streams]
         for f in early:
             f.result(timeout=180)

@@ -32,6 +32,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+# One torch thread per test server: `make test` runs two test processes on two cores, and a
+# server's own two threads beside them oversubscribe the cores (test_e2e_overlap beside
+# test_equivalence took 46 s with them and 4.4 s with one, the neighbour 145 s and 90 s).
+SERVER_THREADS = ("--num-threads", "1")
+
+
 class Server:
     def __init__(self, tmp_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
@@ -43,7 +49,7 @@ class Server:
             [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port),
              "--num-kv-blocks", "256", "--max-model-len", "2048", "--shutdown-timeout", "150",
              "--request-timeout", "300", "--log-level", "info", "--log-format", "json",
-             *extra_args],
+             *SERVER_THREADS, *extra_args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),
             text=True, start_new_session=True)
         threading.Thread(target=self._read_stdout, daemon=True).start()
