@@ -114,9 +114,11 @@ class Platform:
         """int64 indices on the device, copied from a pinned buffer without waiting (a plain
         `torch.tensor(ids, device=cuda)` copies from pageable memory and waits for every
         step queued before it). On the CPU: the host tensor."""
-        host = self.empty_host((len(ids),), torch.long)
-        host.copy_(torch.as_tensor(ids, dtype=torch.long))
-        return self.to_device(host)
+        values = torch.as_tensor(ids, dtype=torch.long)
+        if not self.is_cuda:
+            return values
+        host = self.empty_host(values.shape, torch.long)
+        return self.to_device(host.copy_(values))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of device tensor `t`: through a pinned buffer on the side copy stream,

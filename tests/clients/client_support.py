@@ -159,7 +159,8 @@ class RealServer:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port),
              "--num-kv-blocks", "256", "--max-model-len", "2048", "--log-level", "warning",
-             "--num-threads", "1", *flags],  # beside the other test process (test_e2e_serve) cwd=REPO, env=client_env(), stdout=subprocess.DEVNULL,
+             "--num-threads", "1",  # beside the other test process (test_e2e_serve)
+             *flags], cwd=REPO, env=client_env(), stdout=subprocess.DEVNULL,
             stderr=open(log_path, "w"), start_new_session=True)
 
     def wait_healthy(self, timeout_s: float) -> None:
