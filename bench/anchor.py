@@ -166,7 +166,7 @@ def _interrupt(signum, frame) -> None:
 
 def measure(args: argparse.Namespace, result: dict) -> None:
     """Every measurement the table needs, into `result` (JSON-able) as each part ends."""
-    from engine.config import resolve_model_path
+    from duplex.engine.config import resolve_model_path
 
     model = resolve_model_path(args.model)
     bin_dir = build_llama(args.llama_dir, args.build_script) if args.build \
@@ -184,7 +184,7 @@ def measure(args: argparse.Namespace, result: dict) -> None:
 
 
 def write_results(out: Path, result: dict) -> None:
-    from bench.report import write_json, write_text
+    from duplex.bench.report import write_json, write_text
 
     text = markdown(result)
     paths = [write_text(out / "anchor.md", text), write_json(out / "anchor.json", result)]
@@ -325,7 +325,7 @@ def served_model(url: str) -> str:
 @contextlib.contextmanager
 def running_targets(args: argparse.Namespace, llama: LlamaCpp):
     """llama-server, and Duplex unless --duplex-url names one; yields [llama, duplex]."""
-    from bench.server_proc import free_port, running_server
+    from duplex.bench.server_proc import free_port, running_server
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -347,7 +347,7 @@ def running_targets(args: argparse.Namespace, llama: LlamaCpp):
 # ----- serving workloads ---------------------------------------------------------------------
 
 def serve_both(args: argparse.Namespace, llama: LlamaCpp, specs: dict[str, Spec]) -> list[dict]:
-    from bench.hf import load_tokenizer
+    from duplex.bench.hf import load_tokenizer
 
     tokenizer = load_tokenizer(llama.model)
     with running_targets(args, llama) as targets:
@@ -359,8 +359,8 @@ def compare_serving(targets: list[Target], specs: dict[str, Spec], tokenizer, re
                     seed: int = 0, num_requests: int | None = None) -> list[dict]:
     """Every spec `repeats` times on every target, alternating which target goes first;
     one {"workload", "server", "repeat", "summary"} per run, in the order they ran."""
-    from bench.serve import bench
-    from bench.text import TextSource
+    from duplex.bench.serve import bench
+    from duplex.bench.text import TextSource
 
     warm_up(targets, tokenizer)
     runs = []
@@ -392,7 +392,7 @@ def alternate(targets: list[Target], repeat: int) -> list[Target]:
 
 
 def spec_workload(spec: Spec, text, seed: int):
-    from bench.workloads import WorkloadOptions, build_workload, random_workload
+    from duplex.bench.workloads import WorkloadOptions, build_workload, random_workload
 
     options = WorkloadOptions(**spec.options, seed=seed)
     if spec.max_input_len is not None:
@@ -401,7 +401,7 @@ def spec_workload(spec: Spec, text, seed: int):
 
 
 def load_config(spec: Spec, target: Target, num_requests: int | None = None):
-    from bench.runner import LoadConfig
+    from duplex.bench.runner import LoadConfig
 
     return LoadConfig(url=target.url, model=target.model, concurrency=spec.concurrency,
                       num_requests=num_requests, max_duration_s=RUN_TIMEOUT_S,
@@ -411,9 +411,9 @@ def load_config(spec: Spec, target: Target, num_requests: int | None = None):
 
 def warm_up(targets: list[Target], tokenizer) -> None:
     """Two short requests per server before anything is timed (first-call costs)."""
-    from bench.serve import bench
-    from bench.text import TextSource
-    from bench.workloads import WorkloadOptions, random_workload
+    from duplex.bench.serve import bench
+    from duplex.bench.text import TextSource
+    from duplex.bench.workloads import WorkloadOptions, random_workload
 
     options = WorkloadOptions(num_requests=2, input_len=16, output_len=8, seed=-1)
     workload = random_workload(TextSource(tokenizer, seed=-1), options)
@@ -437,10 +437,10 @@ def engine_bench(model: str, threads: int, prompt_tokens: int, gen_tokens: int,
     `gen_tokens` tokens generated at batch 1 from a one-token prompt (as tg starts from an
     empty context); medians of `repeats`, in tokens/s. Prefix caching is off so every
     prefill computes the whole prompt."""
-    from bench.hf import load_tokenizer
-    from bench.offline import batch1_engine
-    from bench.text import TextSource
-    from engine.llm import LLM
+    from duplex.bench.hf import load_tokenizer
+    from duplex.bench.offline import batch1_engine
+    from duplex.bench.text import TextSource
+    from duplex.engine.llm import LLM
 
     llm = LLM(model, num_threads=threads, enable_prefix_caching=False,
               max_num_batched_tokens=max(512, prompt_tokens), progress=False, tokenizer=False)
@@ -454,7 +454,7 @@ def engine_bench(model: str, threads: int, prompt_tokens: int, gen_tokens: int,
 
 def prefill_tok_s(llm, prompt: list[int]) -> float:
     """Prompt tokens per second of one prefill (the step that also samples the first token)."""
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     start = time.perf_counter()

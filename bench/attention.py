@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.report import write_json
+from duplex.bench.report import write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def time_layers(q, caches, keys, repeats: int, rotate: bool) -> list[float]:
     """Seconds a layer: each repeat runs len(caches) calls, on distinct caches when rotate."""
     import torch
 
-    from kernels import cpu_attention
+    from duplex.kernels import cpu_attention
 
     counts = torch.full((keys.shape[0],), keys.shape[1], dtype=torch.long)
     times = []
@@ -75,8 +75,8 @@ def time_layers(q, caches, keys, repeats: int, rotate: bool) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.machine import memory_read_gbs
-    from kernels import cpu_attention
+    from duplex.bench.machine import memory_read_gbs
+    from duplex.kernels import cpu_attention
 
     if not cpu_attention.available():
         print("the CPU attention kernel does not run here (no C compiler or no AVX-512)")

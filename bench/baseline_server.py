@@ -361,7 +361,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.hf import load_model, load_tokenizer
+    from duplex.bench.hf import load_model, load_tokenizer
     if args.batch_size < 1:
         print("duplex bench baseline-server: --batch-size must be at least 1", file=sys.stderr)
         return 2
@@ -379,6 +379,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_name(path: str | None) -> str:
     if path is None:
-        from engine.config import DEFAULT_MODEL_NAME
+        from duplex.engine.config import DEFAULT_MODEL_NAME
         return DEFAULT_MODEL_NAME
     return path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")

@@ -3,6 +3,22 @@
 Each entry names a module exposing ``add_arguments(parser)`` and ``run(args) -> int``. A
 module is imported only when its subcommand is parsed, so `duplex bench compare` never loads
 aiohttp or torch; a module missing from this build answers "not available" with exit code 2.
+
+The package (`duplex.bench`), the project's measuring instrument:
+
+cli        the `duplex bench` dispatcher (lazy: each subcommand imports only its module)
+serve      `bench serve`: drive an OpenAI-compatible server; `run_workload` for other code
+runner     the load generator: closed loop, open loop (Poisson / gamma), trace replay
+client     one streamed chat completion → a RequestRecord (every fault becomes a status)
+record     RequestRecord: one request's timeline
+metrics    TTFT, TPOT, ITL, e2e, throughput, goodput, cache hit rate, speculative acceptance
+workloads  random, shared-prefix, multi-turn, agent, mooncake
+text       exact-length text from the built-in corpus (corpus)
+report     JSON result files, Markdown summaries, CDF and sweep plots
+compare    `bench compare`: summaries side by side with ratios
+machine    measured GEMM GFLOP/s and memory bandwidth; decode utilization
+hf         tokenizer / plain transformers model loading from GGUF or HF directories
+baseline_server  `bench baseline-server`: transformers `generate` behind the OpenAI API
 """
 from __future__ import annotations
 
@@ -12,31 +28,31 @@ import sys
 import textwrap
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("bench.serve", "drive an OpenAI-compatible server with a workload"),
-    "compare": ("bench.compare", "compare result files side by side"),
-    "baseline-server": ("bench.baseline_server",
+    "serve": ("duplex.bench.serve", "drive an OpenAI-compatible server with a workload"),
+    "compare": ("duplex.bench.compare", "compare result files side by side"),
+    "baseline-server": ("duplex.bench.baseline_server",
                         "plain transformers OpenAI-compatible server to compare against"),
-    "offline": ("bench.offline", "offline engine throughput, no server"),
-    "sampler": ("bench.sampler", "the batched sampler alone on a real model's logits"),
-    "attention": ("bench.attention", "CPU decode attention alone, from cache and from DRAM, "
+    "offline": ("duplex.bench.offline", "offline engine throughput, no server"),
+    "sampler": ("duplex.bench.sampler", "the batched sampler alone on a real model's logits"),
+    "attention": ("duplex.bench.attention", "CPU decode attention alone, from cache and from DRAM, "
                   "beside the box's streaming read rate"),
-    "eplb": ("bench.eplb", "expert-parallel load balancing benchmark"),
-    "frontend-overhead": ("bench.overhead", "CPU time the API frontend adds per token"),
-    "spec": ("bench.spec", "speculative decoding: drafters, confidence head"),
-    "disagg": ("bench.disagg", "unified vs prefill/decode workers on mixed traffic"),
-    "kv": ("bench.kv", "KV cache tiers: hit rates, cached TTFT, disk read rate"),
-    "swa": ("bench.swa", "sliding-window models: bonded window replay vs full KV caching"),
-    "quality": ("bench.quality", "model quality of each weight precision: perplexity and "
+    "eplb": ("duplex.bench.eplb", "expert-parallel load balancing benchmark"),
+    "frontend-overhead": ("duplex.bench.overhead", "CPU time the API frontend adds per token"),
+    "spec": ("duplex.bench.spec", "speculative decoding: drafters, confidence head"),
+    "disagg": ("duplex.bench.disagg", "unified vs prefill/decode workers on mixed traffic"),
+    "kv": ("duplex.bench.kv", "KV cache tiers: hit rates, cached TTFT, disk read rate"),
+    "swa": ("duplex.bench.swa", "sliding-window models: bonded window replay vs full KV caching"),
+    "quality": ("duplex.bench.quality", "model quality of each weight precision: perplexity and "
                 "top-1 agreement with float32"),
-    "invariance": ("bench.invariance", "batch dependence of outputs, with and without "
+    "invariance": ("duplex.bench.invariance", "batch dependence of outputs, with and without "
                    "--batch-invariant"),
-    "structured": ("bench.structured", "grammar-constrained decoding: compile time, mask "
+    "structured": ("duplex.bench.structured", "grammar-constrained decoding: compile time, mask "
                    "time per step, tokens/s with and without constraints"),
-    "anchor": ("bench.anchor", "Duplex beside llama.cpp's llama-server and llama-bench "
+    "anchor": ("duplex.bench.anchor", "Duplex beside llama.cpp's llama-server and llama-bench "
                "on the same GGUF"),
-    "fuzz": ("bench.fuzz", "hypothesis bodies on every JSON endpoint of a real server: no 5xx"),
-    "kernels": ("bench.kernels", "each triton kernel against torch eager (CUDA only)"),
-    "gpu": ("bench.gpu_check", "the GPU check of issue 17 in one command inside a time "
+    "fuzz": ("duplex.bench.fuzz", "hypothesis bodies on every JSON endpoint of a real server: no 5xx"),
+    "kernels": ("duplex.bench.kernels", "each triton kernel against torch eager (CUDA only)"),
+    "gpu": ("duplex.bench.gpu_check", "the GPU check of issue 17 in one command inside a time "
             "budget: probes, pytest -m gpu, greedy equality, invariance, syncs, decode "
             "ms/step beside its floor, attention kernels against SDPA"),
 }
@@ -91,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.cli ...`, the same as `duplex bench ...`."""
+    """`python -m duplex.bench.cli ...`, the same as `duplex bench ...`."""
     parser = argparse.ArgumentParser(prog="duplex bench")
     add_arguments(parser)
     return run(parser.parse_args(sys.argv[1:] if argv is None else argv))

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from bench.record import CANCELLED, FAILED, OK, REJECTED, RequestRecord
+from duplex.bench.record import CANCELLED, FAILED, OK, REJECTED, RequestRecord
 
 REJECT_STATUSES = (429, 503)
 _MAX_ERROR_BODY = 300

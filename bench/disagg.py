@@ -15,7 +15,7 @@ inter-token latency p50/p99 of streams while a long prompt is being prefilled (g
 overlap a long request's send..first-token window), output throughput, and each worker's
 cost-model median relative step-time prediction error (from /metrics).
 
-    from bench.disagg import run_configs
+    from duplex.bench.disagg import run_configs
     results = run_configs(["unified-buckets", "1p1d-buckets"], duration_s=60)
 """
 from __future__ import annotations
@@ -29,12 +29,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from bench import metrics
-from bench.record import RequestRecord
-from bench.runner import LoadConfig
-from bench.serve import bench as run_bench
-from bench.server_proc import free_port, running_server
-from bench.workloads import Conversation, Turn, Workload
+from duplex.bench import metrics
+from duplex.bench.record import RequestRecord
+from duplex.bench.runner import LoadConfig
+from duplex.bench.serve import bench as run_bench
+from duplex.bench.server_proc import free_port, running_server
+from duplex.bench.workloads import Conversation, Turn, Workload
 
 _FIFO = ["--length-buckets", "none", "--no-fair-prefill", "--step-budget-ms", "0"]
 _SPLIT = ["--prefill-workers", "1", "--decode-workers", "1"]
@@ -148,8 +148,8 @@ def run_config(name: str, workload: Workload, serve_args: list[str], *,
 def run_configs(names: list[str], *, model: str | None = None, serve_args: list[str] = (),
                 max_duration_s: float = 900.0, tokenizer: str | None = None,
                 **traffic) -> list[dict]:
-    from bench.hf import load_tokenizer
-    from bench.text import TextSource
+    from duplex.bench.hf import load_tokenizer
+    from duplex.bench.text import TextSource
 
     defaults = dict(duration_s=150.0, short_rate=0.2, short_input=64, short_output=32,
                     long_input=4000, long_output=16, long_every_s=70.0, long_offset_s=10.0,
@@ -228,6 +228,6 @@ def table(results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="bench.disagg")
+    parser = argparse.ArgumentParser(prog="duplex.bench.disagg")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

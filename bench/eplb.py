@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.eplb import Balancer, identity_placement, imbalance, moved_bytes, moves
+from duplex.engine.eplb import Balancer, identity_placement, imbalance, moved_bytes, moves
 
 # DeepSeek-V3 routed expert: gate, up and down projections of 7168 x 2048, fp8 (1 byte each).
 DEEPSEEK_V3_EXPERT_BYTES = 3 * 7168 * 2048

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         summary = fuzz(args.url.rstrip("/"), args.examples, args.seed)
     else:
-        from bench.server_proc import free_port, running_server
+        from duplex.bench.server_proc import free_port, running_server
         port = free_port()
         serve = ["serve", "--max-model-len", "256", *(["--model", args.model] if args.model
                                                       else [])]
@@ -57,7 +57,7 @@ def fuzz(url: str, num_examples: int, seed: int) -> dict:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from bench.fuzz_bodies import BODIES, RAW_PATHS, deep_body, problem, raw_body
+    from duplex.bench.fuzz_bodies import BODIES, RAW_PATHS, deep_body, problem, raw_body
 
     statuses: collections.Counter = collections.Counter()
     problems: list[str] = []

@@ -1,4 +1,4 @@
-"""`duplex bench gpu` (or `python -m bench.gpu_check`): the GPU check of issue 17, one command
+"""`duplex bench gpu` (or `python -m duplex.bench.gpu_check`): the GPU check of issue 17, one command
 that ends inside a time budget (default 330 s, for one H200), each section timed and guarded
 so one failure does not stop the others:
 
@@ -120,7 +120,7 @@ class Check:
     """What every section reads: the arguments, the platform, the budget and the probes."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from engine.platform import resolve
+        from duplex.engine.platform import resolve
 
         self.args = args
         self.quick = args.quick
@@ -322,8 +322,8 @@ def make_engine(model_path: str, platform, **kwargs):
     (model, num_kv_blocks, max_num_seqs, max_num_batched_tokens, weights_dtype,
     batch_invariant, enable_prefix_caching, block_size): adapt it here when the config
     changes. num_kv_blocks is always given, so a GPU's pool is not sized to 90 % of memory."""
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import EngineCore
 
     kwargs.setdefault("num_kv_blocks", 512)
     # main's sectioned config routes flat names through EngineConfig.of; a flat one takes them
@@ -334,7 +334,7 @@ def make_engine(model_path: str, platform, **kwargs):
 def run_requests(core, prompts: list[list[int]], params, arrivals: list[int] | None = None
                  ) -> list[tuple[list[int], list[float]]]:
     """Each prompt's (tokens, logprobs), prompt i added before step arrivals[i]."""
-    from bench.invariance import run_jobs
+    from duplex.bench.invariance import run_jobs
 
     arrivals = arrivals or [0] * len(prompts)
     out = run_jobs(core, [(f"r{i}", p, params, a)
@@ -357,8 +357,8 @@ def random_weights(device: torch.device, dtype: torch.dtype, seed: int = 0):
     directory's config.json (no weight files): std 0.02, norm weights 1, the same for every
     load of one seed. Yields a dict that gets `weight_bytes` (what a decode step reads: every
     weight but an untied embedding table) of the last load. Patches `engine.core.load`."""
-    from engine import core as core_module
-    from engine.models.loader import LoadedModel, hf_config_to_args
+    from duplex.engine import core as core_module
+    from duplex.engine.models.loader import LoadedModel, hf_config_to_args
 
     info: dict[str, int] = {}
 
@@ -481,7 +481,7 @@ def compare_model(check: Check, name: str, prompts: list[list[int]], params,
 
 
 def greedy(check: Check) -> dict:
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.sampling_params import SamplingParams
 
     # 16 prompts: prefix agreement in bf16 is noisy (one early difference costs a prompt's
     # whole run), so the bf16 judgement needs more of them than fp32 equality does
@@ -521,9 +521,9 @@ def engine_dtype(check: Check) -> str:
 
 
 def batch_invariant(check: Check) -> dict:
-    """bench.invariance's solo-vs-busy experiment on a random-weight SmolLM2-shaped model
+    """duplex.bench.invariance's solo-vs-busy experiment on a random-weight SmolLM2-shaped model
     (tiny with --quick): with the mode on, every run must match its solo run bitwise."""
-    from bench.invariance import experiment
+    from duplex.bench.invariance import experiment
 
     shape = "tiny" if check.quick else "smollm2-135m"
     path = write_shape_dir(check.tmp, shape)
@@ -560,7 +560,7 @@ def batch_invariant(check: Check) -> dict:
 # ---------------------------------------------------------------------------- (e) syncs
 def prefill_all(core, prompts: list[list[int]], params, prefix: str = "s") -> list[str]:
     """Add the prompts and step until each has its first token: then every step decodes."""
-    from engine.messages import AddRequest
+    from duplex.engine.messages import AddRequest
 
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for req_id, prompt in zip(ids, prompts):
@@ -589,7 +589,7 @@ def sync_debug(check: Check) -> dict:
     first one. The step's one wait is for its draws' copy to pinned memory (an event,
     engine/platform.py HostCopy), read after the next step was queued when overlap is on
     (the engine's default on CUDA; `overlap` in the result)."""
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.sampling_params import SamplingParams
 
     path = write_shape_dir(check.tmp, "smollm2-135m")
     num_steps = 8
@@ -709,7 +709,7 @@ def graph_cells(core, check: Check, rows: list[dict], max_batch: int, warmup: in
                 steps: int, weight_bytes: int, dtype: torch.dtype) -> None:
     """The same cells again with the decode steps replayed from CUDA graphs
     (engine/cuda_graphs.py): `graph_ms_per_step` in each row, or `graph_status` with why not."""
-    from engine.cuda_graphs import DecodeGraphs
+    from duplex.engine.cuda_graphs import DecodeGraphs
 
     try:
         t0 = time.perf_counter()
@@ -750,7 +750,7 @@ def time_without_overlap(core, *cell) -> dict:
 
 def time_decode(core, batch: int, ctx: int, warmup: int, steps: int, weight_bytes: int,
                 check: Check, dtype: torch.dtype) -> dict:
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.sampling_params import SamplingParams
 
     args = core.args
     rng = random.Random(batch * 100003 + ctx)
@@ -853,8 +853,8 @@ def kernel_case(shape: str, batch: int, ctx: int, device: torch.device, dtype: t
                 tflops: float | None = None) -> dict:
     """Triton paged attention (split-KV for decode, kernels.attention for prefill) against
     SDPA (flash where it runs, else torch's pick) and FlashInfer (decode, where installed)."""
-    from kernels.attention import paged_attention_triton
-    from kernels.decode_attention import decode_attention_triton
+    from duplex.kernels.attention import paged_attention_triton
+    from duplex.kernels.decode_attention import decode_attention_triton
 
     heads = KERNEL_SHAPES[shape]
     paged, (k, v) = paged_and_contiguous(batch, ctx, heads, device, dtype,
@@ -891,10 +891,10 @@ MLA_SHAPE = (512, 64, 128)  # DeepSeek-V3: kv_lora_rank, rope dims, query heads
 def mla_case(batch: int, ctx: int, device: torch.device, dtype: torch.dtype,
              bandwidth_gbs: float | None, iters: int = 20, dims=MLA_SHAPE,
              block_size: int = 64) -> dict:
-    """kernels.mla_decode's split-KV kernel on DeepSeek-V3's latent cache against its torch
+    """duplex.kernels.mla_decode's split-KV kernel on DeepSeek-V3's latent cache against its torch
     reference (the CPU path: gather, two bmm), random latents, every sequence `ctx` long;
     floor: the latent bytes read at the copy bandwidth."""
-    from kernels.mla_decode import mla_attend_ref, mla_decode_triton
+    from duplex.kernels.mla_decode import mla_attend_ref, mla_decode_triton
 
     rank, rope, heads = dims
     half = (rank + rope) // 2
@@ -1076,6 +1076,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m bench.gpu_check")
+    _parser = argparse.ArgumentParser(prog="python -m duplex.bench.gpu_check")
     add_arguments(_parser)
     raise SystemExit(run(_parser.parse_args()))

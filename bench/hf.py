@@ -11,7 +11,7 @@ import os
 
 
 def default_model_path() -> str:
-    from engine.config import default_model_path as engine_default
+    from duplex.engine.config import default_model_path as engine_default
     return engine_default()
 
 

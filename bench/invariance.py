@@ -28,7 +28,7 @@ def random_prompts(seed: int, n: int, shared: list[int] | None = None) -> list[l
 
 def run_jobs(core, jobs) -> dict:
     """jobs: (req_id, prompt, params, arrival step) -> {req_id: (tokens, logprobs)}."""
-    from engine.messages import AddRequest
+    from duplex.engine.messages import AddRequest
 
     out = {rid: ([], []) for rid, *_ in jobs}
     step, last = 0, max(a for *_, a in jobs)
@@ -49,7 +49,7 @@ def experiment(make_core, batch_invariant: bool, seed: int = 0, rounds: int = 2,
     """Solo vs busy runs of `num_targets` targets of `num_new` tokens each, beside up to
     `max_companions` other requests; `make_core(**engine_kwargs)` builds an engine.
     Returns counts of differing runs plus the solo and busy outputs."""
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.sampling_params import SamplingParams
 
     shared = random_prompts(99, 1)[0] * 2  # a prefix some prompts share: prefix-cache hits
     targets = random_prompts(seed, num_targets, shared)
@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import EngineCore
 
     def make_core(**kwargs):
         return EngineCore(EngineConfig.of(model=args.model, **kwargs), progress=False)

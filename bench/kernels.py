@@ -1,5 +1,5 @@
 """Time each triton kernel against torch eager on CUDA: `duplex bench kernels`
-(or `python -m bench.kernels`).
+(or `python -m duplex.bench.kernels`).
 
 Not for CPU: the interpreter says nothing about speed. Returns (and prints) a dict
 `{kernel: {"triton_ms": ..., "torch_ms": ..., "speedup": ...}}` over SmolLM2-ish and
@@ -9,11 +9,11 @@ import json
 
 import torch
 
-from kernels import attention, kv_store, matmul, rms_norm, rotary
+from duplex.kernels import attention, kv_store, matmul, rms_norm, rotary
 
 
 def bench_all(dtype: torch.dtype = torch.bfloat16) -> dict:
-    assert torch.cuda.is_available(), "bench.kernels times CUDA kernels; no CUDA device here"
+    assert torch.cuda.is_available(), "duplex.bench.kernels times CUDA kernels; no CUDA device here"
     cases = {
         "store_kv": _store_kv_case(dtype),
         "rms_norm_residual": _rms_norm_case(dtype),
@@ -104,6 +104,6 @@ def run(args) -> int:
 if __name__ == "__main__":
     import argparse
 
-    _parser = argparse.ArgumentParser(prog="python -m bench.kernels")
+    _parser = argparse.ArgumentParser(prog="python -m duplex.bench.kernels")
     add_arguments(_parser)
     raise SystemExit(run(_parser.parse_args()))

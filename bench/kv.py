@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_and_run(serve_args: list[str], workload: str, **options) -> dict:
-    from bench.server_proc import free_port, running_server
-    from bench.serve import run_workload
+    from duplex.bench.server_proc import free_port, running_server
+    from duplex.bench.serve import run_workload
 
     port = free_port()
     with running_server(["serve", *serve_args], port):
@@ -73,8 +73,8 @@ def _serve_and_run(serve_args: list[str], workload: str, **options) -> dict:
 
 
 def _by_turn(result: dict) -> dict:
-    from bench.metrics import ttft_s
-    from bench.record import RequestRecord
+    from duplex.bench.metrics import ttft_s
+    from duplex.bench.record import RequestRecord
 
     records = [RequestRecord.from_json(r) for r in result["records"]]
     first = [ttft_s(r) for r in records if r.is_ok and r.turn == 0]
@@ -131,9 +131,9 @@ def mooncake(args) -> dict:
 
 
 def ttft(args) -> dict:
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from bench.kv_tiers import bench_cached_ttft
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import EngineCore
+    from duplex.bench.kv_tiers import bench_cached_ttft
 
     def factory(**fields):
         return EngineCore(EngineConfig.of(**fields), progress=False)
@@ -142,13 +142,13 @@ def ttft(args) -> dict:
 
 
 def fleet(args) -> dict:
-    from bench.kv_fleet import fleet as run_fleet
+    from duplex.bench.kv_fleet import fleet as run_fleet
 
     return run_fleet(args)
 
 
 def disk(args) -> dict:
-    from bench.kv_disk import measure_read_mb_s
+    from duplex.bench.kv_disk import measure_read_mb_s
 
     with tempfile.TemporaryDirectory(prefix="duplex-bench-disk-") as root:
         # one SmolLM2 block of 16 tokens: 30 layers x 2 x 16 x 3 heads x 64 x 4 bytes

@@ -21,10 +21,10 @@ import asyncio
 import os
 import time
 
-from kvstore.blockfile import HEADER_BYTES
-from kvstore.disk import DiskConfig, DiskTier
-from kvstore.entry import BlockEntry
-from kvstore.keys import block_keys, namespace
+from duplex.kvstore.blockfile import HEADER_BYTES
+from duplex.kvstore.disk import DiskConfig, DiskTier
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.keys import block_keys, namespace
 
 _BENCH_NS = namespace("diskbench", "uint8", 1, "opaque")
 

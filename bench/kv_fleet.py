@@ -34,8 +34,8 @@ def fleet(args) -> dict:
 
 
 def _replay(args, tier_flags: list[str]) -> dict:
-    from bench.serve import run_workload
-    from bench.server_proc import free_port, running_server
+    from duplex.bench.serve import run_workload
+    from duplex.bench.server_proc import free_port, running_server
 
     serve = ["serve", "--prefill-workers", "2", "--decode-workers", "1",
              "--num-kv-blocks", str(args.small_pool_blocks), *tier_flags, *args.serve_arg]
@@ -78,7 +78,7 @@ def _tier_flags(layout: str, tmp: Path):
 
 @contextlib.contextmanager
 def _redis(workdir: Path):
-    from bench.server_proc import free_port
+    from duplex.bench.server_proc import free_port
 
     binary = shutil.which("redis-server")
     if binary is None:
@@ -99,7 +99,7 @@ def _redis(workdir: Path):
 def trace_bound(args) -> float:
     """Best input hit rate of the replayed slice: each request reuses the leading hash
     blocks that any earlier request had (prefix-closed, so a chain), never its new ones."""
-    from bench.workloads import (_CONTEXT_MARGIN, WorkloadOptions, default_trace_path,
+    from duplex.bench.workloads import (_CONTEXT_MARGIN, WorkloadOptions, default_trace_path,
                                  read_trace, select_sessions)
 
     options = WorkloadOptions()

@@ -1,6 +1,6 @@
 """Micro-benchmark: time to first token of one long prompt, cold vs a prefix hit in each tier.
 
-    python -m bench.kv_tiers [--num-tokens 2000] [--model PATH]   (or `duplex bench kv --part ttft`)
+    python -m duplex.bench.kv_tiers [--num-tokens 2000] [--model PATH]   (or `duplex bench kv --part ttft`)
 
 Runs, in one KV directory: cold (computes and writes every block behind to disk), device hit
 (the same prompt again), host hit (device blocks evicted into host RAM first), and disk hit
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
 
 _FIRST_TOKEN = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
 
@@ -108,14 +108,14 @@ def _drop_page_cache(root: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.kv_tiers",
+    parser = argparse.ArgumentParser(prog="python -m duplex.bench.kv_tiers",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--num-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import EngineCore
 
     def factory(**fields):
         return EngineCore(EngineConfig.of(model=args.model, **fields), progress=False)

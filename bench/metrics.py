@@ -18,7 +18,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from bench.record import CANCELLED, FAILED, REJECTED, RequestRecord
+from duplex.bench.record import CANCELLED, FAILED, REJECTED, RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

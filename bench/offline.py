@@ -17,8 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.report import write_json
-from engine.config import KV_CACHE_DTYPES, OVERLAP_MODES
+from duplex.bench.report import write_json
+from duplex.engine.config import KV_CACHE_DTYPES, OVERLAP_MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_workload(tokenizer, n: int, prompt_range, output_range, seed: int):
-    from bench.text import TextSource
+    from duplex.bench.text import TextSource
 
     rng = random.Random(seed)
     source = TextSource(tokenizer, seed)
@@ -61,7 +61,7 @@ def make_workload(tokenizer, n: int, prompt_range, output_range, seed: int):
 
 
 def run_engine(llm, prompts, outputs) -> dict:
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
@@ -92,7 +92,7 @@ def run_hf(model, prompts, outputs, batch_size: int) -> dict:
 
 
 def batch1_engine(llm, prompt, num_tokens: int) -> float:
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -162,7 +162,7 @@ def gemm_pass(args, m: int, weights: list | None = None):
     warmed up: see isolated_gemm_seconds."""
     import torch
 
-    from kernels import ops
+    from duplex.kernels import ops
 
     weights = step_weights(args) if weights is None else weights
     # each GEMM in its own precision: bf16 rows into a weight whose bf16 dense copy takes m
@@ -184,7 +184,7 @@ def gemm_pass(args, m: int, weights: list | None = None):
 def _gemm_input_dtype(w, m: int):
     import torch
 
-    from kernels.quant import QuantWeight
+    from duplex.kernels.quant import QuantWeight
 
     dense_from = w.dense_from_rows() if isinstance(w, QuantWeight) else None
     return torch.bfloat16 if dense_from is not None and m >= dense_from else torch.float32
@@ -222,8 +222,8 @@ def decode_step_seconds(llm, batch: int, context: int, steps: int = 12,
     """Median wall time of one engine step with `batch` sequences all decoding, the median
     time of its sampler call, every step's time, and what `between()` (called after each
     step, when given) returned each time."""
-    from engine.messages import AddRequest
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.messages import AddRequest
+    from duplex.engine.sampling_params import SamplingParams
 
     core = llm.engine
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=steps + 64,
@@ -255,10 +255,10 @@ def decode_step_seconds(llm, batch: int, context: int, steps: int = 12,
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.hf import load_model, load_tokenizer
-    from bench.machine import measure_machine
-    from engine.config import resolve_model_path
-    from engine.llm import LLM
+    from duplex.bench.hf import load_model, load_tokenizer
+    from duplex.bench.machine import measure_machine
+    from duplex.engine.config import resolve_model_path
+    from duplex.engine.llm import LLM
 
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)

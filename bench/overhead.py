@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.server_proc import children, cpu_seconds, free_port, running_server
-    from bench.serve import run_workload
+    from duplex.bench.server_proc import children, cpu_seconds, free_port, running_server
+    from duplex.bench.serve import run_workload
 
     port = free_port()
     with running_server(["serve", "--max-num-seqs", str(args.concurrency), *args.serve_arg],

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, EngineConfig
+from duplex.engine.config import KV_CACHE_DTYPES, WEIGHT_DTYPES, EngineConfig
 
 FIXED_TEXT = (
     "The river rises in the hills above the town and runs for forty miles before it reaches "
@@ -54,7 +54,7 @@ class Quality(NamedTuple):
 
 def teacher_forced_logits(core, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits `[L, vocab]` of every position of one sequence, in one forward pass."""
-    from engine.models import ForwardContext
+    from duplex.engine.models import ForwardContext
 
     n, bs = len(token_ids), core.block_size
     assert n <= core.num_kv_blocks * bs, "the text does not fit in the KV pool"
@@ -82,7 +82,7 @@ def weight_bytes(model) -> int:
 
 
 def _weights(obj, depth: int = 0):
-    from kernels.quant import QuantEmbedding, QuantWeight
+    from duplex.kernels.quant import QuantEmbedding, QuantWeight
 
     for value in vars(obj).values():
         items = value if isinstance(value, (list, tuple)) else [value]
@@ -96,8 +96,8 @@ def _weights(obj, depth: int = 0):
 def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
             num_threads: int = 0) -> list[Quality]:
     """Perplexity and top-1 agreement with float32 of each precision on `text`."""
-    from engine.core import EngineCore
-    from engine.text.tokenizer import load_tokenizer
+    from duplex.engine.core import EngineCore
+    from duplex.engine.text.tokenizer import load_tokenizer
 
     reference, out = None, []
     for dtype in ["float32", *[d for d in dtypes if d != "float32"]]:
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"duplex bench quality: unknown dtypes {unknown}", file=sys.stderr)
         return 2
     if args.decode_path:
-        from kernels import quant
+        from duplex.kernels import quant
         quant.MAX_PACKED_ROWS = quant.MAX_VNNI_ROWS = 10**9
     results = measure(args.model, dtypes, num_threads=args.num_threads)
     if args.json:

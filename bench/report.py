@@ -10,8 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from bench import metrics
-from bench.record import RequestRecord
+from duplex.bench import metrics
+from duplex.bench.record import RequestRecord
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "e2e"))
 

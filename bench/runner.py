@@ -26,9 +26,9 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from bench.client import stream_chat
-from bench.record import RequestRecord
-from bench.workloads import Conversation, Message
+from duplex.bench.client import stream_chat
+from duplex.bench.record import RequestRecord
+from duplex.bench.workloads import Conversation, Message
 
 
 @dataclasses.dataclass(frozen=True)

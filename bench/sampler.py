@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.report import write_json
+from duplex.bench.report import write_json
 
 CASES = {
     "greedy": dict(temperature=0.0),
@@ -45,8 +45,8 @@ def capture_logits(model: str | None, batch: int, steps: int = 8):
     """[batch * steps, vocab] fp32 logits the sampler saw while `batch` requests decoded."""
     import torch
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.llm import LLM
+    from duplex.engine.sampling_params import SamplingParams
 
     llm = LLM(model, max_num_seqs=batch, progress=False, tokenizer=False)
     seen: list = []
@@ -70,9 +70,9 @@ def capture_logits(model: str | None, batch: int, steps: int = 8):
 
 
 def time_sampler(logits, batch: int, params: dict, repeats: int) -> list[float]:
-    from engine.request import Request
-    from engine.sampler import Sampler
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.request import Request
+    from duplex.engine.sampler import Sampler
+    from duplex.engine.sampling_params import SamplingParams
 
     sampler = Sampler(0)
     times = []
@@ -89,7 +89,7 @@ def time_sampler(logits, batch: int, params: dict, repeats: int) -> list[float]:
 def time_reference(logits, batch: int, params: dict, repeats: int) -> list[float]:
     import torch
 
-    from kernels import cpu_sampler
+    from duplex.kernels import cpu_sampler
 
     n = batch
     args = (torch.full((n,), params.get("temperature", 1.0)),

@@ -2,7 +2,7 @@
 
 Reusable from other code without the CLI:
 
-    from bench.serve import run_workload
+    from duplex.bench.serve import run_workload
     result = run_workload("http://127.0.0.1:8000", "multi-turn", num_conversations=4,
                           concurrency=2, max_duration_s=60)
     result["summary"]["ttft_ms"]["p50"]
@@ -17,11 +17,11 @@ import datetime
 import sys
 from pathlib import Path
 
-from bench import metrics, report
-from bench.metrics import Slo
-from bench.record import RequestRecord
-from bench.runner import LoadConfig, LoadResult, run_load, run_load_sync
-from bench.workloads import WORKLOADS, AGENT_MARKS, Workload, WorkloadOptions, build_workload
+from duplex.bench import metrics, report
+from duplex.bench.metrics import Slo
+from duplex.bench.record import RequestRecord
+from duplex.bench.runner import LoadConfig, LoadResult, run_load, run_load_sync
+from duplex.bench.workloads import WORKLOADS, AGENT_MARKS, Workload, WorkloadOptions, build_workload
 
 DEFAULT_OUT = "out/bench"
 DEFAULT_RANDOM_REQUESTS = 100
@@ -31,8 +31,8 @@ DEFAULT_RANDOM_REQUESTS = 100
 
 def make_workload(name: str, tokenizer: str | None = None, **options) -> Workload:
     """Build workload `name` with the model's tokenizer (default: the default model's)."""
-    from bench.hf import load_tokenizer
-    from bench.text import TextSource
+    from duplex.bench.hf import load_tokenizer
+    from duplex.bench.text import TextSource
     workload_options = WorkloadOptions(**options)
     text = TextSource(load_tokenizer(tokenizer), seed=workload_options.seed)
     return build_workload(name, text, workload_options)
@@ -260,14 +260,14 @@ def _rates(text: str | None) -> list[float]:
 def _machine(args: argparse.Namespace) -> dict | None:
     if args.skip_machine:
         return None
-    from bench.machine import DEFAULT_GEMM_SHAPES, measure_machine, parse_shapes
+    from duplex.bench.machine import DEFAULT_GEMM_SHAPES, measure_machine, parse_shapes
     shapes = parse_shapes(args.gemm_shapes) if args.gemm_shapes else DEFAULT_GEMM_SHAPES
     return measure_machine(shapes, device=args.machine_device)
 
 
 def _finish(result: dict, args: argparse.Namespace, machine: dict | None) -> dict:
     """Add machine figures, then write JSON, Markdown and CDF plot; print the Markdown."""
-    from bench.machine import decode_utilization
+    from duplex.bench.machine import decode_utilization
     result["machine"] = machine
     result["utilization"] = decode_utilization(
         result["summary"], machine, args.model_gflop_per_token,

@@ -41,8 +41,8 @@ def children(pid: int) -> list[int]:
 @contextlib.contextmanager
 def running_server(args: list[str], port: int, timeout_s: float = 300.0,
                    env: dict | None = None, health: str = "/health"):
-    """`python -m frontend.cli <args> --port PORT` until healthy; yields the Popen."""
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", *args, "--port", str(port)],
+    """`python -m duplex.frontend.cli <args> --port PORT` until healthy; yields the Popen."""
+    proc = subprocess.Popen([sys.executable, "-m", "duplex.frontend.cli", *args, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     try:

@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.report import write_json
+from duplex.bench.report import write_json
 
 CONFIGS = {
     "off": dict(speculation="off"),
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def workloads(concurrency: int) -> dict[str, list[list[dict]]]:
     """Chat conversations per workload; enough for the concurrent run."""
-    from bench.corpus import PARAGRAPHS
+    from duplex.bench.corpus import PARAGRAPHS
 
     copy = []
     for i in range(max(concurrency, len(COPY_TASKS))):
@@ -126,9 +126,9 @@ def summarise(passes: list[dict]) -> dict:
 def token_cost(llm, num_tokens: int = 32, repeats: int = 7) -> float:
     """Verify cost of one token relative to a step's fixed cost: forward time of one token
     vs num_tokens tokens of one sequence (median of repeats), t(n) = F (1 + c n)."""
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import ScheduledRequest
+    from duplex.engine.request import Request
+    from duplex.engine.sampling_params import SamplingParams
+    from duplex.engine.scheduler import ScheduledRequest
 
     core = llm.engine
     times = {}
@@ -150,8 +150,8 @@ def token_cost(llm, num_tokens: int = 32, repeats: int = 7) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.llm import LLM
+    from duplex.engine.sampling_params import SamplingParams
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = sorted(set(names) - set(CONFIGS))

@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 
-from bench.workloads import STRUCTURED_SCHEMA
+from duplex.bench.workloads import STRUCTURED_SCHEMA
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=args.model), progress=False)
     compile_s = _compile_times(core, args.num_schemas)
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compile_times(core, num: int) -> list[float]:
-    from engine.request import Request
-    from engine.sampling_params import Constraint, SamplingParams
+    from duplex.engine.request import Request
+    from duplex.engine.sampling_params import Constraint, SamplingParams
 
     times = []
     for i in range(num):
@@ -80,8 +80,8 @@ def _compile_times(core, num: int) -> list[float]:
 
 def _decode(core, args, constrained: bool) -> tuple[float, float, float]:
     """(output tokens/s, mask ms per step, mask ms per constrained row) of one batch."""
-    from engine.messages import AddRequest
-    from engine.sampling_params import Constraint, SamplingParams
+    from duplex.engine.messages import AddRequest
+    from duplex.engine.sampling_params import Constraint, SamplingParams
 
     constraint = Constraint("json_schema", json.dumps(STRUCTURED_SCHEMA))
     for i in range(args.num_requests):

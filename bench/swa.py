@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
-from engine.stats import HybridKVStats
+from duplex.engine.config import EngineConfig
+from duplex.engine.core import EngineCore
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.stats import HybridKVStats
 
 MODES = {"a_no_cache": dict(enable_prefix_caching=False),
          "b_all_layer_kv": dict(hybrid_kv=False),

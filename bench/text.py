@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-from bench.corpus import PARAGRAPHS
+from duplex.bench.corpus import PARAGRAPHS
 
 _WORD_MARKS = ("Ġ", "▁")       # byte-level BPE and SentencePiece spellings of a leading space
 _MIN_PASSES = 8

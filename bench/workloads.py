@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.text import TextSource
+from duplex.bench.text import TextSource
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "agent", "mooncake", "structured")
 AGENT_MARKS = ("header", "tools", "both")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import (KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_DTYPES, EngineConfig,
+from duplex.engine.config import (KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_DTYPES, EngineConfig,
                            WorkerConfig, section_of)
 
 _HELP = {

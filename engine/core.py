@@ -35,28 +35,28 @@ from typing import NamedTuple
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, SchedulerConfig, available_cores, resolve_model_path
-from engine.cost_model import CostModel, StepFeatures, step_features
-from engine.grammar import Grammars
-from engine.hybrid_kv import HybridKVCacheManager, HybridLayout
-from engine.kv_manager import KVCacheManager
-from engine.kv_tiers import DEVICE, DISK, HOST, SHARED, BlockCodec, KVTiers, TierLink
-from engine.messages import AddRequest, FinishReason, RequestDelta, WorkerStats
-from engine.model_runner import Feed, ModelRunner
-from engine.models import build_model, load
-from engine.platform import Platform, place, resolve
-from engine.request import PENDING, Request, Status
-from engine.sampler import Draws, Sampler, take_rows
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec import Speculator
-from engine.stats import KVStats, KVTierStats, MoEStats
-from engine.step_policy import fair_prefill, time_budget
-from kernels.batch_invariant import set_batch_invariant_mode
-from kernels.cpu_fused import use_fused
-from kernels.quant import QuantEmbedding, QuantWeight
-from kvstore import keys as kvkeys
-from kvstore import retention
+from duplex.engine.block_pool import BlockPool
+from duplex.engine.config import EngineConfig, SchedulerConfig, available_cores, resolve_model_path
+from duplex.engine.cost_model import CostModel, StepFeatures, step_features
+from duplex.engine.grammar import Grammars
+from duplex.engine.hybrid_kv import HybridKVCacheManager, HybridLayout
+from duplex.engine.kv_manager import KVCacheManager
+from duplex.engine.kv_tiers import DEVICE, DISK, HOST, SHARED, BlockCodec, KVTiers, TierLink
+from duplex.engine.messages import AddRequest, FinishReason, RequestDelta, WorkerStats
+from duplex.engine.model_runner import Feed, ModelRunner
+from duplex.engine.models import build_model, load
+from duplex.engine.platform import Platform, place, resolve
+from duplex.engine.request import PENDING, Request, Status
+from duplex.engine.sampler import Draws, Sampler, take_rows
+from duplex.engine.scheduler import Scheduler, SchedulerOutput
+from duplex.engine.spec import Speculator
+from duplex.engine.stats import KVStats, KVTierStats, MoEStats
+from duplex.engine.step_policy import fair_prefill, time_budget
+from duplex.kernels.batch_invariant import set_batch_invariant_mode
+from duplex.kernels.cpu_fused import use_fused
+from duplex.kernels.quant import QuantEmbedding, QuantWeight
+from duplex.kvstore import keys as kvkeys
+from duplex.kvstore import retention
 
 log = logging.getLogger("duplex.engine")
 

@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from engine.stats import CostStats
+from duplex.engine.stats import CostStats
 
 NAMES = ("prefill_token_s", "attended_ktoken_s", "decode_seq_s", "step_s")
 MIN_SAMPLES = 8  # fewer measured steps: the model abstains (predict -> None)

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from engine.models import ForwardContext
-from engine.platform import Platform
-from kernels import ops
+from duplex.engine.models import ForwardContext
+from duplex.engine.platform import Platform
+from duplex.kernels import ops
 
 log = logging.getLogger(__name__)
 

@@ -42,11 +42,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, WorkerConfig
-from engine.expert_parallel import free_port
-from engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
-from engine.platform import Platform, resolve
-from engine.stats import MoEStats
+from duplex.engine.config import EngineConfig, WorkerConfig
+from duplex.engine.expert_parallel import free_port
+from duplex.engine.messages import AbortRequests, AddRequest, RequestDelta, WorkerStats
+from duplex.engine.platform import Platform, resolve
+from duplex.engine.stats import MoEStats
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,8 @@ def master_address(config: EngineConfig) -> tuple[str, int]:
 def build_rank_core(config: EngineConfig, group: RankGroup):
     """(EngineCore, ExpertParallel) of one rank, its experts sharded; checks that every rank
     runs the same model (by weight digest) and configuration."""
-    from engine.core import EngineCore
-    from engine.expert_parallel import enable_expert_parallel
+    from duplex.engine.core import EngineCore
+    from duplex.engine.expert_parallel import enable_expert_parallel
 
     core = EngineCore(config, progress=False)
     shared = {f.name: config.get(f.name) for f in EngineConfig.flat_fields()
@@ -277,7 +277,7 @@ def leader_core(config: EngineConfig) -> LeaderCore:
 def _start_follower(config: EngineConfig, rank: int) -> subprocess.Popen:
     """A local follower in this process group, which dies with this process."""
     return subprocess.Popen(
-        [sys.executable, "-m", "engine.worker_cli", "--ep-rank", str(rank),
+        [sys.executable, "-m", "duplex.engine.worker_cli", "--ep-rank", str(rank),
          "--config-json", msgspec.json.encode(config).decode(), "--parent-pid", str(os.getpid())],
         env=os.environ.copy())
 

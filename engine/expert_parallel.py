@@ -52,8 +52,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.eplb import Balancer, ExpertLoadStats, Placement, moves
-from engine.models.moe import (DEFAULT_STATS_WINDOW, ExpertLoadReport, ExpertWeights,
+from duplex.engine.eplb import Balancer, ExpertLoadStats, Placement, moves
+from duplex.engine.models.moe import (DEFAULT_STATS_WINDOW, ExpertLoadReport, ExpertWeights,
                                LocalExperts, StepCounts, combine, count_pairs, max_over_mean,
                                run_experts)
 
@@ -376,10 +376,10 @@ def skewed_prompts(num_prompts: int, prompt_len: int, band: int = 8) -> list[lis
 def _bench_rank(rank: int, num_ranks: int, path: str, out_dir: str, options: dict) -> None:
     """Two identical waves of requests; the placement computed from wave 1's steps is
     switched in during wave 2's first (prefill) step."""
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.messages import AddRequest
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import EngineCore
+    from duplex.engine.messages import AddRequest
+    from duplex.engine.sampling_params import SamplingParams
 
     core = EngineCore(EngineConfig.of(model=path, num_threads=1, enable_prefix_caching=False,
                                    max_num_seqs=options["num_prompts"]), progress=False)
@@ -440,7 +440,7 @@ def _phase(steps: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.expert_parallel",
+    parser = argparse.ArgumentParser(prog="python -m duplex.engine.expert_parallel",
                                      description="Expert-parallel CPU benchmark (gloo).")
     parser.add_argument("--bench", action="store_true", help="run the skewed-prompt benchmark")
     parser.add_argument("--ranks", type=int, default=4)

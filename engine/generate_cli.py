@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.args import add_engine_arguments, engine_config_from_args
+from duplex.engine.args import add_engine_arguments, engine_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,17 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
-    from engine.models.loader import ModelLoadError
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.llm import LLM
+    from duplex.engine.models.loader import ModelLoadError
+    from duplex.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.gen_seed,
                                 stop=args.stop, ignore_eos=args.ignore_eos)
-        config = engine_config_from_args(args)
-        fields = {k: v for k, v in vars(config).items() if k != "model"}
-        llm = LLM(config.model, **fields)
+        llm = LLM(config=engine_config_from_args(args))
         if args.chat:
             system = [{"role": "system", "content": args.system}] if args.system else []
             outputs = llm.chat([system + [{"role": "user", "content": p}] for p in args.prompt],

@@ -41,8 +41,8 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.sampling_params import Constraint
-from engine.stats import GrammarStats
+from duplex.engine.sampling_params import Constraint
+from duplex.engine.stats import GrammarStats
 
 log = logging.getLogger("duplex.grammar")
 
@@ -165,7 +165,7 @@ class Grammars:
         def tokenizer():
             # the text layer's loader (with its GGUF conversion cache); the engine has no
             # tokenizer of its own, and only constrained requests need one
-            from engine.text.tokenizer import load_tokenizer
+            from duplex.engine.text.tokenizer import load_tokenizer
 
             return load_tokenizer(model_path)
         return cls(tokenizer, vocab_size, stop_token_ids, blocking)

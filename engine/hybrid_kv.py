@@ -39,11 +39,11 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.kv_manager import KVCacheManager, cdiv
-from engine.kv_tiers import TierHit, TierLink
-from engine.request import Request
-from engine.stats import HybridKVStats
+from duplex.engine.block_pool import BlockPool
+from duplex.engine.kv_manager import KVCacheManager, cdiv
+from duplex.engine.kv_tiers import TierHit, TierLink
+from duplex.engine.request import Request
+from duplex.engine.stats import HybridKVStats
 
 
 @dataclasses.dataclass(frozen=True)

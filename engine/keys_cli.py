@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import curve
+from duplex.engine import curve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from engine.block_pool import BlockPool
-from engine.kv_tiers import DEVICE, TIERS, TierHit, TierLink
-from engine.stats import HybridKVStats
-from engine.request import Request
-from kvstore import keys as kvkeys
+from duplex.engine.block_pool import BlockPool
+from duplex.engine.kv_tiers import DEVICE, TIERS, TierHit, TierLink
+from duplex.engine.stats import HybridKVStats
+from duplex.engine.request import Request
+from duplex.kvstore import keys as kvkeys
 
 
 def cdiv(a: int, b: int) -> int:

@@ -37,15 +37,15 @@ from typing import Awaitable, Callable, NamedTuple, Sequence
 import msgspec
 import torch
 
-from engine.config import EngineConfig
-from engine.platform import HostCopy, Platform, cpu
-from engine.stats import KVStats, KVTierStats, SharedTierStats
-from kvstore.disk import DiskConfig, DiskTier
-from kvstore.entry import BlockEntry
-from kvstore.errors import KVStoreError
-from kvstore.retention import RetentionPolicy
-from kvstore.shared import open_shared
-from kvstore.store import DISK, HOST, SHARED, KVStore
+from duplex.engine.config import EngineConfig
+from duplex.engine.platform import HostCopy, Platform, cpu
+from duplex.engine.stats import KVStats, KVTierStats, SharedTierStats
+from duplex.kvstore.disk import DiskConfig, DiskTier
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.errors import KVStoreError
+from duplex.kvstore.retention import RetentionPolicy
+from duplex.kvstore.shared import open_shared
+from duplex.kvstore.store import DISK, HOST, SHARED, KVStore
 
 DEVICE = "device"
 TIERS = (DEVICE, HOST, DISK, SHARED)

@@ -45,12 +45,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.messages import (AddRequest, BadFrame, HandoffFailed, KvAck, KvBlocks, KvCancel,
+from duplex.engine.messages import (AddRequest, BadFrame, HandoffFailed, KvAck, KvBlocks, KvCancel,
                              KvDone, KvNeed, KvOffer, KvReject, FinishReason, RequestDelta)
-from engine.config import HANDOFF_LEASE_S
-from engine.curve import CurveKeys
-from engine.kv_manager import KVHandoff, KVLease
-from engine.zmq_io import Channel, kv_client_channel, kv_server_channel
+from duplex.engine.config import HANDOFF_LEASE_S
+from duplex.engine.curve import CurveKeys
+from duplex.engine.kv_manager import KVHandoff, KVLease
+from duplex.engine.zmq_io import Channel, kv_client_channel, kv_server_channel
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.messages import AddRequest, FinishReason, RequestDelta, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.text.messages import Chat
-from engine.text.output import OutputStream
+from duplex.engine.config import EngineConfig
+from duplex.engine.core import EngineCore
+from duplex.engine.messages import AddRequest, FinishReason, RequestDelta, TokenLogprob
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.output import OutputStream
 
 
 @dataclasses.dataclass
@@ -66,13 +66,16 @@ class _Tracker:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, tokenizer: bool = True,
-                 progress: bool = True, **engine_kwargs) -> None:
-        self.config = EngineConfig.of(model=model, **engine_kwargs)
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 tokenizer: bool = True, progress: bool = True, **engine_kwargs) -> None:
+        """`LLM(model, **flat_engine_fields)` or `LLM(config=EngineConfig(...))`, not both."""
+        if config is not None and (model is not None or engine_kwargs):
+            raise ValueError("LLM takes a config or a model with engine fields, not both")
+        self.config = config or EngineConfig.of(model=model, **engine_kwargs)
         self.engine = EngineCore(self.config, progress=progress)
         self.recipe = None
         if tokenizer:
-            from engine.text.recipe import Recipe
+            from duplex.engine.text.recipe import Recipe
 
             self.recipe = Recipe.from_model(self.engine.model_path)
         self._ids = itertools.count()

@@ -17,8 +17,8 @@ import enum
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
-from engine.stats import WorkerStats  # noqa: F401 - a wire type too (Heartbeat.stats)
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.stats import WorkerStats  # noqa: F401 - a wire type too (Heartbeat.stats)
 
 _WIRE = dict(frozen=True, array_like=True, omit_defaults=True, gc=False)
 

@@ -25,12 +25,12 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
-from engine.hybrid_kv import HybridLayout, swa_step_inputs
-from engine.models import ForwardContext
-from engine.platform import Platform, cpu, place
-from engine.scheduler import ScheduledRequest
-from kernels.quant import prompt_step
+from duplex.engine.cuda_graphs import DecodeGraphs
+from duplex.engine.hybrid_kv import HybridLayout, swa_step_inputs
+from duplex.engine.models import ForwardContext
+from duplex.engine.platform import Platform, cpu, place
+from duplex.engine.scheduler import ScheduledRequest
+from duplex.kernels.quant import prompt_step
 
 
 class StepInputs(NamedTuple):

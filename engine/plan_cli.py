@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from engine.cost_model import CostModel, StepFeatures, attended_pairs
+from duplex.engine.cost_model import CostModel, StepFeatures, attended_pairs
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -195,10 +195,10 @@ def load_cost_model(path: str) -> CostModel:
 def calibrate(model_path: str | None, num_threads: int = 0, max_tokens: int = 256) -> CostModel:
     """Fit a cost model on a short in-process run: prompts of several lengths (chunked
     prefill, prefix hits) and decode batches of several sizes."""
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.messages import AddRequest
-    from engine.sampling_params import SamplingParams
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import EngineCore
+    from duplex.engine.messages import AddRequest
+    from duplex.engine.sampling_params import SamplingParams
 
     config = EngineConfig.of(model=model_path, max_num_batched_tokens=max_tokens,
                           num_threads=num_threads, max_model_len=4096)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kernels import cpu_attention, cpu_decode, cpu_fused, memory
+from duplex.kernels import cpu_attention, cpu_decode, cpu_fused, memory
 
 DEFAULT_GPU_UTILIZATION = 0.9  # of the device's memory the engine may hold in all
 
@@ -268,4 +268,4 @@ def _place(obj: Any, platform: Platform, seen: dict[int, Any]) -> Any:
 
 def _is_ours(obj: Any) -> bool:
     """Only the engine's and kernels' own objects are walked (not torch or numpy internals)."""
-    return type(obj).__module__.split(".", 1)[0] in ("engine", "kernels")
+    return type(obj).__module__.startswith(("duplex.engine.", "duplex.kernels."))

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from engine.messages import FinishReason, TokenLogprob
-from engine.sampling_params import SamplingParams
+from duplex.engine.messages import FinishReason, TokenLogprob
+from duplex.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from engine.messages import AddRequest
+from duplex.engine.messages import AddRequest
 
 MAX_REQ_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024

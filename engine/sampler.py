@@ -26,12 +26,12 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from engine.grammar import TokenMask
-from engine.messages import TokenLogprob
-from engine.platform import HostCopy
-from engine.request import Request, position_seed
-from kernels import cpu_sampler
-from kernels import ops
+from duplex.engine.grammar import TokenMask
+from duplex.engine.messages import TokenLogprob
+from duplex.engine.platform import HostCopy
+from duplex.engine.request import Request, position_seed
+from duplex.kernels import cpu_sampler
+from duplex.kernels import ops
 
 ARGMAX_CHUNK = 64  # contiguous chunk of the two-level argmax
 NEG_INF = float("-inf")

@@ -20,8 +20,8 @@ import time
 from collections import deque
 from typing import Callable, NamedTuple
 
-from engine.kv_manager import KVCacheManager
-from engine.request import Request
+from duplex.engine.kv_manager import KVCacheManager
+from duplex.engine.request import Request
 
 
 class ScheduledRequest(NamedTuple):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.cost_model import CostModel, attended_pairs
-from engine.request import Request
+from duplex.engine.cost_model import CostModel, attended_pairs
+from duplex.engine.request import Request
 
 # A prompt chunk never shrinks below this many tokens (tiny chunks waste the weights read).
 MIN_CHUNK = 16

@@ -37,23 +37,23 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.config import EngineConfig
-from engine.curve import CurveKeys
-from engine.deadlines import DEADLINE_ERROR, Deadlines
-from engine.kv_transfer import prefill_part
-from engine.messages import (INVALID, AbortRequests, AddRequest, FinishReason, Outputs, Ready,
+from duplex.engine.config import EngineConfig
+from duplex.engine.curve import CurveKeys
+from duplex.engine.deadlines import DEADLINE_ERROR, Deadlines
+from duplex.engine.kv_transfer import prefill_part
+from duplex.engine.messages import (INVALID, AbortRequests, AddRequest, FinishReason, Outputs, Ready,
                              RequestDelta, Shutdown, WorkerStats)
-from engine.request_checks import check_add_request
-from engine.sampling_params import SamplingParams
-from engine.worker_handoff import HandoffSides, check_role
-from engine.worker_link import WorkerLink
-from engine.zmq_io import new_context, worker_channel
-from kvstore.shared import store_identity
+from duplex.engine.request_checks import check_add_request
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.worker_handoff import HandoffSides, check_role
+from duplex.engine.worker_link import WorkerLink
+from duplex.engine.zmq_io import new_context, worker_channel
+from duplex.kvstore.shared import store_identity
 
 if TYPE_CHECKING:  # torch stays unloaded in workers on fake cores
-    from engine.cost_model import CostModel
-    from engine.kv_manager import KVCacheManager
-    from engine.model_runner import ModelRunner
+    from duplex.engine.cost_model import CostModel
+    from duplex.engine.kv_manager import KVCacheManager
+    from duplex.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ it to the frontend; prefill workers connect to it to hand over KV blocks. With
 --expert-parallel N the worker is rank 0 of an expert-parallel group (engine/ep_group.py);
 `--ep-rank R` runs one of the other ranks, which talks only to the group.
 
-The supervisor starts it as `python -m engine.worker_cli ... --config-json '{...}'`, where the
+The supervisor starts it as `python -m duplex.engine.worker_cli ... --config-json '{...}'`, where the
 JSON EngineConfig replaces the engine flags; the worker flags (--role, --heartbeat-s,
 --kv-bind, --handoff-lease-s) always make its worker section, so one JSON serves every role.
 Hidden flags: `--core module:attr` picks another core factory (tests use a fake),
@@ -28,17 +28,17 @@ import sys
 
 import msgspec
 
-from engine.args import add_engine_arguments, engine_config_from_args
-from engine.config import ROLES, EngineConfig, WorkerConfig
-from engine.kv_tiers import private_kv_dir
-from engine.curve import load_keys
-from engine.logs import setup_logging_from_env
-from engine.worker import CoreFactory, Worker, role_config
+from duplex.engine.args import add_engine_arguments, engine_config_from_args
+from duplex.engine.config import ROLES, EngineConfig, WorkerConfig
+from duplex.engine.kv_tiers import private_kv_dir
+from duplex.engine.curve import load_keys
+from duplex.engine.logs import setup_logging_from_env
+from duplex.engine.worker import CoreFactory, Worker, role_config
 
-DEFAULT_CORE = "engine.core:EngineCore"
+DEFAULT_CORE = "duplex.engine.core:EngineCore"
 _PR_SET_PDEATHSIG = 1
 
-log = logging.getLogger("engine.worker")
+log = logging.getLogger("duplex.engine.worker")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"duplex worker: {e}", file=sys.stderr)
         return 2
     if args.ep_rank:
-        from engine.ep_group import follow
+        from duplex.engine.ep_group import follow
 
         return follow(config, args.ep_rank, started_by_leader=args.parent_pid is not None)
     if args.connect is None:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     factory = resolve_core_factory(args.core)
     if config.ep.is_on and args.core == DEFAULT_CORE:
-        from engine.ep_group import leader_core as factory
+        from duplex.engine.ep_group import leader_core as factory
     worker_id = args.worker_id or f"{options.role}-{os.getpid()}"
     worker = Worker(private_kv_dir(role_config(config), worker_id), factory,
                     address=args.connect, worker_id=worker_id, keys=keys)

@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from engine.kv_transfer import KVIntake, KVSender
-from engine.messages import AddRequest, RequestDelta
-from engine.stats import HandoffStats, IntakeStats
+from duplex.engine.kv_transfer import KVIntake, KVSender
+from duplex.engine.messages import AddRequest, RequestDelta
+from duplex.engine.stats import HandoffStats, IntakeStats
 
 if TYPE_CHECKING:
     import zmq.asyncio
 
-    from engine.config import WorkerConfig
-    from engine.curve import CurveKeys
+    from duplex.engine.config import WorkerConfig
+    from duplex.engine.curve import CurveKeys
 
 _TICK_S = 0.25  # how often leases are checked while hand-offs are in flight
 

@@ -16,10 +16,10 @@ from typing import Callable
 
 import msgspec
 
-from engine.messages import Heartbeat, Ready, WorkerError, WorkerStats
-from engine.zmq_io import Channel
+from duplex.engine.messages import Heartbeat, Ready, WorkerError, WorkerStats
+from duplex.engine.zmq_io import Channel
 
-log = logging.getLogger("engine.worker")
+log = logging.getLogger("duplex.engine.worker")
 
 _REANNOUNCE_EVERY = 4  # heartbeats between repeated Ready messages
 

@@ -31,8 +31,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from engine import curve
-from engine.messages import (MAX_FRAME_BYTES, BadFrame, decode_from_decode_kv,
+from duplex.engine import curve
+from duplex.engine.messages import (MAX_FRAME_BYTES, BadFrame, decode_from_decode_kv,
                              decode_from_worker, decode_to_decode_kv, decode_to_worker, encode)
 
 log = logging.getLogger(__name__)

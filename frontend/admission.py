@@ -21,7 +21,7 @@ import itertools
 from collections import OrderedDict, deque
 from typing import NamedTuple
 
-from frontend.errors import ApiError, invalid
+from duplex.frontend.errors import ApiError, invalid
 
 
 class Work(NamedTuple):

@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, AsyncIterator
 import msgspec
 from aiohttp import web
 
-from engine.messages import FinishReason
-from engine.text import messages as normalized
-from engine.text.messages import Chat
-from engine.text.tool_formats import tool_format
-from engine.text.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from frontend import structured
-from frontend.errors import invalid
-from frontend.retention import request_retention
-from frontend.offload import body_size
-from frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
+from duplex.engine.messages import FinishReason
+from duplex.engine.text import messages as normalized
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.tool_formats import tool_format
+from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from duplex.frontend import structured
+from duplex.frontend.errors import invalid
+from duplex.frontend.retention import request_retention
+from duplex.frontend.offload import body_size
+from duplex.frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
                                  resolve_max_tokens, sampling_params)
-from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
+from duplex.frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
                                AnthropicUsage, ContentBlockDelta, ContentBlockStart,
                                ContentBlockStop, CountTokensRequest, CountTokensResponse,
                                InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
@@ -36,7 +36,7 @@ from frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicToo
                                ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
 
 if TYPE_CHECKING:
-    from frontend.server import AppState
+    from duplex.frontend.server import AppState
 
 log = logging.getLogger("duplex.anthropic")
 

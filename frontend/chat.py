@@ -32,12 +32,13 @@ from typing import NamedTuple, TextIO
 import aiohttp
 import msgspec
 
-from frontend.errors import from_validation
-from frontend.protocol import (SamplingFields, WsDelta, WsDone, WsError, WsPong, WsServerFrame,
+from duplex.frontend.errors import from_validation
+from duplex.frontend.protocol import (SamplingFields, WsDelta, WsDone, WsError, WsPong, WsServerFrame,
                                ws_json_schema)
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/ws"
 API_KEY_ENV = "DUPLEX_API_KEY"
+URL_ENV = "DUPLEX_URL"  # as the examples read it
 HEARTBEAT_S = 15.0  # a server that stops answering pings is noticed within about this long
 CONNECT_TIMEOUT_S = 10.0
 CANCEL_WAIT_S = 5.0  # after a cancel, how long to wait for the request's terminal frame
@@ -61,9 +62,9 @@ Ctrl-C while an answer streams cancels it."""
 
 # ================================================================ arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=DEFAULT_URL,
+    parser.add_argument("--url", default=os.environ.get(URL_ENV) or DEFAULT_URL,
                         help="WebSocket URL of the server; http:// URLs and a bare HOST:PORT "
-                             "are accepted too")
+                             f"are accepted too (default: ${URL_ENV}, else {DEFAULT_URL})")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help=f"API key, sent as a Bearer token (default: ${API_KEY_ENV})")
     parser.add_argument("--system", default=None, metavar="TEXT", help="system prompt")

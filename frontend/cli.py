@@ -11,14 +11,14 @@ import importlib.metadata
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("frontend.serve", "start the API server and its engine workers"),
-    "worker": ("engine.worker_cli", "run one engine worker (unified, prefill or decode)"),
-    "generate": ("engine.generate_cli", "generate offline, without a server"),
-    "chat": ("frontend.chat", "interactive terminal chat over the WebSocket API"),
-    "bench": ("bench.cli", "benchmarks of serving, the engine and its parts (`duplex bench "
+    "serve": ("duplex.frontend.serve", "start the API server and its engine workers"),
+    "worker": ("duplex.engine.worker_cli", "run one engine worker (unified, prefill or decode)"),
+    "generate": ("duplex.engine.generate_cli", "generate offline, without a server"),
+    "chat": ("duplex.frontend.chat", "interactive terminal chat over the WebSocket API"),
+    "bench": ("duplex.bench.cli", "benchmarks of serving, the engine and its parts (`duplex bench "
               "--help` lists them)"),
-    "plan": ("engine.plan_cli", "recommend a prefill:decode worker ratio for a workload"),
-    "keys": ("engine.keys_cli", "write a CURVE key that authenticates workers across hosts"),
+    "plan": ("duplex.engine.plan_cli", "recommend a prefill:decode worker ratio for a workload"),
+    "keys": ("duplex.engine.keys_cli", "write a CURVE key that authenticates workers across hosts"),
 }
 # Subcommands whose flags may also come from DUPLEX_* variables and --config (cli_config).
 SOURCED = ("serve", "worker")
@@ -48,7 +48,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 p.set_defaults(_missing=module)
                 continue
             if name in SOURCED:
-                from frontend.cli_config import add_config_arguments
+                from duplex.frontend.cli_config import add_config_arguments
                 add_config_arguments(p)
     return parser
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     if getattr(args, "print_config", False):
-        from frontend.cli_config import print_config
+        from duplex.frontend.cli_config import print_config
         try:
             getattr(module, "normalize_args", lambda _: None)(args)
         except ValueError as e:
@@ -84,7 +84,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str],
     at = argv.index(command)
     if at:  # options before the command are duplex's own (--help, --version): they exit
         return parser.parse_args(argv)
-    from frontend.cli_config import parse
+    from duplex.frontend.cli_config import parse
     args = parse(sub, argv[at + 1:])
     args.command = command
     return args

@@ -1,7 +1,7 @@
 """docs/cli-reference.md, generated from the `duplex` argument parser so that it cannot drift.
 
-    python -m frontend.cli_docs > docs/cli-reference.md    regenerate it
-    python -m frontend.cli_docs --check                     exit 1 when the file is stale
+    python -m duplex.frontend.cli_docs > docs/cli-reference.md    regenerate it
+    python -m duplex.frontend.cli_docs --check                     exit 1 when the file is stale
 
 Walks `frontend.cli.build_parser()` depth first: one section per subcommand (nested ones,
 like `duplex bench serve`, included) with its usage and a table per argument group. Usage
@@ -17,11 +17,11 @@ import importlib
 import sys
 from pathlib import Path
 
-from frontend.cli import build_parser
+from duplex.frontend.cli import build_parser
 
 WIDTH = 100
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "cli-reference.md"
-REGENERATE = "python -m frontend.cli_docs > docs/cli-reference.md"
+REGENERATE = "python -m duplex.frontend.cli_docs > docs/cli-reference.md"
 
 
 def reference() -> str:
@@ -134,7 +134,7 @@ def _anchor(title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m frontend.cli_docs", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m duplex.frontend.cli_docs", description=__doc__)
     parser.add_argument("--check", action="store_true",
                         help=f"compare with {DOC_PATH.name} instead of printing")
     args = parser.parse_args(argv)

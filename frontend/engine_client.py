@@ -27,12 +27,12 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from engine.curve import CurveKeys
-from engine.messages import (AbortRequests, AddRequest, FinishReason, HandoffFailed, Heartbeat,
+from duplex.engine.curve import CurveKeys
+from duplex.engine.messages import (AbortRequests, AddRequest, FinishReason, HandoffFailed, Heartbeat,
                              Outputs, Ready, RequestDelta, WorkerError, WorkerStats)
-from engine.zmq_io import Channel, frontend_channel, new_context
-from frontend.flights import DEAD_PREFIX, HANDOFF_PREFIX, POLICIES, Flights
-from frontend.router import Router
+from duplex.engine.zmq_io import Channel, frontend_channel, new_context
+from duplex.frontend.flights import DEAD_PREFIX, HANDOFF_PREFIX, POLICIES, Flights
+from duplex.frontend.router import Router
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
-from engine.messages import AbortRequests, AddRequest, FinishReason, HandoffFailed, RequestDelta
-from frontend.router import Router
+from duplex.engine.messages import AbortRequests, AddRequest, FinishReason, HandoffFailed, RequestDelta
+from duplex.frontend.router import Router
 
-log = logging.getLogger("frontend.engine_client")
+log = logging.getLogger("duplex.frontend.engine_client")
 
 DEAD_PREFIX = "engine worker died: "
 HANDOFF_PREFIX = "KV hand-off failed: "

@@ -23,15 +23,15 @@ from typing import AsyncIterator, NamedTuple
 
 import msgspec
 
-from engine.deadlines import DEADLINE_ERROR
-from engine.messages import FAILURES, INVALID, AddRequest, FinishReason, RequestDelta
-from engine.sampling_params import SamplingParams
-from engine.text.output import OutputStream
-from engine.text.tool_formats import tool_format
-from engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
-from frontend.admission import Reservation, Work, WorkAdmission
-from frontend.errors import ApiError, from_sampling_error, invalid
-from frontend.protocol import SamplingFields
+from duplex.engine.deadlines import DEADLINE_ERROR
+from duplex.engine.messages import FAILURES, INVALID, AddRequest, FinishReason, RequestDelta
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.text.output import OutputStream
+from duplex.engine.text.tool_formats import tool_format
+from duplex.engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
+from duplex.frontend.admission import Reservation, Work, WorkAdmission
+from duplex.frontend.errors import ApiError, from_sampling_error, invalid
+from duplex.frontend.protocol import SamplingFields
 
 log = logging.getLogger("duplex.generation")
 

@@ -17,8 +17,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from engine.messages import Ready, WorkerStats
-from engine.stats import MoEStats
+from duplex.engine.messages import Ready, WorkerStats
+from duplex.engine.stats import MoEStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0)

@@ -26,7 +26,7 @@ from typing import Any, Callable, TypeVar
 
 from aiohttp import web
 
-from frontend.errors import invalid
+from duplex.frontend.errors import invalid
 
 T = TypeVar("T")
 INLINE_BELOW_BYTES = 64 * 1024

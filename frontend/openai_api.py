@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
 import msgspec
 from aiohttp import web
 
-from engine.sampling_params import SamplingParams
-from engine.text import messages as normalized
-from engine.text.messages import Chat
-from engine.text.tool_formats import tool_format
-from engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
-from frontend import structured
-from frontend.errors import invalid
-from frontend.retention import request_retention
-from frontend.offload import body_size
-from frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.text import messages as normalized
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.tool_formats import tool_format
+from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
+from duplex.frontend import structured
+from duplex.frontend.errors import invalid
+from duplex.frontend.retention import request_retention
+from duplex.frontend.offload import body_size
+from duplex.frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
                                  check_n, collect, params_from_fields, resolve_max_tokens,
                                  total_usage)
-from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
+from duplex.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                                ChoiceLogprobs, ChunkChoice, ChunkDelta, Completion,
                                CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -35,10 +35,10 @@ from frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                PromptTokensDetails,
                                SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
                                Tool, ToolCall, TopLogprob, REQ_ID, json_response, read_json)
-from frontend.responses_api import ResponsesApi
+from duplex.frontend.responses_api import ResponsesApi
 
 if TYPE_CHECKING:
-    from frontend.server import AppState
+    from duplex.frontend.server import AppState
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 

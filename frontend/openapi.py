@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from frontend import protocol as p
+from duplex.frontend import protocol as p
 
 OPENAPI_VERSION = "3.1.0"
 _REF = "#/components/schemas/{name}"

@@ -13,7 +13,7 @@ import json
 import ssl
 from pathlib import Path
 
-from engine.logs import LOG_FORMATS
+from duplex.engine.logs import LOG_FORMATS
 
 MAX_TEMPLATE_CHARS = 256_000  # as the recipe's RenderLimits.template_chars
 
@@ -47,7 +47,7 @@ def take_positional_model(args: argparse.Namespace) -> None:
         return
     if args.model is not None and args.model != positional:
         raise ValueError(f"MODEL {positional!r} and --model {args.model!r} disagree; give one")
-    from frontend.cli_config import override
+    from duplex.frontend.cli_config import override
     override(args, "model", positional, "cli", "MODEL")
 
 

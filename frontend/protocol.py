@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from aiohttp import web
 
-from frontend.body_limits import TooDeep, check_depth
-from frontend.errors import from_validation, invalid
-from frontend.offload import CPU_POOL
+from duplex.frontend.body_limits import TooDeep, check_depth
+from duplex.frontend.errors import from_validation, invalid
+from duplex.frontend.offload import CPU_POOL
 
 # Integers that travel to the worker must fit msgpack's 64 bits; the rules are checked later.
 Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]

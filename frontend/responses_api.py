@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from engine.messages import FinishReason
-from engine.text.errors import RecipeError
-from engine.text.messages import Chat
-from engine.text.tool_formats import tool_format
-from engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
-from frontend import structured
-from frontend.errors import ApiError, invalid
-from frontend.generation import Delta, Job, collect, resolve_max_tokens, sampling_params
-from frontend.protocol import REQ_ID, SseStream, json_response, read_json
+from duplex.engine.messages import FinishReason
+from duplex.engine.text.errors import RecipeError
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.tool_formats import tool_format
+from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
+from duplex.frontend import structured
+from duplex.frontend.errors import ApiError, invalid
+from duplex.frontend.generation import Delta, Job, collect, resolve_max_tokens, sampling_params
+from duplex.frontend.protocol import REQ_ID, SseStream, json_response, read_json
 
 if TYPE_CHECKING:
-    from frontend.server import AppState
+    from duplex.frontend.server import AppState
 
 MAX_STORED = 1024  # finished responses kept for previous_response_id (LRU)
 

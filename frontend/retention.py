@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from frontend.errors import invalid
-from kvstore.retention import CLASSES, classify
+from duplex.frontend.errors import invalid
+from duplex.kvstore.retention import CLASSES, classify
 
 HEADER = "x-duplex-retention"
 

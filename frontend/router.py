@@ -36,8 +36,8 @@ import itertools
 from collections import OrderedDict, deque
 from typing import NamedTuple
 
-from engine.messages import AddRequest, Ready, WorkerStats
-from kvstore import keys as kvkeys
+from duplex.engine.messages import AddRequest, Ready, WorkerStats
+from duplex.kvstore import keys as kvkeys
 
 DEFAULT_BUCKETS = (512, 4096)
 # Outstanding prefills a worker may hold per bucket, shortest bucket first (the last value

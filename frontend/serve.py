@@ -22,16 +22,16 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.args import add_engine_arguments, engine_config_from_args
-from engine import curve
-from engine.config import (DEFAULT_MODEL_NAME, HANDOFF_LEASE_S, EngineConfig,
+from duplex.engine.args import add_engine_arguments, engine_config_from_args
+from duplex.engine import curve
+from duplex.engine.config import (DEFAULT_MODEL_NAME, HANDOFF_LEASE_S, EngineConfig,
                            resolve_model_path)
-from engine.logs import LOG_FORMAT_ENV, setup_logging
-from frontend.offload import SWITCH_INTERVAL_S
-from frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
+from duplex.engine.logs import LOG_FORMAT_ENV, setup_logging
+from duplex.frontend.offload import SWITCH_INTERVAL_S
+from duplex.frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
                                      take_positional_model, tls_context, with_chat_template)
-from frontend.router import DEFAULT_BUCKETS, parse_buckets
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.frontend.router import DEFAULT_BUCKETS, parse_buckets
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 log = logging.getLogger("duplex.serve")
 
@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
             client_max_size=args.max_body_bytes, metrics_public=args.metrics_public,
             allowed_origins=parse_origins(args.allowed_origins),
-            chat_template=read_chat_template(args.chat_template),
+            chat_template=read_chat_template(args.chat_template)
+            or default_chat_template(config.model),
             tool_call_parser=args.tool_call_parser,
             allow_request_chat_template=args.allow_request_chat_template,
             max_queued_sequences=args.max_queued_sequences,
@@ -194,6 +195,13 @@ def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
                         args.worker_key)
 
 
+def default_chat_template(model: str | None) -> str | None:
+    """The template served when no --chat-template is given: for the default model, its own
+    ChatML with Hermes-style tool calling (frontend/templates/smollm2_tools.jinja), so the
+    README's tool examples work on `make serve`; for any other model, its own (None)."""
+    return TOOLS_TEMPLATE.read_text(encoding="utf-8") if model is None else None
+
+
 def model_name(model: str | None) -> str:
     """The name clients use by default: the default model's, or the file / directory name."""
     if model is None:
@@ -206,10 +214,10 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
                 port: int, shutdown_timeout_s: float,
                 layout: WorkerLayout = WorkerLayout(), ssl_context=None,
                 chat_template: str | None = None) -> int:
-    from frontend.engine_client import EngineClient
-    from engine.text.recipe import Recipe
-    from frontend.router import DEFAULT_BUCKET_LIMITS, Router
-    from frontend.supervisor import Supervisor
+    from duplex.frontend.engine_client import EngineClient
+    from duplex.engine.text.recipe import Recipe
+    from duplex.frontend.router import DEFAULT_BUCKET_LIMITS, Router
+    from duplex.frontend.supervisor import Supervisor
 
     recipe = with_chat_template(Recipe.from_model(model_path), chat_template)
     supervisor = Supervisor(config, roles=layout.roles, worker_args=layout.worker_args(),

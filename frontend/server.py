@@ -23,22 +23,22 @@ from typing import AsyncIterator, Protocol
 
 from aiohttp import web
 
-from engine.logs import REQUEST_ID
-from engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
-from engine.stats import KVStats, MoEStats
-from engine.text.messages import Chat
-from engine.text.tool_formats import TOOL_FORMATS
-from engine.text.tool_parser import forced_call_prefix, tools_supported
-from frontend import anthropic_api, openai_api, openapi, ws
-from frontend.admission import WorkAdmission
-from frontend.auth import ApiKeys
-from frontend.cors import setup_cors
-from frontend.errors import ApiError, invalid
-from frontend.generation import Pipeline
-from frontend.metrics import Metrics, kv_usage
-from frontend.offload import (CPU_POOL, CpuPool, check_prompt_chars, longest_token_chars,
+from duplex.engine.logs import REQUEST_ID
+from duplex.engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
+from duplex.engine.stats import KVStats, MoEStats
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.tool_formats import TOOL_FORMATS
+from duplex.engine.text.tool_parser import forced_call_prefix, tools_supported
+from duplex.frontend import anthropic_api, openai_api, openapi, ws
+from duplex.frontend.admission import WorkAdmission
+from duplex.frontend.auth import ApiKeys
+from duplex.frontend.cors import setup_cors
+from duplex.frontend.errors import ApiError, invalid
+from duplex.frontend.generation import Pipeline
+from duplex.frontend.metrics import Metrics, kv_usage
+from duplex.frontend.offload import (CPU_POOL, CpuPool, check_prompt_chars, longest_token_chars,
                               text_chars)
-from frontend.protocol import REQ_ID, json_response
+from duplex.frontend.protocol import REQ_ID, json_response
 
 log = logging.getLogger("duplex.server")
 

@@ -22,9 +22,9 @@ import asyncio
 import json
 from typing import Any, NamedTuple
 
-from engine.grammar import GrammarError, MAX_SPEC_BYTES, choice_tag, parse
-from engine.sampling_params import Constraint
-from frontend.errors import invalid
+from duplex.engine.grammar import GrammarError, MAX_SPEC_BYTES, choice_tag, parse
+from duplex.engine.sampling_params import Constraint
+from duplex.frontend.errors import invalid
 
 PARSE_TIMEOUT_S = 5.0
 MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema (objects and arrays)

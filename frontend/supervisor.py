@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
-from engine.config import EngineConfig, available_cores
+from duplex.engine.config import EngineConfig, available_cores
 
 if TYPE_CHECKING:
-    from frontend.engine_client import EngineClient
+    from duplex.frontend.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Supervisor:
 
     def _command(self, slot: _Slot) -> list[str]:
         config_json = msgspec.json.encode(self._worker_config).decode()
-        return [sys.executable, "-m", "engine.worker_cli", "--role", slot.role,
+        return [sys.executable, "-m", "duplex.engine.worker_cli", "--role", slot.role,
                 "--connect", slot.address, "--worker-id", slot.worker_id,
                 "--config-json", config_json, "--parent-pid", str(os.getpid()),
                 *self._worker_args]

@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import WSMsgType, web
 
-from engine.text.messages import Chat
-from frontend.auth import WS_PROTOCOL
-from frontend.body_limits import check_depth
-from frontend.errors import ApiError
-from frontend.generation import Delta, Final, Job, params_from_fields, resolve_max_tokens
-from frontend.openai_api import chat_messages
-from frontend.retention import request_retention
-from frontend.protocol import (WsCancel, WsChat, WsClientFrame, WsDelta, WsDone, WsError,
+from duplex.engine.text.messages import Chat
+from duplex.frontend.auth import WS_PROTOCOL
+from duplex.frontend.body_limits import check_depth
+from duplex.frontend.errors import ApiError
+from duplex.frontend.generation import Delta, Final, Job, params_from_fields, resolve_max_tokens
+from duplex.frontend.openai_api import chat_messages
+from duplex.frontend.retention import request_retention
+from duplex.frontend.protocol import (WsCancel, WsChat, WsClientFrame, WsDelta, WsDone, WsError,
                                WsPing, WsPong, WsTimings, WsUsage, REQ_ID, decode_json, encode)
 
 if TYPE_CHECKING:
-    from frontend.server import AppState
+    from duplex.frontend.server import AppState
 
 log = logging.getLogger("duplex.ws")
 

@@ -7,7 +7,7 @@ semantics for `silu(gate) * up` in bf16/fp16); the product is rounded once.
 """
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from duplex.kernels._triton import require_triton, tl, triton
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

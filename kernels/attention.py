@@ -26,8 +26,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels import cpu_attention, cpu_fused
-from kernels._triton import require_triton, tl, triton
+from duplex.kernels import cpu_attention, cpu_fused
+from duplex.kernels._triton import require_triton, tl, triton
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,7 +19,7 @@ plain ops break it.
 """
 import torch
 
-from kernels import attention
+from duplex.kernels import attention
 
 _enabled = False
 

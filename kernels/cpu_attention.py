@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_fused import load_library
+from duplex.kernels.cpu_fused import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _lib: ctypes.CDLL | None | bool = None

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_fused import load_library
-from kernels.cpu_qgemv import Packed
+from duplex.kernels.cpu_fused import load_library
+from duplex.kernels.cpu_qgemv import Packed
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _lib: ctypes.CDLL | None | bool = None

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import memory
-from kernels.cpu_fused import load_library
+from duplex.kernels import memory
+from duplex.kernels.cpu_fused import load_library
 
 log = logging.getLogger("duplex.kernels")
 

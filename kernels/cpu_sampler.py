@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.cpu_fused import load_library
+from duplex.kernels.cpu_fused import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_sampler.c")
 _lib: ctypes.CDLL | None | bool = None

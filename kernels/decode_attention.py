@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
-from kernels.attention import (check_inputs, kv_tile_scores, online_softmax_step,
+from duplex.kernels._triton import require_triton, tl, triton
+from duplex.kernels.attention import (check_inputs, kv_tile_scores, online_softmax_step,
                                paged_attention_triton)
 
 SPLIT_SIZE = 256  # key positions per split; a constant so that results are batch invariant

@@ -27,7 +27,7 @@ are fp32. The alignment is all device ops: no host sync.
 """
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from duplex.kernels._triton import require_triton, tl, triton
 
 
 def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,

@@ -6,7 +6,7 @@ is indexed by slot directly. A negative slot means "padding token, do not write"
 """
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from duplex.kernels._triton import require_triton, tl, triton
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -5,7 +5,7 @@ The triton kernel uses fixed tile sizes and one K-reduction order for every M, s
 """
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from duplex.kernels._triton import require_triton, tl, triton
 
 
 def matmul_ref(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:

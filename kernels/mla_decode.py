@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
-from kernels.attention import attention_mask, gather_kv
-from kernels.decode_attention import BLOCK_N, SPLIT_SIZE, _combine_kernel, split_partials
+from duplex.kernels._triton import require_triton, tl, triton
+from duplex.kernels.attention import attention_mask, gather_kv
+from duplex.kernels.decode_attention import BLOCK_N, SPLIT_SIZE, _combine_kernel, split_partials
 
 BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
 

@@ -7,18 +7,37 @@
 
 Conventions (shapes, masks, dtypes) are documented on the reference of each op; every path
 follows them.
+
+The kernels package (`duplex.kernels`): each kernel is a triple: triton kernel, launcher with plain-words asserts,
+torch reference. The engine calls this module, which picks triton on CUDA and the torch
+reference (or, in batch-invariant mode, `duplex.kernels.batch_invariant`) on CPU.
+
+    ops.py              dispatch: store_kv, paged_attention, rms_norm, rotary_embedding,
+                        matmul, linear, log_softmax, silu, silu_and_mul,
+                        fused_moe
+    kv_store.py         paged KV cache write (slot = block_id * block_size + offset)
+    attention.py        varlen paged attention: decode + prefill over a cached prefix, GQA,
+                        sliding window, soft cap
+    decode_attention.py split-KV (flash-decoding) triton attention for decode rows (CUDA)
+    activation.py       SiLU-and-mul of a fused gate/up projection
+    fused_moe.py        routed SwiGLU experts as grouped GEMMs over expert-sorted rows
+    rms_norm.py         RMSNorm (Llama / Gemma3 offset), fused residual add
+    rotary.py           RoPE from a cos/sin cache (neox and GPT-J layouts)
+    matmul.py           plain matmul/linear; batch-invariant persistent triton matmul
+    batch_invariant.py  the batch-invariant switch and its CPU implementations
+    _triton.py          the optional triton import
 """
 import torch
 
-from kernels import activation, attention, fused_moe as _fused_moe, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
-from kernels import batch_invariant as bi
-from kernels import cpu_fused, decode_attention
-from kernels.attention import AttentionPlan
-from kernels.decode_attention import StepLens
-from kernels.batch_invariant import is_batch_invariant
-from kernels._triton import runs_triton
-from kernels.quant import QuantEmbedding, QuantWeight
-from kernels.rotary import RopeTables
+from duplex.kernels import activation, attention, fused_moe as _fused_moe, kv_store, matmul as _matmul, rms_norm as _rms_norm, rotary
+from duplex.kernels import batch_invariant as bi
+from duplex.kernels import cpu_fused, decode_attention
+from duplex.kernels.attention import AttentionPlan
+from duplex.kernels.decode_attention import StepLens
+from duplex.kernels.batch_invariant import is_batch_invariant
+from duplex.kernels._triton import runs_triton
+from duplex.kernels.quant import QuantEmbedding, QuantWeight
+from duplex.kernels.rotary import RopeTables
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

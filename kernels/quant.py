@@ -35,8 +35,8 @@ import os
 
 import torch
 
-from kernels import cpu_qgemv, memory
-from kernels.cpu_fused import cpu_flags
+from duplex.kernels import cpu_qgemv, memory
+from duplex.kernels.cpu_fused import cpu_flags
 
 INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32..256)
 _INNER_K_TILES = 2

@@ -8,7 +8,7 @@ residual: `(out, x + residual)`.
 """
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from duplex.kernels._triton import require_triton, tl, triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

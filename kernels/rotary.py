@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from duplex.kernels._triton import require_triton, tl, triton
 
 
 def rope_cos_sin_cache(rotary_dim: int, max_positions: int, base: float = 10000.0,

@@ -38,8 +38,8 @@ import struct
 import zlib
 from typing import NamedTuple
 
-from kvstore.entry import MAX_NDIM, BlockEntry
-from kvstore.keys import KEY_BYTES, LAYOUT_VERSION, key_hex
+from duplex.kvstore.entry import MAX_NDIM, BlockEntry
+from duplex.kvstore.keys import KEY_BYTES, LAYOUT_VERSION, key_hex
 
 MAGIC = b"DPLXKV\r\n"
 FORMAT_VERSION = 1

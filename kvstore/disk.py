@@ -35,11 +35,11 @@ from collections.abc import Callable
 
 import aiofiles.os
 
-from kvstore import blockfile
-from kvstore.blockfile import ReadResult, Status
-from kvstore.entry import BlockEntry
-from kvstore.errors import KVStoreError
-from kvstore.keys import KEY_BYTES, key_hex
+from duplex.kvstore import blockfile
+from duplex.kvstore.blockfile import ReadResult, Status
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.errors import KVStoreError
+from duplex.kvstore.keys import KEY_BYTES, key_hex
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvstore.entry import BlockEntry
+from duplex.kvstore.entry import BlockEntry
 
 __all__ = ["BlockEntry", "HostTier"]
 

@@ -27,10 +27,10 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvstore import blockfile
-from kvstore.blockfile import ReadResult, Status
-from kvstore.entry import BlockEntry
-from kvstore.keys import key_hex
+from duplex.kvstore import blockfile
+from duplex.kvstore.blockfile import ReadResult, Status
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.keys import key_hex
 
 SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://", "redis+cluster://",
            "rediss+cluster://", "valkey+cluster://", "valkeys+cluster://")

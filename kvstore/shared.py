@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvstore.blockfile import ReadResult, Status
-from kvstore.breaker import CircuitBreaker
-from kvstore.entry import BlockEntry
+from duplex.kvstore.blockfile import ReadResult, Status
+from duplex.kvstore.breaker import CircuitBreaker
+from duplex.kvstore.entry import BlockEntry
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def open_shared(url: str, namespace: bytes, capacity_bytes: int,
                 clock: Callable[[], float] = time.time) -> SharedTier:
     """The shared tier a `--kv-remote` value names: redis:// / valkey:// URL, or a shared
     directory (a path or file:// URL). Nothing connects until `start`."""
-    from kvstore import redis_tier, shared_dir
+    from duplex.kvstore import redis_tier, shared_dir
     if redis_tier.is_redis_url(url):
         backend = redis_tier.RedisBackend(url, namespace, config.op_timeout_s)
     elif shared_dir.is_dir_url(url):

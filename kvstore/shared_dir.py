@@ -35,10 +35,10 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from kvstore import blockfile
-from kvstore.blockfile import ReadResult, Status, WriteItem
-from kvstore.entry import BlockEntry
-from kvstore.keys import key_hex
+from duplex.kvstore import blockfile
+from duplex.kvstore.blockfile import ReadResult, Status, WriteItem
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.keys import key_hex
 
 LEASE_NAME = ".sweep.lease"
 

@@ -5,6 +5,19 @@ disk (once: the disk tier deduplicates by key); disk and shared hits are promote
 host RAM. The shared tier (fleet-wide, `kvstore.shared`) is written behind at publish and
 read a whole prefix chain at a time; it has no local index, so `lookup` never names it.
 It owns no bytes itself. Counters are flat, ready for Prometheus.
+
+The package (`duplex.kvstore`): the host-RAM and disk tiers of the KV cache, their TTL and integrity.
+
+Stores opaque bytes (no torch). Imports nothing else of Duplex.
+
+  keys       the content address of a block (one versioned function for every cache)
+  retention  chat / agent retention classes and expiry
+  entry      BlockEntry: one block's payload and small header
+  host       HostTier: RAM, byte-bounded LRU
+  blockfile  the on-disk format of one block file, blocking file operations
+  disk       DiskTier: files, write-behind queue, LRU cap, TTL sweep, restart index
+  store      KVStore: host in front of disk (spill, promote, lookup, flat stats)
+  errors     KVStoreError
 """
 from __future__ import annotations
 
@@ -12,10 +25,10 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.disk import DiskTier
-from kvstore.entry import BlockEntry
-from kvstore.host import HostTier
-from kvstore.shared import SharedTier
+from duplex.kvstore.disk import DiskTier
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.host import HostTier
+from duplex.kvstore.shared import SharedTier
 
 HOST, DISK, SHARED = "host", "disk", "shared"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of issue 17 in one command, for a machine with torch, transformers and triton
 # but no network: install the carried wheels (bench/scripts/gpu_wheels.sh made them, here) into
-# /tmp/site, then run `python -m bench.gpu_check` (time budget 330 s) with results in $OUT.
+# /tmp/site, then run `python -m duplex.bench.gpu_check` (time budget 330 s) with results in $OUT.
 #
 # The device `run` call (one H200; the whole command must end inside 6 minutes):
 #   command:   bash bench/scripts/gpu_check.sh
@@ -24,4 +24,4 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia_smi.txt"
-"$PYTHON" -m bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+"$PYTHON" -m duplex.bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"

@@ -4,7 +4,7 @@
 set -euo pipefail
 OUT=${OUT:-out/bench}
 PY=${PY:-.venv/bin/python}
-DUPLEX="$PY -m frontend.cli"
+DUPLEX="$PY -m duplex.frontend.cli"
 mkdir -p "$OUT"
 
 wait_healthy() {  # url

@@ -4,10 +4,10 @@
 which expert each rank's slots hold (with redundant replicas of hot experts) and routes tokens
 to replicas, `balancer` decides when to switch to a new placement.
 """
-from engine.eplb.balancer import Balancer
-from engine.eplb.placement import (Move, Placement, compute_placement, identity_placement,
+from duplex.engine.eplb.balancer import Balancer
+from duplex.engine.eplb.placement import (Move, Placement, compute_placement, identity_placement,
                                    imbalance, moved_bytes, moves, rank_load, route)
-from engine.eplb.stats import ExpertLoadStats
+from duplex.engine.eplb.stats import ExpertLoadStats
 
 __all__ = ["Balancer", "ExpertLoadStats", "Move", "Placement", "compute_placement",
            "identity_placement", "imbalance", "moved_bytes", "moves", "rank_load", "route"]

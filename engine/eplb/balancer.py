@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.eplb.placement import Placement, compute_placement
-from engine.eplb.stats import ExpertLoadStats
+from duplex.engine.eplb.placement import Placement, compute_placement
+from duplex.engine.eplb.stats import ExpertLoadStats
 
 
 class Balancer:

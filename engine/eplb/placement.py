@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from engine.eplb import packing
+from duplex.engine.eplb import packing
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

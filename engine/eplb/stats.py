@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.eplb.placement import Placement, imbalance, rank_load
+from duplex.engine.eplb.placement import Placement, imbalance, rank_load
 
 
 class ExpertLoadStats:

@@ -1,13 +1,13 @@
 """Model registry: architecture name -> model class (one file per family)."""
 from __future__ import annotations
 
-from engine.models.gemma3 import Gemma3ForCausalLM
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-from engine.models.llama import ForwardContext, LlamaForCausalLM
-from engine.models.loader import ModelArgs, ModelLoadError, load
-from engine.models.mixtral import MixtralForCausalLM
-from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
-from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from duplex.engine.models.gemma3 import Gemma3ForCausalLM
+from duplex.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from duplex.engine.models.llama import ForwardContext, LlamaForCausalLM
+from duplex.engine.models.loader import ModelArgs, ModelLoadError, load
+from duplex.engine.models.mixtral import MixtralForCausalLM
+from duplex.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from duplex.engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES = {
     "llama": LlamaForCausalLM,

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from engine.models.llama import ForwardContext
-from engine.models.loader import ModelArgs
-from engine.models.moe import MoEBlock, MoEDecoderLayer, MoEForCausalLM, grouped_topk
-from kernels import ops
-from kernels.mla_decode import mla_attend_ref, mla_decode_triton
-from kernels.rotary import rope_cos_sin_cache
+from duplex.engine.models.llama import ForwardContext
+from duplex.engine.models.loader import ModelArgs
+from duplex.engine.models.moe import MoEBlock, MoEDecoderLayer, MoEForCausalLM, grouped_topk
+from duplex.kernels import ops
+from duplex.kernels.mla_decode import mla_attend_ref, mla_decode_triton
+from duplex.kernels.rotary import rope_cos_sin_cache
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 

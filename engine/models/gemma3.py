@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import MLP, Attention, ForwardContext, LlamaForCausalLM
-from engine.models.loader import ModelArgs
-from kernels import ops
-from kernels.rotary import rope_cos_sin_cache
+from duplex.engine.models.llama import MLP, Attention, ForwardContext, LlamaForCausalLM
+from duplex.engine.models.loader import ModelArgs
+from duplex.kernels import ops
+from duplex.kernels.rotary import rope_cos_sin_cache
 
 GEMMA_NORM_OFFSET = 1.0  # out = norm(x) * (1 + weight)
 

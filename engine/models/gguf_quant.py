@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.quant import QuantWeight
+from duplex.kernels.quant import QuantWeight
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 

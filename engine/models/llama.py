@@ -16,13 +16,13 @@ import os
 
 import torch
 
-from engine.models.loader import ModelArgs
-from kernels import cpu_decode, cpu_fused, ops, quant
-from kernels.batch_invariant import is_batch_invariant
-from kernels.quant import QuantWeight
-from kernels.attention import AttentionPlan, plan_attention
-from kernels.decode_attention import StepLens
-from kernels.rotary import RopeTables, rope_cos_sin_cache, rope_tables
+from duplex.engine.models.loader import ModelArgs
+from duplex.kernels import cpu_decode, cpu_fused, ops, quant
+from duplex.kernels.batch_invariant import is_batch_invariant
+from duplex.kernels.quant import QuantWeight
+from duplex.kernels.attention import AttentionPlan, plan_attention
+from duplex.kernels.decode_attention import StepLens
+from duplex.kernels.rotary import RopeTables, rope_cos_sin_cache, rope_tables
 
 
 @dataclasses.dataclass

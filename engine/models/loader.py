@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from engine.models.gguf_quant import INT4_TYPES, unpack_int4, unpack_q8_0
-from kernels.quant import INT4_GROUP, QuantEmbedding, QuantWeight
+from duplex.engine.models.gguf_quant import INT4_TYPES, unpack_int4, unpack_q8_0
+from duplex.kernels.quant import INT4_GROUP, QuantEmbedding, QuantWeight
 
 if TYPE_CHECKING:
-    from engine.models.moe import MLAArgs, MoEArgs
+    from duplex.engine.models.moe import MLAArgs, MoEArgs
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # config.json model_type
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # engine/models/moe.py
@@ -293,7 +293,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, progress: bool, quant: str) -> L
 def hf_config_to_args(config: dict[str, Any]) -> ModelArgs:
     arch = config.get("model_type")
     if arch in MOE_ARCHS:
-        from engine.models.moe import moe_config_to_args  # moe imports this module
+        from duplex.engine.models.moe import moe_config_to_args  # moe imports this module
         return moe_config_to_args(config)
     if arch == "gemma3":
         raise ModelLoadError("multimodal Gemma 3 (model_type gemma3) is not supported; "

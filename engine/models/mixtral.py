@@ -6,7 +6,7 @@ and `block_sparse_moe.experts.{e}.w1 / w3 / w2` (gate / up / down).
 """
 from __future__ import annotations
 
-from engine.models.moe import MoEDecoderLayer, MoEForCausalLM
+from duplex.engine.models.moe import MoEDecoderLayer, MoEForCausalLM
 
 
 class MixtralDecoderLayer(MoEDecoderLayer):

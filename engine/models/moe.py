@@ -26,12 +26,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine.eplb import ExpertLoadStats
-from engine.models.llama import DecoderLayer, LlamaForCausalLM, MLP
-from engine.models.loader import MOE_ARCHS, ModelArgs, ModelLoadError
-from engine.stats import MoEStats
-from kernels import batch_invariant as bi
-from kernels import ops
+from duplex.engine.eplb import ExpertLoadStats
+from duplex.engine.models.llama import DecoderLayer, LlamaForCausalLM, MLP
+from duplex.engine.models.loader import MOE_ARCHS, ModelArgs, ModelLoadError
+from duplex.engine.stats import MoEStats
+from duplex.kernels import batch_invariant as bi
+from duplex.kernels import ops
 
 # Steps of routed-token counts kept (a ring of window x layers x experts int64: 512 steps of
 # DeepSeek-V3's 58 x 256 is 61 MB).

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM
-from engine.models.loader import ModelArgs
-from kernels import ops
+from duplex.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from duplex.engine.models.loader import ModelArgs
+from duplex.kernels import ops
 
 
 class Qwen3Attention(Attention):

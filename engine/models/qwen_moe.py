@@ -7,8 +7,8 @@ Both keep dense MLPs on `mlp_only_layers` and off the `decoder_sparse_step` grid
 """
 from __future__ import annotations
 
-from engine.models.moe import MoEDecoderLayer, MoEForCausalLM
-from engine.models.qwen import Qwen3Attention
+from duplex.engine.models.moe import MoEDecoderLayer, MoEForCausalLM
+from duplex.engine.models.qwen import Qwen3Attention
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):

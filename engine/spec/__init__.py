@@ -8,6 +8,6 @@ flattened batch as everything else, and the output distribution never changes.
     speculator.py   the engine-facing object: propose, clip, logit rows, verify, stats;
                     it measures what verifying n tokens costs into the engine's CostModel
 """
-from engine.spec.speculator import Speculator
+from duplex.engine.spec.speculator import Speculator
 
 __all__ = ["Speculator"]

@@ -30,11 +30,11 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from engine.block_pool import BlockPool
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
-from engine.spec.verify import target_probs
+from duplex.engine.block_pool import BlockPool
+from duplex.engine.model_runner import ModelRunner
+from duplex.engine.request import Request
+from duplex.engine.scheduler import ScheduledRequest
+from duplex.engine.spec.verify import target_probs
 
 # keep_going(index of the request in the round, position j, q(d_j), entropy) -> bool
 KeepGoing = Callable[[int, int, float, float], bool]

@@ -34,17 +34,17 @@ import msgspec
 import numpy as np
 import torch
 
-from engine.config import SpecConfig
-from engine.cost_model import CostModel
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
-from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
+from duplex.engine.config import SpecConfig
+from duplex.engine.cost_model import CostModel
+from duplex.engine.request import Request
+from duplex.engine.scheduler import ScheduledRequest
+from duplex.engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
                                     keep_drafting_threshold, make_features)
-from engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, RequestView,
+from duplex.engine.spec.draft_model import (DraftModelDrafter, ModelDrafterBase, RequestView,
                                      SelfDrafter, relative_cost)
-from engine.spec.ngram import NgramDrafter
-from engine.spec.verify import Verified, target_probs, verify_greedy, verify_sampled
-from engine.stats import CalibrationBin, HeadStats, SpecStats
+from duplex.engine.spec.ngram import NgramDrafter
+from duplex.engine.spec.verify import Verified, target_probs, verify_greedy, verify_sampled
+from duplex.engine.stats import CalibrationBin, HeadStats, SpecStats
 
 MAX_POSITIONS = 16  # EngineConfig caps num_draft_tokens here
 _EMA = 0.8  # weight of the past in a request's acceptance EMA

@@ -24,8 +24,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from engine.sampler import apply_top_k_top_p_min_p
-from engine.sampling_params import SamplingParams
+from duplex.engine.sampler import apply_top_k_top_p_min_p
+from duplex.engine.sampling_params import SamplingParams
 
 RULES = ("exact", "wrong")
 

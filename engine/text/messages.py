@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-from engine.text.errors import RecipeError, short
+from duplex.engine.text.errors import RecipeError, short
 
 ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant", "tool": "tool"}

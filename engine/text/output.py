@@ -12,9 +12,9 @@ How the text is split into pushes never changes the result (see engine/text/stop
 """
 from __future__ import annotations
 
-from engine.messages import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.text.stop import StopChecker
+from duplex.engine.messages import FinishReason
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.text.stop import StopChecker
 
 
 class OutputStream:

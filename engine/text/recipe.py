@@ -37,12 +37,12 @@ import re
 import time
 from datetime import datetime
 
-from engine.text.detokenizer import IncrementalDetokenizer
-from engine.text.errors import RecipeError
-from engine.text.messages import Chat
-from engine.text.sandbox import RenderLimits, compile_template, render_template
-from engine.text.symbolic import Ledger, Rendered
-from engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
+from duplex.engine.text.detokenizer import IncrementalDetokenizer
+from duplex.engine.text.errors import RecipeError
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.sandbox import RenderLimits, compile_template, render_template
+from duplex.engine.text.symbolic import Ledger, Rendered
+from duplex.engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
                                    text_encoder)
 
 __all__ = ["Chat", "Recipe", "RecipeError", "RenderLimits", "Rendered", "render_chat"]

@@ -21,8 +21,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from engine.text.errors import RecipeError, short
-from engine.text.symbolic import Ledger
+from duplex.engine.text.errors import RecipeError, short
+from duplex.engine.text.symbolic import Ledger
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import json
 import re
 from typing import Callable
 
-from engine.text.tool_parser import (HermesFormat, TextDelta, ToolCallArgsDelta, ToolCallEnd,
+from duplex.engine.text.tool_parser import (HermesFormat, TextDelta, ToolCallArgsDelta, ToolCallEnd,
                                      ToolCallParser, ToolCallStart, _partial_tag, new_call_id)
 
 _DECODER = json.JSONDecoder()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.invariance import experiment
+from duplex.bench.invariance import experiment
 from tests.engine.conftest import make_core
 
 

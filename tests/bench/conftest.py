@@ -6,8 +6,8 @@ import socket
 import pytest
 from bench_fakes import FakeOpenAI
 
-from bench.hf import load_tokenizer
-from bench.text import TextSource
+from duplex.bench.hf import load_tokenizer
+from duplex.bench.text import TextSource
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""bench.attention on tiny shapes: the paged keys it builds are a permutation of the pool's
+"""duplex.bench.attention on tiny shapes: the paged keys it builds are a permutation of the pool's
 slots, each sequence's in position order inside its blocks, and a run reports every figure
 (the kernel's own correctness is tests/kernels/test_cpu_attention.py)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from bench import attention
-from kernels import cpu_attention
+from duplex.bench import attention
+from duplex.kernels import cpu_attention
 
 
 def args_for(tmp_path, *extra) -> argparse.Namespace:

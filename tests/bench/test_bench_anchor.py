@@ -16,9 +16,9 @@ import types
 import pytest
 from bench_fakes import FakeOpenAI
 
-from bench import anchor
-from bench.offline import isolated_gemm_seconds, step_gemms, step_weights
-from bench.server_proc import free_port
+from duplex.bench import anchor
+from duplex.bench.offline import isolated_gemm_seconds, step_gemms, step_weights
+from duplex.bench.server_proc import free_port
 
 # ----- llama-bench -o json -------------------------------------------------------------------
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
-from bench import cli
-from bench.baseline_server import BaselineEngine, BaselineServer
-from bench.runner import LoadConfig, run_load
-from bench.workloads import Conversation, Turn
+from duplex.bench import cli
+from duplex.bench.baseline_server import BaselineEngine, BaselineServer
+from duplex.bench.runner import LoadConfig, run_load
+from duplex.bench.workloads import Conversation, Turn
 
 EOS = 2
 
@@ -137,7 +137,7 @@ def test_serve_against_the_baseline_on_the_default_model(tokenizer, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "bench", "baseline-server", "--port", str(port),
+        [sys.executable, "-m", "duplex.frontend.cli", "bench", "baseline-server", "--port", str(port),
          "--batch-size", "2", "--threads", "1"],
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

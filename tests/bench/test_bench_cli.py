@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from bench import machine
-from frontend import cli as duplex_cli
+from duplex.bench import machine
+from duplex.frontend import cli as duplex_cli
 
 
 @pytest.mark.parametrize("name", ["offline", "eplb"])
 def test_missing_benchmarks_say_not_available(name, capsys, monkeypatch):
-    module = f"bench.{name}"
+    module = f"duplex.bench.{name}"
     monkeypatch.setitem(sys.modules, module, None)       # as if the module were not built
     assert duplex_cli.main(["bench", name, "--any", "flag"]) == 2
     assert f"duplex bench {name}: not available" in capsys.readouterr().err
@@ -23,9 +23,9 @@ def test_subcommands_import_only_their_module(tmp_path):
     result = {"label": "a", "summary": {"completed": 1, "ttft_ms": {"p50": 2.0}}}
     path = tmp_path / "a.json"
     path.write_text(json.dumps(result))
-    code = ("import sys; from frontend.cli import main; rc = main(['bench', 'compare', "
+    code = ("import sys; from duplex.frontend.cli import main; rc = main(['bench', 'compare', "
             f"{str(path)!r}]); print('LOADED', sorted(m for m in ('aiohttp', 'torch', "
-            "'bench.serve', 'bench.baseline_server') if m in sys.modules), rc)")
+            "'duplex.bench.serve', 'duplex.bench.baseline_server') if m in sys.modules), rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert "| TTFT p50 (ms) | 2.000 |" in out

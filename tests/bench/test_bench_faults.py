@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from bench.metrics import summarize
-from bench.runner import LoadConfig, run_load
-from bench.workloads import Conversation, Turn
+from duplex.bench.metrics import summarize
+from duplex.bench.runner import LoadConfig, run_load
+from duplex.bench.workloads import Conversation, Turn
 
 
 def conversations(num: int, num_turns: int = 1) -> list[Conversation]:
@@ -85,7 +85,7 @@ async def test_sse_parsing_handles_crlf_comments_and_multiline_data(fake_server)
 
 def test_cli_writes_a_report_even_when_the_server_hangs(fake_server, tokenizer, tmp_path,
                                                         capsys):
-    from bench import cli
+    from duplex.bench import cli
     start = time.perf_counter()
     rc = cli.main(["serve", "--url", fake_server.url, "--model", "hang", "--num-requests", "3",
                    "--input-len", "8", "--output-len", "4", "--concurrency", "3",

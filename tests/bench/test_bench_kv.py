@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from bench.kv import _hit_rate_bound
+from duplex.bench.kv import _hit_rate_bound
 
 
 def _args(**values) -> argparse.Namespace:

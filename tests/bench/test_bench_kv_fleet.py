@@ -1,5 +1,5 @@
-"""bench.kv_fleet: the trace's hit-rate bound."""
-from bench.kv_fleet import hash_bound
+"""duplex.bench.kv_fleet: the trace's hit-rate bound."""
+from duplex.bench.kv_fleet import hash_bound
 
 
 def test_bound_counts_leading_blocks_seen_before_and_never_new_ones():

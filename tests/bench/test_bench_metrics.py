@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench import metrics
-from bench.metrics import Slo
-from bench.record import CANCELLED, FAILED, OK, REJECTED, RequestRecord
+from duplex.bench import metrics
+from duplex.bench.metrics import Slo
+from duplex.bench.record import CANCELLED, FAILED, OK, REJECTED, RequestRecord
 
 
 def make_record(chunk_s=(0.1, 0.15, 0.25, 0.3), end_s=0.4, status=OK, **fields) -> RequestRecord:

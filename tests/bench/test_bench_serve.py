@@ -8,11 +8,11 @@ import pytest
 from bench_fakes import (CACHED_TOKENS, DRAFT_ACCEPTED, DRAFT_PROPOSED, PROMPT_TOKENS,
                          reply_words)
 
-from bench import cli
-from bench.metrics import Slo
-from bench.runner import LoadConfig, arrival_times, run_load
-from bench.serve import run_workload
-from bench.workloads import AGENT_HEADER, Conversation, Turn
+from duplex.bench import cli
+from duplex.bench.metrics import Slo
+from duplex.bench.runner import LoadConfig, arrival_times, run_load
+from duplex.bench.serve import run_workload
+from duplex.bench.workloads import AGENT_HEADER, Conversation, Turn
 
 SMALL = ["--input-len", "8", "--output-len", "4", "--system-len", "16", "--no-progress"]
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from bench.text import TextSource
-from bench.workloads import (AGENT_HEADER, WorkloadOptions, build_workload, default_trace_path,
+from duplex.bench.text import TextSource
+from duplex.bench.workloads import (AGENT_HEADER, WorkloadOptions, build_workload, default_trace_path,
                              random_lengths, random_workload, read_trace)
 
 

@@ -1,4 +1,4 @@
-"""bench.gpu_check runs end to end on the CPU in --quick mode: every section is in the report,
+"""duplex.bench.gpu_check runs end to end on the CPU in --quick mode: every section is in the report,
 the CUDA-only ones say why they were skipped, the CPU-runnable ones produce numbers; and its
 kernel comparison reads the same values through the paged and the contiguous layout."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from bench import cli, gpu_check
+from duplex.bench import cli, gpu_check
 
 
 def quick_args(out) -> argparse.Namespace:
@@ -20,7 +20,7 @@ def quick_args(out) -> argparse.Namespace:
 def test_kernel_case_agrees_with_sdpa_on_contiguous_kv():
     # before the full run below: after it, triton's interpreter refused these kernels in
     # one process ("Cannot call @triton.jit'd outside of the scope of a kernel")
-    import kernels._triton  # noqa: F401  (the interpreter flag, before triton loads)
+    import duplex.kernels._triton  # noqa: F401  (the interpreter flag, before triton loads)
 
     row = gpu_check.kernel_case("smollm2-135m", 2, 40, torch.device("cpu"), torch.float32,
                                 bandwidth_gbs=10.0, iters=1)
@@ -32,7 +32,7 @@ def test_kernel_case_agrees_with_sdpa_on_contiguous_kv():
 
 
 def test_mla_case_agrees_with_the_torch_path():
-    import kernels._triton  # noqa: F401  (the interpreter flag, before triton loads)
+    import duplex.kernels._triton  # noqa: F401  (the interpreter flag, before triton loads)
 
     row = gpu_check.mla_case(2, 40, torch.device("cpu"), torch.float32, bandwidth_gbs=10.0,
                              iters=1, dims=(32, 8, 4), block_size=16)
@@ -76,5 +76,5 @@ def test_an_exhausted_budget_skips_the_rest_with_a_note(tmp_path):
 
 
 def test_registered_as_duplex_bench_gpu():
-    assert cli.SUBCOMMANDS["gpu"][0] == "bench.gpu_check"
+    assert cli.SUBCOMMANDS["gpu"][0] == "duplex.bench.gpu_check"
     assert gpu_check.gpu_test_files()  # the gpu-marked files pytest_gpu collects

@@ -1,7 +1,7 @@
 """The disk read benchmark runs end to end on a tiny data set."""
 import pytest
 
-from bench.kv_disk import measure_read_mb_s
+from duplex.bench.kv_disk import measure_read_mb_s
 
 
 @pytest.mark.parametrize("cold", [True, False])

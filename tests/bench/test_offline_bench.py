@@ -1,11 +1,11 @@
-"""bench.offline's decode-step profile on a tiny model: the sampler's share is timed through
+"""duplex.bench.offline's decode-step profile on a tiny model: the sampler's share is timed through
 the engine's launch-then-read draws, with overlapped scheduling on and off."""
 from __future__ import annotations
 
 import pytest
 
-from bench.offline import decode_step_seconds
-from engine.llm import LLM
+from duplex.bench.offline import decode_step_seconds
+from duplex.engine.llm import LLM
 from tests.engine.test_tiny_models import build_tiny
 
 

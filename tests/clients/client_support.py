@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests" / "frontend"))  # frontend_fakes
 
 from frontend_fakes import FakeEngineClient, FakeRecipe  # noqa: E402
 
-from frontend.server import AppState, ServerOptions, build_app  # noqa: E402
+from duplex.frontend.server import AppState, ServerOptions, build_app  # noqa: E402
 
 
 class ServerThread:
@@ -157,7 +157,7 @@ class RealServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "duplex.frontend.cli", "serve", "--port", str(self.port),
              "--num-kv-blocks", "256", "--max-model-len", "2048", "--log-level", "warning",
              "--num-threads", "1",  # beside the other test process (test_e2e_serve)
              *flags], cwd=REPO, env=client_env(), stdout=subprocess.DEVNULL,

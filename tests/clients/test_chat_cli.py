@@ -10,10 +10,10 @@ import pytest
 from client_support import REPO, FakeEngineClient, Terminal, client_env
 from frontend_fakes import OFFSET
 
-from frontend.chat import Answer, parse_params, read_message, stats_line, ws_url
-from frontend.protocol import WsDone, WsTimings, WsUsage
+from duplex.frontend.chat import Answer, parse_params, read_message, stats_line, ws_url
+from duplex.frontend.protocol import WsDone, WsTimings, WsUsage
 
-CHAT = [sys.executable, "-m", "frontend.cli", "chat"]
+CHAT = [sys.executable, "-m", "duplex.frontend.cli", "chat"]
 LONG = "long " * 200  # 1000 tokens: seconds to stream at the step times used here
 
 
@@ -248,6 +248,7 @@ def test_stats_line():
 
 
 def test_chat_does_not_import_torch():
-    code = "import sys, frontend.cli as c; c.build_parser(only='chat'); import frontend.chat; " \
-           "assert 'torch' not in sys.modules and 'engine' not in sys.modules"
+    code = "import sys, duplex.frontend.cli as c; c.build_parser(only='chat'); " \
+           "import duplex.frontend.chat; " \
+           "assert 'torch' not in sys.modules and 'duplex.engine' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=client_env())

@@ -9,9 +9,9 @@ import sys
 import msgspec
 from client_support import REPO, client_env
 
-from frontend import protocol
-from frontend.chat import schema_text
-from frontend.cli import SUBCOMMANDS
+from duplex.frontend import protocol
+from duplex.frontend.chat import schema_text
+from duplex.frontend.cli import SUBCOMMANDS
 
 DOCS = REPO / "docs"
 FRAMES = (protocol.WsChat, protocol.WsCancel, protocol.WsPing, protocol.WsDelta,
@@ -29,14 +29,14 @@ def test_ws_schema_file_is_regenerated():
 
 
 def test_print_schema_flag_prints_the_file():
-    result = subprocess.run([sys.executable, "-m", "frontend.chat", "--print-schema"],
+    result = subprocess.run([sys.executable, "-m", "duplex.frontend.chat", "--print-schema"],
                             capture_output=True, text=True, cwd=REPO, env=client_env(),
                             check=True)
     assert result.stdout == (DOCS / "ws-schema.json").read_text()
 
 
 def test_cli_reference_is_regenerated():
-    result = subprocess.run([sys.executable, "-m", "frontend.cli_docs", "--check"],
+    result = subprocess.run([sys.executable, "-m", "duplex.frontend.cli_docs", "--check"],
                             capture_output=True, text=True, cwd=REPO, env=client_env())
     assert result.returncode == 0, result.stderr
     text = (DOCS / "cli-reference.md").read_text()

@@ -10,7 +10,7 @@ import pytest
 from client_support import REPO, RealServer, client_env, record_exchange
 from test_ws_frames import assert_server_frames_conform
 
-from engine.config import DEFAULT_MODEL_PACKAGE
+from duplex.engine.config import DEFAULT_MODEL_PACKAGE
 
 STARTUP_S = 240
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -40,7 +40,7 @@ def test_frames_of_a_real_exchange_match_the_schema(real_server):
 
 
 def test_chat_pipe_answers_with_the_real_model(real_server):
-    result = run(real_server, sys.executable, "-m", "frontend.cli", "chat", "--url",
+    result = run(real_server, sys.executable, "-m", "duplex.frontend.cli", "chat", "--url",
                  real_server.url, "--max-tokens", "8", "--temperature", "0",
                  stdin="What is the capital of France?")
     assert "Paris" in result.stdout and result.stdout.endswith("\n")

@@ -9,7 +9,7 @@ import pytest
 from client_support import REPO, FakeEngineClient, record_exchange
 from schema_check import errors
 
-from frontend.chat import Conversation
+from duplex.frontend.chat import Conversation
 
 SCHEMA = json.loads((REPO / "docs" / "ws-schema.json").read_text())
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.messages import AddRequest, RequestDelta
-from engine.sampling_params import SamplingParams
-from frontend.engine_client import EngineClient
-from frontend.metrics import worker_figures
-from frontend.router import Router
-from frontend.supervisor import Supervisor
+from duplex.engine.config import EngineConfig
+from duplex.engine.messages import AddRequest, RequestDelta
+from duplex.engine.sampling_params import SamplingParams
+from duplex.frontend.engine_client import EngineClient
+from duplex.frontend.metrics import worker_figures
+from duplex.frontend.router import Router
+from duplex.frontend.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = Path("/tmp/pd_tiny_llama_v1")
@@ -79,7 +79,7 @@ async def until(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) ->
 def unified_reference(prompts: dict[str, list[int]], params: SamplingParams = GREEDY,
                       **config) -> dict[str, list[int]]:
     """Greedy tokens of each prompt from an in-process unified EngineCore."""
-    from engine.core import EngineCore
+    from duplex.engine.core import EngineCore
 
     core = EngineCore(engine_config(**config), progress=False)
     out = {req_id: [] for req_id in prompts}

@@ -1,4 +1,4 @@
-"""frontend.engine_client with hand-held workers (bare DEALER sockets): the split route, the
+"""duplex.frontend.engine_client with hand-held workers (bare DEALER sockets): the split route, the
 hand-off failure policy (recompute from the tokens seen, or fail), ordering of tokens from the
 decode worker that overtake the first token, and aborts reaching every worker involved."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine.messages import (AbortRequests, AddRequest, HandoffFailed, Heartbeat, Outputs,
+from duplex.engine.messages import (AbortRequests, AddRequest, HandoffFailed, Heartbeat, Outputs,
                              Ready, RequestDelta, WorkerStats, decode_to_worker, encode)
-from engine.sampling_params import SamplingParams
-from frontend.engine_client import HANDOFF_PREFIX, EngineClient
-from frontend.router import Router
+from duplex.engine.sampling_params import SamplingParams
+from duplex.frontend.engine_client import HANDOFF_PREFIX, EngineClient
+from duplex.frontend.router import Router
 
 KV_ADDRESS = "tcp://127.0.0.1:5999"
 

@@ -1,4 +1,4 @@
-"""engine.cost_model and engine.step_policy: the fit converges on synthetic step times, chunk
+"""duplex.engine.cost_model and engine.step_policy: the fit converges on synthetic step times, chunk
 sizes respect the time budget, and a running long prompt leaves room for a short one."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.cost_model import CostModel, StepFeatures, attended_pairs
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.step_policy import MIN_CHUNK, time_budget
+from duplex.engine.cost_model import CostModel, StepFeatures, attended_pairs
+from duplex.engine.request import Request
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.step_policy import MIN_CHUNK, time_budget
 
 from .conftest import engine_config, request
 
@@ -95,7 +95,7 @@ class _Fixed(CostModel):
 
 
 def test_engine_reports_its_cost_model_and_chunks_to_the_budget():
-    from engine.core import EngineCore
+    from duplex.engine.core import EngineCore
 
     core = EngineCore(engine_config(max_num_batched_tokens=128, step_budget_ms=20),
                       progress=False)
@@ -123,7 +123,7 @@ def test_engine_reports_its_cost_model_and_chunks_to_the_budget():
 
 
 def test_a_short_prompt_gets_its_first_token_during_a_long_prefill():
-    from engine.core import EngineCore
+    from duplex.engine.core import EngineCore
 
     def first_token_steps(fair: bool) -> dict[str, int]:
         core = EngineCore(engine_config(max_num_batched_tokens=32, fair_prefill=fair),

@@ -17,7 +17,7 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from engine.messages import KvBlocks, KvDone, KvOffer, encode
+from duplex.engine.messages import KvBlocks, KvDone, KvOffer, encode
 
 from .conftest import (GREEDY, REPO, VOCAB, Cluster, collect, finals, request, tokens,
                        unified_reference, until)
@@ -173,7 +173,7 @@ async def test_a_worker_started_by_hand_joins_and_takes_streams(cluster, referen
     """`duplex worker --role decode --connect tcp://...` from elsewhere: the router uses it."""
     config = msgspec.json.encode(cluster.supervisor.config).decode()
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.worker_cli", "--role", "decode", "--connect",
+        [sys.executable, "-m", "duplex.engine.worker_cli", "--role", "decode", "--connect",
          cluster.client.address, "--worker-id", "by-hand", "--heartbeat-s", "0.2",
          "--config-json", config], cwd=REPO, stderr=subprocess.DEVNULL)
     try:

@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine.messages import (HandoffFailed, Heartbeat, KvBlocks, KvDone, KvNeed, KvOffer,
+from duplex.engine.messages import (HandoffFailed, Heartbeat, KvBlocks, KvDone, KvNeed, KvOffer,
                              Outputs, Ready, decode_to_decode_kv, encode)
 from tests.worker.conftest import RawFrontend
 
@@ -33,7 +33,7 @@ def frontend(tmp_path):
 def prefill_worker(frontend):
     config = msgspec.json.encode(engine_config()).decode()
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.worker_cli", "--role", "prefill", "--connect",
+        [sys.executable, "-m", "duplex.engine.worker_cli", "--role", "prefill", "--connect",
          frontend.address, "--worker-id", "p0", "--heartbeat-s", "0.1", "--config-json", config,
          "--handoff-lease-s", str(LEASE_S)], cwd=REPO, stderr=subprocess.DEVNULL)
     yield process
@@ -43,7 +43,7 @@ def prefill_worker(frontend):
 
 def engine_blocks(keys: list[bytes]) -> list[bytes]:
     """The bytes of each prompt block as an in-process engine computes them."""
-    from engine.core import EngineCore
+    from duplex.engine.core import EngineCore
 
     core = EngineCore(engine_config(), progress=False)
     core.add_request(request("ref", PROMPT, msgspec.structs.replace(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from engine.cost_model import CostModel
-from engine.plan_cli import (PlanRequest, add_arguments, calibrate, decode_tpot, load_workload,
+from duplex.engine.cost_model import CostModel
+from duplex.engine.plan_cli import (PlanRequest, add_arguments, calibrate, decode_tpot, load_workload,
                              plan, run)
-from frontend.cli import build_parser
+from duplex.frontend.cli import build_parser
 
 from .conftest import tiny_model
 

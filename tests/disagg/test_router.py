@@ -1,12 +1,12 @@
-"""frontend.router: keys equal the workers', length buckets with their own queues and limits,
+"""duplex.frontend.router: keys equal the workers', length buckets with their own queues and limits,
 prefix affinity against load, least-loaded decode worker, health."""
 from __future__ import annotations
 
 import pytest
 
-from engine.messages import AddRequest, Ready, WorkerStats
-from engine.sampling_params import SamplingParams
-from frontend.router import Router, parse_buckets
+from duplex.engine.messages import AddRequest, Ready, WorkerStats
+from duplex.engine.sampling_params import SamplingParams
+from duplex.frontend.router import Router, parse_buckets
 
 from .conftest import engine_config
 
@@ -25,7 +25,7 @@ def add(req_id: str, num_tokens: int, first: int = 1, salt: str = "") -> AddRequ
 
 
 def test_router_keys_are_the_workers_keys():
-    from engine.core import EngineCore
+    from duplex.engine.core import EngineCore
 
     core = EngineCore(engine_config(), progress=False)
     router = Router()

@@ -1,9 +1,9 @@
 """`duplex serve` worker-layout flags: roles, buckets, policy; bad layouts exit 2 at once."""
 from __future__ import annotations
 
-from frontend.cli import build_parser
-from frontend.serve import WorkerLayout, layout_from_args, run
-from frontend.supervisor import worker_config
+from duplex.frontend.cli import build_parser
+from duplex.frontend.serve import WorkerLayout, layout_from_args, run
+from duplex.frontend.supervisor import worker_config
 
 from .conftest import engine_config
 
@@ -38,7 +38,7 @@ def test_bad_layouts_exit_2(capsys):
 
 
 def test_threads_are_split_between_workers(monkeypatch):
-    monkeypatch.setattr("frontend.supervisor.available_cores", lambda: 8)
+    monkeypatch.setattr("duplex.frontend.supervisor.available_cores", lambda: 8)
     config = engine_config(num_threads=0)
     assert worker_config(config, 3).num_threads == 2
     assert worker_config(config, 16).num_threads == 1

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from engine import core as core_module
-from engine.config import EngineConfig, default_model_path
-from engine.core import EngineCore
-from engine.messages import AddRequest
-from engine.models import loader
+from duplex.engine import core as core_module
+from duplex.engine.config import EngineConfig, default_model_path
+from duplex.engine.core import EngineCore
+from duplex.engine.messages import AddRequest
+from duplex.engine.models import loader
 
 
 @functools.lru_cache(maxsize=4)

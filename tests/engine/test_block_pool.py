@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.kv_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from kvstore import keys as kvkeys
+from duplex.engine.block_pool import BlockPool
+from duplex.engine.kv_manager import KVCacheManager
+from duplex.engine.request import Request
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kvstore import keys as kvkeys
 
 BS = 4
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.block_pool import BlockPool
-from engine.kv_manager import KVCacheManager
-from engine.model_runner import BlockTables
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from kvstore import keys as kvkeys
+from duplex.engine.block_pool import BlockPool
+from duplex.engine.kv_manager import KVCacheManager
+from duplex.engine.model_runner import BlockTables
+from duplex.engine.request import Request
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kvstore import keys as kvkeys
 
 BS = 4
 

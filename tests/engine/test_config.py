@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, WorkerConfig
-from engine.core import uses_hybrid_kv
-from engine.worker import check_role, role_config
+from duplex.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, WorkerConfig
+from duplex.engine.core import uses_hybrid_kv
+from duplex.engine.worker import check_role, role_config
 
 
 def test_flat_names_land_in_their_sections():

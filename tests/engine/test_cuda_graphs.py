@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
-from kernels import _triton
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
+from duplex.engine.cuda_graphs import DecodeGraphs
+from duplex.kernels import _triton
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import make_core, run_engine
 from tests.engine.test_tiny_models import build_tiny
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, hf_model, hf_tokenizer, make_core, run_engine
 
 NUM_NEW = 64

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from kernels import cpu_decode
-from kernels.cpu_decode import DecodeStack
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kernels import cpu_decode
+from duplex.kernels.cpu_decode import DecodeStack
 from tests.engine.conftest import make_core, run_engine
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(),
@@ -56,7 +56,7 @@ def test_bf16_matmul_stream_equals_the_fp32_activations_path(default_model, monk
     above the VNNI kernel's rows) hand the bf16 outputs straight to the fused kernels
     (engine/models/llama.py `_gemm_stream`); the roundings are the same ones, so tokens and
     logprobs are bitwise those of the path that converts to fp32 and back around each."""
-    from kernels import cpu_fused, quant
+    from duplex.kernels import cpu_fused, quant
     monkeypatch.setattr(quant, "MAX_VNNI_ROWS", 12)  # the AMX CPUs' value: fewer prompts
     calls = []
     fused = cpu_fused.rope_store_kv

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from duplex.engine.config import EngineConfig
+from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import make_core, run_engine
 
 

@@ -2,8 +2,8 @@
 blocks, each frame the block's BlockEntry payload bytes, in the order asked."""
 import torch
 
-from engine.kv_tiers import BlockCodec
-from engine.kv_transfer import export_blocks
+from duplex.engine.kv_tiers import BlockCodec
+from duplex.engine.kv_transfer import export_blocks
 
 
 def test_exported_frames_are_the_blocks_tier_payloads():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
-from kvstore import keys as kvkeys
-from kvstore.errors import KVStoreError
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kvstore import keys as kvkeys
+from duplex.kvstore.errors import KVStoreError
 from tests.engine.conftest import make_core
 
 BS = 8

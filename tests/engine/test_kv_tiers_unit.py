@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from engine.kv_tiers import BlockCodec, BlockCopies, KVTiers
-from kvstore import keys as kvkeys
-from kvstore.disk import DiskConfig
-from kvstore.entry import BlockEntry
-from kvstore.errors import KVStoreError
+from duplex.engine.kv_tiers import BlockCodec, BlockCopies, KVTiers
+from duplex.kvstore import keys as kvkeys
+from duplex.kvstore.disk import DiskConfig
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.errors import KVStoreError
 
 NS = kvkeys.namespace("unit-model", "float32", 4)
 KEYS = kvkeys.block_keys(NS, list(range(12)), 4)
@@ -98,7 +98,7 @@ def test_batched_codec_copies_equal_the_per_block_ones(dtype):
 @pytest.mark.gpu
 def test_batched_codec_copies_on_cuda_equal_the_cpu_ones():
     """On CUDA, the default path batches (pinned buffer, one copy each way)."""
-    from engine.platform import resolve
+    from duplex.engine.platform import resolve
 
     host_kv = torch.randn(3, 2, 6, 4, 2, 8).to(torch.bfloat16)
     codec = BlockCodec(host_kv.cuda(), resolve("cuda"))
@@ -175,7 +175,7 @@ def test_later_codec_copies_equal_the_eager_ones():
 def test_later_codec_copies_on_cuda_do_not_wait_for_the_device():
     """On CUDA the gather and its copy are queued behind the work in flight, with no host
     wait (sync debug mode "error" would raise), and give the CPU codec's bytes."""
-    from engine.platform import resolve
+    from duplex.engine.platform import resolve
 
     host_kv = torch.randn(3, 2, 6, 4, 2, 8).to(torch.bfloat16)
     codec = BlockCodec(host_kv.cuda(), resolve("cuda"))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.messages import FinishReason
-from engine.text.messages import Chat
-from engine.sampling_params import SamplingParams
+from duplex.engine.llm import LLM
+from duplex.engine.messages import FinishReason
+from duplex.engine.text.messages import Chat
+from duplex.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow   # loads the default model
 

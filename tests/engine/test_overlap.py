@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import sampler as sampler_module
-from engine.config import EngineConfig, SpecConfig
-from engine.core import resolve_overlap
-from engine.messages import AddRequest, FinishReason
-from engine.platform import cpu
-from engine.request import PENDING, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ends_by_length
-from kernels import _triton
+from duplex.engine import sampler as sampler_module
+from duplex.engine.config import EngineConfig, SpecConfig
+from duplex.engine.core import resolve_overlap
+from duplex.engine.messages import AddRequest, FinishReason
+from duplex.engine.platform import cpu
+from duplex.engine.request import PENDING, Request
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.scheduler import ends_by_length
+from duplex.kernels import _triton
 from tests.engine.conftest import make_core
 from tests.engine.test_tiny_models import build_tiny
 from tests.models_swa.test_swa_greedy import build_tiny as build_swa
@@ -261,7 +261,7 @@ def test_overlap_is_on_by_default_only_on_a_gpu_and_never_with_speculation():
 
 @pytest.mark.gpu
 def test_on_cuda_overlap_is_on_by_default_and_gives_the_same_tokens(llama):
-    from engine.platform import resolve
+    from duplex.engine.platform import resolve
 
     def run(overlap: str):
         core = make_core(llama, device="cuda", overlap=overlap)
@@ -283,7 +283,7 @@ def test_the_flag_reaches_a_worker_process_config():
 
     import msgspec
 
-    from engine.args import add_engine_arguments, engine_config_from_args
+    from duplex.engine.args import add_engine_arguments, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

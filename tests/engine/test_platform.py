@@ -1,10 +1,10 @@
-"""engine.platform: device strings resolve (or are refused) in plain words, the CPU shims
+"""duplex.engine.platform: device strings resolve (or are refused) in plain words, the CPU shims
 do nothing harmlessly, and `place` reaches every tensor of a model."""
 import pytest
 import torch
 
-from engine import platform as plat
-from engine.models.moe import ExpertWeights
+from duplex.engine import platform as plat
+from duplex.engine.models.moe import ExpertWeights
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
@@ -51,7 +51,7 @@ def test_cpu_buffers_streams_and_events_are_shims():
 
 def test_place_reaches_every_tensor():
     class Layer:  # stands in for a model's layer objects
-        __module__ = "engine.models.fake"
+        __module__ = "duplex.engine.models.fake"
 
         def __init__(self):
             self.weight = torch.ones(2)
@@ -60,7 +60,7 @@ def test_place_reaches_every_tensor():
             self.name = "x"
 
     class Model:
-        __module__ = "engine.models.fake"
+        __module__ = "duplex.engine.models.fake"
 
         def __init__(self):
             self.layers = [Layer(), Layer()]
@@ -81,11 +81,11 @@ def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
     """A meta 'device' stands in for CUDA: whatever the runner makes must land there."""
     from types import SimpleNamespace
 
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import ScheduledRequest
+    from duplex.engine.model_runner import ModelRunner
+    from duplex.engine.scheduler import ScheduledRequest
 
     class FakeModel:
-        __module__ = "engine.models.fake"
+        __module__ = "duplex.engine.models.fake"
 
         def __init__(self):
             self.args = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4, vocab_size=8)
@@ -124,7 +124,7 @@ def test_step_transfer_lays_mixed_inputs_out_in_one_buffer():
     the CPU a fresh one each step, so a step's tensors survive the next step's."""
     import numpy as np
 
-    from engine.model_runner import StepTransfer
+    from duplex.engine.model_runner import StepTransfer
 
     transfer = StepTransfer(plat.cpu())
     arrays = [np.arange(5, dtype=np.int64), np.array([[3, 1], [4, 1], [5, 9]], dtype=np.int32),
@@ -142,9 +142,9 @@ def test_step_transfer_lays_mixed_inputs_out_in_one_buffer():
 
 
 def test_device_flags_are_checked_and_a_gpu_keeps_no_cpu_only_precision():
-    from engine.config import EngineConfig
-    from engine.core import resolve_precision
-    from engine.platform import Platform
+    from duplex.engine.config import EngineConfig
+    from duplex.engine.core import resolve_precision
+    from duplex.engine.platform import Platform
 
     with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
         EngineConfig.of(device="tpu")
@@ -161,7 +161,7 @@ def test_device_flags_are_checked_and_a_gpu_keeps_no_cpu_only_precision():
 def test_step_transfer_on_cuda_is_one_copy_from_two_pinned_buffers():
     import numpy as np
 
-    from engine.model_runner import StepTransfer
+    from duplex.engine.model_runner import StepTransfer
 
     transfer = StepTransfer(plat.resolve("cuda"))
     steps = [[np.arange(4, dtype=np.int64) + i, np.full((2, 3), i, dtype=np.int32)]

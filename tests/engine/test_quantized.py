@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.quality import measure
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from kernels import quant
-from kernels.quant import QuantEmbedding, QuantWeight
+from duplex.bench.quality import measure
+from duplex.engine.config import EngineConfig
+from duplex.engine.core import EngineCore
+from duplex.kernels import quant
+from duplex.kernels.quant import QuantEmbedding, QuantWeight
 from tests.engine.conftest import make_core
 
 # stated in README.md ("Weight precision"); measured by `duplex bench quality`

@@ -14,10 +14,10 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
-from frontend.server import AppState, ServerOptions, build_app
-from kvstore import blockfile
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
+from duplex.frontend.server import AppState, ServerOptions, build_app
+from duplex.kvstore import blockfile
 from tests.disagg.conftest import tiny_model
 from tests.engine.conftest import make_core
 

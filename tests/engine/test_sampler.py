@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-from engine import sampler as sampler_module
-from kernels import cpu_sampler
-from engine.messages import TokenLogprob
-from engine.request import Request
-from engine.sampler import Sampler, apply_top_k_top_p_min_p, seeded_uniform
-from engine.sampling_params import SamplingParams
-from kernels import ops
-from kernels.batch_invariant import set_batch_invariant_mode
+from duplex.engine import sampler as sampler_module
+from duplex.kernels import cpu_sampler
+from duplex.engine.messages import TokenLogprob
+from duplex.engine.request import Request
+from duplex.engine.sampler import Sampler, apply_top_k_top_p_min_p, seeded_uniform
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kernels import ops
+from duplex.kernels.batch_invariant import set_batch_invariant_mode
 
 
 def req(params: SamplingParams, prompt=(1, 2), output=(), eos=(0,)) -> Request:

@@ -10,12 +10,12 @@ import hashlib
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from engine.block_pool import BlockPool
-from engine.kv_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from kvstore import keys as kvkeys
+from duplex.engine.block_pool import BlockPool
+from duplex.engine.kv_manager import KVCacheManager
+from duplex.engine.request import Request
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.scheduler import Scheduler
+from duplex.kvstore import keys as kvkeys
 
 BS = 4
 VOCAB = 50

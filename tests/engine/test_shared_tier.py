@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from engine import kv_tiers
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
-from kvstore import keys as kvkeys
-from kvstore.shared import SharedConfig, SharedTier, open_shared
+from duplex.engine import kv_tiers
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kvstore import keys as kvkeys
+from duplex.kvstore.shared import SharedConfig, SharedTier, open_shared
 from tests.disagg.conftest import tiny_model
 from tests.engine.conftest import make_core
 from tests.engine.test_kv_tiers import BS, PARAMS, drain
@@ -184,7 +184,7 @@ def _until(predicate, timeout_s: float = 5.0) -> None:
 
 
 def test_kv_dir_with_worker_placeholder_is_private_per_worker():
-    from engine.config import EngineConfig
+    from duplex.engine.config import EngineConfig
     config = EngineConfig.of(kv_dir="/ssd/kv/{worker}")
     assert kv_tiers.private_kv_dir(config, "prefill-1").cache.kv_dir == "/ssd/kv/prefill-1"
     plain = EngineConfig.of(kv_dir="/ssd/kv")

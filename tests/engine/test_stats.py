@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine.messages import Heartbeat
-from engine.stats import (CalibrationBin, CostStats, HeadStats, KVStats, KVTierStats,
+from duplex.engine.messages import Heartbeat
+from duplex.engine.stats import (CalibrationBin, CostStats, HeadStats, KVStats, KVTierStats,
                           MoEStats, SharedTierStats, SpecStats, WorkerStats)
-from frontend.metrics import worker_figures
+from duplex.frontend.metrics import worker_figures
 
 
 def _worker(queried: float, device_hits: float, host_hits: float, samples: float,

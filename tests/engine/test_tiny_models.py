@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, hf_model, make_core, run_engine
 
 NUM_NEW = 24

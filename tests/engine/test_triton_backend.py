@@ -11,10 +11,10 @@ import collections
 import pytest
 import torch
 
-from engine.hybrid_kv import HybridKVCacheManager
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
-from kernels import _triton, activation, decode_attention, kv_store, rms_norm, rotary
+from duplex.engine.hybrid_kv import HybridKVCacheManager
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kernels import _triton, activation, decode_attention, kv_store, rms_norm, rotary
 from tests.engine.conftest import make_core, run_engine
 from tests.engine.test_tiny_models import build_tiny
 from tests.readbacks import ReadBacks
@@ -161,7 +161,7 @@ def test_a_moe_model_routes_through_the_fused_moe_kernel(tmp_path_factory, launc
     """Mixtral on the device path: every MoE layer runs the grouped-GEMM triton kernels
     (kernels.fused_moe) instead of the CPU's per-expert loop; greedy tokens equal, logprobs
     within fp32 rounding (the grouped GEMM sums in another order)."""
-    from kernels import fused_moe
+    from duplex.kernels import fused_moe
     from tests.moe.conftest import build_tiny_moe
 
     calls = []
@@ -181,7 +181,7 @@ def test_mla_decodes_through_the_mla_kernel(tmp_path_factory, monkeypatch):
     """DeepSeek-V3 (MLA over the latent cache, grouped routing) on the device path: decode
     rows through the split-KV MLA kernel (kernels.mla_decode), greedy tokens equal to the
     torch path's, logprobs within fp32 rounding (other summation orders)."""
-    from engine.models import deepseek_v3
+    from duplex.engine.models import deepseek_v3
     from tests.moe.conftest import build_tiny_moe
 
     calls = []
@@ -208,7 +208,7 @@ def test_an_mla_moe_decode_step_reads_nothing_back(tmp_path_factory, monkeypatch
 def graphed(core, capture: bool):
     """core with decode steps through engine.cuda_graphs (capture=False: its static buffers
     and padding, run eagerly, as on the CPU)."""
-    from engine.cuda_graphs import DecodeGraphs
+    from duplex.engine.cuda_graphs import DecodeGraphs
     core.runner.graphs = DecodeGraphs(core.model, core.runner.kv_caches, core.block_size,
                                       core.max_model_len, core.platform, max_batch=6,
                                       capture=capture)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine.eplb import Balancer, imbalance, moves
+from duplex.engine.eplb import Balancer, imbalance, moves
 
 
 def feed(balancer, counts, num_steps):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import eplb as bench_eplb
+from duplex.bench import eplb as bench_eplb
 
 
 def parse(*argv):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine.eplb import (Move, Placement, compute_placement, identity_placement, imbalance,
+from duplex.engine.eplb import (Move, Placement, compute_placement, identity_placement, imbalance,
                          moved_bytes, moves, rank_load, route)
 
 

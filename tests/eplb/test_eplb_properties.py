@@ -2,7 +2,7 @@
 import numpy as np
 from hypothesis import assume, given, settings, strategies as st
 
-from engine.eplb import compute_placement, identity_placement, imbalance, route
+from duplex.engine.eplb import compute_placement, identity_placement, imbalance, route
 
 
 @st.composite

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine.eplb import ExpertLoadStats, Placement
+from duplex.engine.eplb import ExpertLoadStats, Placement
 
 
 def test_window_keeps_only_the_last_closed_steps():

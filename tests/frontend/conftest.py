@@ -5,7 +5,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from frontend_fakes import FakeEngineClient, FakeRecipe
 
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 
 class Harness:

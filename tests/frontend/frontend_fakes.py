@@ -11,9 +11,9 @@ import json
 import time
 from typing import Callable
 
-from engine.deadlines import DEADLINE_ERROR
-from engine.messages import AddRequest, Ready, RequestDelta, TokenLogprob, WorkerStats
-from engine.text.messages import Chat
+from duplex.engine.deadlines import DEADLINE_ERROR
+from duplex.engine.messages import AddRequest, Ready, RequestDelta, TokenLogprob, WorkerStats
+from duplex.engine.text.messages import Chat
 
 EOS = 2
 OFFSET = 10

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from frontend_fakes import FakeEngineClient
 
-from frontend.admission import FairGate, Work, WorkAdmission
-from frontend.errors import ApiError
+from duplex.frontend.admission import FairGate, Work, WorkAdmission
+from duplex.frontend.errors import ApiError
 
 HI = [{"role": "user", "content": "hi"}]
 BIG = {"prompt": [f"prompt {i}" for i in range(32)], "n": 8, "max_tokens": 4}  # 256 sequences

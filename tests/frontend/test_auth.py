@@ -8,7 +8,7 @@ import logging
 import aiohttp
 import pytest
 
-from frontend.auth import WS_KEY_PREFIX, WS_PROTOCOL
+from duplex.frontend.auth import WS_KEY_PREFIX, WS_PROTOCOL
 
 
 def key_protocol(key: str) -> str:

@@ -10,9 +10,9 @@ import pytest
 from frontend_fakes import FakeEngineClient
 from test_ws import receive_until_terminal
 
-from frontend.body_limits import MAX_JSON_DEPTH, check_depth, json_depth
-from frontend.errors import ApiError
-from frontend.protocol import ChatCompletionRequest, WsServerFrame, decode_json
+from duplex.frontend.body_limits import MAX_JSON_DEPTH, check_depth, json_depth
+from duplex.frontend.errors import ApiError
+from duplex.frontend.protocol import ChatCompletionRequest, WsServerFrame, decode_json
 
 HI = [{"role": "user", "content": "hi"}]
 DEPTHS = [10**2, 10**3, 10**4, 10**5, 10**6]

@@ -14,9 +14,9 @@ import importlib.util
 import openai
 import pytest
 
-from engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from duplex.engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
+from duplex.engine.llm import LLM
+from duplex.engine.sampling_params import SamplingParams
 from tests.frontend.test_e2e_serve import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

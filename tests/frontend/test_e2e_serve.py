@@ -22,7 +22,7 @@ import pytest
 import requests
 from websockets.sync.client import connect
 
-from engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
+from duplex.engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_S = 240
@@ -46,7 +46,7 @@ class Server:
         self.lines: queue.Queue[str] = queue.Queue()
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "duplex.frontend.cli", "serve", "--port", str(self.port),
              "--num-kv-blocks", "256", "--max-model-len", "2048", "--shutdown-timeout", "150",
              "--request-timeout", "300", "--log-level", "info", "--log-format", "json",
              *SERVER_THREADS, *extra_args],
@@ -296,6 +296,6 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
     # --log-format json: every line of the server's and its workers' log is one JSON object,
     # and the lines of one request share its id
     entries = [json.loads(line) for line in server.log_path.read_text().splitlines()]
-    assert {"engine.worker", "duplex.serve"} <= {e["logger"] for e in entries}  # both processes
+    assert {"duplex.engine.worker", "duplex.serve"} <= {e["logger"] for e in entries}  # both processes
     http = [e for e in entries if e["msg"].startswith("http ") and "req_id" in e]
     assert http and all(f"req_id={e['req_id']}" in e["msg"] for e in http)

@@ -14,9 +14,9 @@ from frontend_fakes import FakeEngineClient, FakeRecipe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz_bodies import (RAW_PATHS, chat_body, completion_body, deep_body,
+from duplex.bench.fuzz_bodies import (RAW_PATHS, chat_body, completion_body, deep_body,
                                messages_body, problem, raw_body)
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 STATUSES: collections.Counter = collections.Counter()  # (path, status) -> count
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,

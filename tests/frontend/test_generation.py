@@ -7,12 +7,12 @@ import contextlib
 import pytest
 from frontend_fakes import FakeEngineClient, FakeRecipe
 
-from engine.messages import RequestDelta
-from engine.sampling_params import SamplingParams
-from frontend.errors import ApiError
-from frontend.generation import (Delta, Final, Job, Pipeline, collect, resolve_max_tokens,
+from duplex.engine.messages import RequestDelta
+from duplex.engine.sampling_params import SamplingParams
+from duplex.frontend.errors import ApiError
+from duplex.frontend.generation import (Delta, Final, Job, Pipeline, collect, resolve_max_tokens,
                                  sampling_params, total_usage)
-from frontend.metrics import Metrics
+from duplex.frontend.metrics import Metrics
 
 
 def pipeline(engine=None, **kw) -> Pipeline:

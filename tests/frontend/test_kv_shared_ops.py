@@ -2,8 +2,8 @@
 tier in /v1/status, and shared-tier tokens in the per-tier cached-token counter."""
 from __future__ import annotations
 
-from engine.messages import WorkerStats
-from engine.stats import KVStats, KVTierStats, SharedTierStats
+from duplex.engine.messages import WorkerStats
+from duplex.engine.stats import KVStats, KVTierStats, SharedTierStats
 from frontend_fakes import FakeEngineClient
 from test_ops import HI, samples
 

@@ -183,7 +183,7 @@ async def test_request_timeout_is_504_and_aborts(make_harness):
 
 
 async def test_frontend_cuts_off_a_worker_that_ignores_the_deadline(make_harness, monkeypatch):
-    monkeypatch.setattr("frontend.generation.DEADLINE_GRACE_S", 0.05)
+    monkeypatch.setattr("duplex.frontend.generation.DEADLINE_GRACE_S", 0.05)
     engine = FakeEngineClient()
     engine.hang = True
     h = await make_harness(engine, request_timeout_s=0.05)

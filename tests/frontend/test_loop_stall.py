@@ -22,9 +22,9 @@ import uvloop
 from aiohttp.test_utils import TestClient, TestServer
 from frontend_fakes import FakeEngineClient
 
-from engine.config import DEFAULT_MODEL_PACKAGE, default_model_path
-from frontend.offload import SWITCH_INTERVAL_S
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.engine.config import DEFAULT_MODEL_PACKAGE, default_model_path
+from duplex.frontend.offload import SWITCH_INTERVAL_S
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 pytestmark = [pytest.mark.perf,
               pytest.mark.skipif(importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None,
@@ -84,7 +84,7 @@ def test_health_and_streams_stay_live_under_hostile_bodies(tmp_path):
 
 
 async def _hostile_run(tmp_path) -> None:
-    from engine.text.recipe import Recipe
+    from duplex.engine.text.recipe import Recipe
     state = AppState(FakeEngineClient(reply="tick " * 40, step_s=0.02), Recipe.from_model(
         default_model_path()), ServerOptions(allow_request_chat_template=True))
     client = TestClient(TestServer(build_app(state), host="127.0.0.1"))

@@ -10,7 +10,7 @@ import pytest
 from frontend_fakes import FakeEngineClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.metrics import VLLM_NAMES
+from duplex.frontend.metrics import VLLM_NAMES
 
 QUEUE_S = 0.03
 NUM_REQUESTS = 6
@@ -85,7 +85,7 @@ def test_grafana_dashboard_queries_only_metrics_duplex_exports():
     import re
     from pathlib import Path
 
-    from frontend.metrics import Metrics
+    from duplex.frontend.metrics import Metrics
 
     dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana"
                             / "duplex-dashboard.json").read_text())

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.text.messages import Chat
-from frontend import anthropic_api, openai_api
-from frontend.protocol import ChatCompletionRequest, MessagesRequest
+from duplex.engine.text.messages import Chat
+from duplex.frontend import anthropic_api, openai_api
+from duplex.frontend.protocol import ChatCompletionRequest, MessagesRequest
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
 OPENAI_MESSAGES = [

@@ -9,7 +9,7 @@ import threading
 
 from frontend_fakes import FakeRecipe
 
-from frontend.offload import CpuPool, check_prompt_chars, longest_token_chars, text_chars
+from duplex.frontend.offload import CpuPool, check_prompt_chars, longest_token_chars, text_chars
 
 
 class ThreadRecordingRecipe(FakeRecipe):

@@ -16,11 +16,11 @@ import pytest
 from aiohttp import web
 from frontend_fakes import FakeEngineClient, FakeRecipe
 
-from frontend import cli, cli_config
-from engine.logs import setup_logging
-from frontend.operator_flags import tls_context
-from frontend.serve import run
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.frontend import cli, cli_config
+from duplex.engine.logs import setup_logging
+from duplex.frontend.operator_flags import tls_context
+from duplex.frontend.serve import run
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -115,7 +115,7 @@ def test_version_positional_model_and_bench_help(capsys):
     assert "/nonexistent/a.gguf" in capsys.readouterr().err
     assert run(parse(["a.gguf", "--model", "b.gguf"])) == 2
     assert "disagree" in capsys.readouterr().err
-    from bench.cli import SUBCOMMANDS as BENCHMARKS
+    from duplex.bench.cli import SUBCOMMANDS as BENCHMARKS
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
@@ -123,7 +123,7 @@ def test_version_positional_model_and_bench_help(capsys):
 
 
 def test_allowed_origins_spellings():
-    from frontend.operator_flags import parse_origins
+    from duplex.frontend.operator_flags import parse_origins
     assert parse_origins(["https://a.example,https://b.example/", "http://c:8080"]) == \
         ("https://a.example", "https://b.example", "http://c:8080")
     assert parse_origins(['["*"]']) == ("*",)  # vLLM's JSON list
@@ -241,7 +241,7 @@ async def test_json_logs_carry_the_request_id_on_every_line(make_harness):
 
 
 def test_drain_outcome_says_why_it_ended():
-    from frontend.serve import drain_outcome
+    from duplex.frontend.serve import drain_outcome
     assert drain_outcome(True, False, 0, 30) is None
     assert drain_outcome(False, True, 0, 30) is None  # a second signal after all finished
     assert drain_outcome(False, True, 2, 30) == \

@@ -4,9 +4,9 @@ from __future__ import annotations
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.stats import KVStats, KVTierStats, MoEStats, SharedTierStats
-from frontend.openapi import ENDPOINTS
-from frontend.server import AppState, ServerOptions
+from duplex.engine.stats import KVStats, KVTierStats, MoEStats, SharedTierStats
+from duplex.frontend.openapi import ENDPOINTS
+from duplex.frontend.server import AppState, ServerOptions
 from frontend_fakes import FakeEngineClient, FakeRecipe
 
 HI = [{"role": "user", "content": "hi"}]

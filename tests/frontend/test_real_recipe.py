@@ -9,9 +9,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from frontend_fakes import FakeEngineClient
 
-from engine.config import DEFAULT_MODEL_PACKAGE, default_model_path
-from engine.text.messages import Chat
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.engine.config import DEFAULT_MODEL_PACKAGE, default_model_path
+from duplex.engine.text.messages import Chat
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None,
                                 reason="default model not installed")
@@ -31,7 +31,7 @@ HOSTILE_TEMPLATES = [
 
 @pytest.fixture
 async def real(tmp_path):
-    from engine.text.recipe import Recipe
+    from duplex.engine.text.recipe import Recipe
     recipe = Recipe.from_model(default_model_path())
     state = AppState(FakeEngineClient(max_model_len=8192), recipe,
                      ServerOptions(web_dir=tmp_path, allow_request_chat_template=True))

@@ -1,8 +1,8 @@
 """`duplex serve` flags and start-up validation (nothing is started)."""
 from __future__ import annotations
 
-from frontend.cli import build_parser
-from frontend.serve import model_name, run
+from duplex.frontend.cli import build_parser
+from duplex.frontend.serve import model_name, run
 
 
 def parse(*argv: str):

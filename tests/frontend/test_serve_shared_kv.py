@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
+from duplex.engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
 from tests.frontend.test_e2e_serve import Server, oai
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from frontend_fakes import FakeEngineClient
 
-from engine.messages import INVALID, RequestDelta
+from duplex.engine.messages import INVALID, RequestDelta
 
 HI = [{"role": "user", "content": "hi"}]
 LONG = [{"role": "user", "content": "x" * 100}]  # fits the 512-token context, not 2 blocks

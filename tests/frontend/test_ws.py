@@ -6,7 +6,7 @@ import asyncio
 import msgspec
 from frontend_fakes import FakeEngineClient
 
-from frontend.protocol import WsServerFrame, ws_json_schema
+from duplex.frontend.protocol import WsServerFrame, ws_json_schema
 
 HI = [{"role": "user", "content": "hi"}]
 _frames = msgspec.json.Decoder(WsServerFrame)

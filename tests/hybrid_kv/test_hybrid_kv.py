@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.hybrid_kv import HybridKVCacheManager
-from engine.kv_manager import KVCacheManager, cdiv
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
+from duplex.engine.hybrid_kv import HybridKVCacheManager
+from duplex.engine.kv_manager import KVCacheManager, cdiv
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import make_core, run_engine
 from tests.models_swa.test_swa_greedy import VOCAB, WINDOW, build_tiny
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import kernels._triton  # noqa: F401  (sets the interpreter flag first)
+import duplex.kernels._triton  # noqa: F401  (sets the interpreter flag first)
 
 HAS_CUDA = torch.cuda.is_available()
 

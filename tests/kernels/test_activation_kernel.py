@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref
+from duplex.kernels.activation import silu_and_mul_ref
 
 
 def test_reference_is_silu_of_gate_times_up():
@@ -18,7 +18,7 @@ def test_reference_rejects_odd_width_in_plain_words():
 
 @pytest.mark.parametrize("shape, block", [((2, 3, 40), 1024), ((5, 96), 16), ((0, 8), 1024)])
 def test_triton_matches_reference(device, shape, block):
-    from kernels.activation import silu_and_mul_triton
+    from duplex.kernels.activation import silu_and_mul_triton
     x = 3 * torch.randn(shape, generator=torch.Generator().manual_seed(1))
     got = silu_and_mul_triton(x.to(device), block=block).cpu()
     assert got.shape == (*shape[:-1], shape[-1] // 2)
@@ -28,7 +28,7 @@ def test_triton_matches_reference(device, shape, block):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_large(dtype):
-    from kernels.activation import silu_and_mul_triton
+    from duplex.kernels.activation import silu_and_mul_triton
     x = torch.randn(4096, 2 * 11008, device="cuda", dtype=dtype)
     torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), atol=1e-2,
                                rtol=1e-2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_factories import attention_args, make_paged_batch, naive_attention
-from kernels.attention import paged_attention_ref
+from duplex.kernels.attention import paged_attention_ref
 
 # (seq_len, q_len): decodes, a prefill chunk over a cached prefix, a full prefill, a q_len 0
 MIXED = [(9, 1), (5, 3), (1, 1), (12, 12), (17, 1), (7, 0), (20, 6)]
@@ -40,7 +40,7 @@ def test_reference_rejects_bad_inputs_in_plain_words():
                                                       (5, 4.0)])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2)])
 def test_triton_matches_reference(device, sliding_window, soft_cap, num_heads, num_kv_heads):
-    from kernels.attention import paged_attention_triton
+    from duplex.kernels.attention import paged_attention_triton
     batch = make_paged_batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads)
     expected = paged_attention_ref(*attention_args(batch), 0.3, sliding_window, soft_cap)
     args = [t.to(device) for t in attention_args(batch)]
@@ -52,7 +52,7 @@ def test_triton_matches_reference(device, sliding_window, soft_cap, num_heads, n
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 256])
 def test_triton_large(dtype, sliding_window):
-    from kernels.attention import paged_attention_triton
+    from duplex.kernels.attention import paged_attention_triton
     seqs = [(1000, 1)] * 24 + [(700, 300), (513, 513), (2048, 17)]
     batch = make_paged_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                              dtype=dtype, device="cuda")
@@ -66,7 +66,7 @@ def test_triton_large(dtype, sliding_window):
 def test_triton_token_identical_in_prefill_and_decode():
     """Per-row programs with key tiles at absolute positions: batch invariant on GPU too."""
     from kernel_factories import pack_paged_batch
-    from kernels.attention import paged_attention_triton
+    from duplex.kernels.attention import paged_attention_triton
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(600, 8, 128, generator=gen).half() for _ in range(2))
     q = torch.randn(600, 32, 128, generator=gen).half()
@@ -90,7 +90,7 @@ def _with_bf16_cache(batch):
 def test_triton_reads_a_bf16_cache_beside_fp32_queries(device):
     """--kv-cache-dtype bfloat16 with fp32 activations: the kernel widens the cache's tiles
     to q's dtype, so it equals the reference on the same (rounded) cache values."""
-    from kernels.attention import paged_attention_triton
+    from duplex.kernels.attention import paged_attention_triton
     batch = make_paged_batch(MIXED, num_heads=6, num_kv_heads=2)
     args = _with_bf16_cache(batch)
     expected = paged_attention_ref(*args, 0.3, 3)

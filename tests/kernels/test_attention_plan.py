@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.attention import paged_attention_planned, paged_attention_ref, plan_attention
+from duplex.kernels import ops
+from duplex.kernels.attention import paged_attention_planned, paged_attention_ref, plan_attention
 from tests.kernels.kernel_factories import attention_args, make_paged_batch, naive_attention
 
 SEQS = {

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kernel_factories import attention_args, pack_paged_batch
-from kernels import batch_invariant as bi
-from kernels import ops
-from kernels.attention import paged_attention_ref
-from kernels.rms_norm import rms_norm_ref
+from duplex.kernels import batch_invariant as bi
+from duplex.kernels import ops
+from duplex.kernels.attention import paged_attention_ref
+from duplex.kernels.rms_norm import rms_norm_ref
 
 ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 31, 32, 33, 40, 64, 65, 100]
 

@@ -1,13 +1,13 @@
-"""kernels.cpu_attention (decode attention read in place from the paged cache) against the
+"""duplex.kernels.cpu_attention (decode attention read in place from the paged cache) against the
 reference, through the planned path that the engine calls while the fused kernels are on."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_attention
-from kernels.attention import paged_attention_planned, paged_attention_ref, plan_attention
-from kernels.cpu_fused import use_fused
+from duplex.kernels import cpu_attention
+from duplex.kernels.attention import paged_attention_planned, paged_attention_ref, plan_attention
+from duplex.kernels.cpu_fused import use_fused
 from tests.kernels.kernel_factories import attention_args, make_paged_batch, naive_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),

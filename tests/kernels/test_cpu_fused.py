@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_fused, ops
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rope_cos_sin_cache, rotary_embedding_ref
+from duplex.kernels import cpu_fused, ops
+from duplex.kernels.rms_norm import rms_norm_ref
+from duplex.kernels.rotary import rope_cos_sin_cache, rotary_embedding_ref
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler")
 

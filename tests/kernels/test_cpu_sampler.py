@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_sampler
+from duplex.kernels import cpu_sampler
 
 pytestmark = pytest.mark.skipif(not cpu_sampler.available(), reason="no C compiler")
 

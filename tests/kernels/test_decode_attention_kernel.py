@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_factories import attention_args, make_paged_batch
-from kernels.attention import paged_attention_ref
+from duplex.kernels.attention import paged_attention_ref
 
 # decodes of 1, 37 and 600 keys (one, one and three splits of 256), a prefill left alone
 SEQS = [(1, 1), (37, 1), (5, 3), (600, 1)]
@@ -13,7 +13,7 @@ DECODE_ROWS = [0, 1, 5]
 
 @pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (300, 4.0)])
 def test_triton_matches_reference(device, sliding_window, soft_cap):
-    from kernels.decode_attention import decode_attention_triton
+    from duplex.kernels.decode_attention import decode_attention_triton
     batch = make_paged_batch(SEQS, num_heads=4, num_kv_heads=2, block_size=16)
     expected = paged_attention_ref(*attention_args(batch), 0.3, sliding_window, soft_cap)
     args = [t.to(device) for t in attention_args(batch)]
@@ -26,7 +26,7 @@ def test_triton_matches_reference(device, sliding_window, soft_cap):
 
 def test_row_is_bitwise_independent_of_the_batch(device):
     from kernel_factories import pack_paged_batch
-    from kernels.decode_attention import decode_attention_triton
+    from duplex.kernels.decode_attention import decode_attention_triton
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(300, 1, 16, generator=gen) for _ in range(2))
     q = torch.randn(1, 2, 16, generator=gen)
@@ -41,7 +41,7 @@ def test_row_is_bitwise_independent_of_the_batch(device):
 
 
 def test_split_dispatch_matches_reference_on_a_mixed_step(device):
-    from kernels.decode_attention import StepLens, paged_attention_split
+    from duplex.kernels.decode_attention import StepLens, paged_attention_split
     seqs = [(37, 1), (5, 3), (7, 0), (20, 6)]
     batch = make_paged_batch(seqs, num_heads=4, num_kv_heads=2, block_size=16)
     expected = paged_attention_ref(*attention_args(batch), 0.3)
@@ -55,7 +55,7 @@ def test_split_dispatch_matches_reference_on_a_mixed_step(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 700])
 def test_triton_large(dtype, sliding_window):
-    from kernels.decode_attention import decode_attention_triton
+    from duplex.kernels.decode_attention import decode_attention_triton
     seqs = [(1000, 1)] * 24 + [(4097, 1), (1, 1), (2048, 1)]
     batch = make_paged_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                              dtype=dtype, device="cuda")
@@ -66,7 +66,7 @@ def test_triton_large(dtype, sliding_window):
 
 
 def test_split_kv_reads_a_bf16_cache_beside_fp32_queries(device):
-    from kernels.decode_attention import decode_attention_triton
+    from duplex.kernels.decode_attention import decode_attention_triton
     batch = make_paged_batch(SEQS, num_heads=4, num_kv_heads=2, block_size=16)
     args = list(attention_args(batch))
     args[1], args[2] = args[1].to(torch.bfloat16), args[2].to(torch.bfloat16)

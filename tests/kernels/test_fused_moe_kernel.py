@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.fused_moe import align_by_expert, fused_moe_ref
+from duplex.kernels.fused_moe import align_by_expert, fused_moe_ref
 
 
 def _moe_case(num_tokens=20, num_experts=8, top_k=2, hidden=32, inter=64, seed=0):
@@ -59,7 +59,7 @@ def test_reference_is_the_weighted_sum_of_experts():
 
 @pytest.mark.parametrize("with_weights,with_idle", [(True, False), (False, False), (True, True)])
 def test_triton_matches_reference(device, with_weights, with_idle):
-    from kernels.fused_moe import fused_moe_triton
+    from duplex.kernels.fused_moe import fused_moe_triton
     x, ids, weights, w13, w2 = _moe_case()
     if with_idle:
         ids[1::2, 0] = 8  # pairs with no expert: output 0
@@ -74,7 +74,7 @@ def test_triton_matches_reference(device, with_weights, with_idle):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_large(dtype):
-    from kernels.fused_moe import fused_moe_triton
+    from duplex.kernels.fused_moe import fused_moe_triton
     x, ids, weights, w13, w2 = (t.cuda() for t in _moe_case(
         num_tokens=300, num_experts=64, top_k=6, hidden=1024, inter=512))
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.kv_store import store_kv_ref
+from duplex.kernels.kv_store import store_kv_ref
 
 
 def _store_case(num_tokens=5, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=8):
@@ -28,7 +28,7 @@ def test_reference_writes_block_and_offset():
 
 
 def test_triton_matches_reference(device):
-    from kernels.kv_store import store_kv_triton
+    from duplex.kernels.kv_store import store_kv_triton
     k, v, k_cache, v_cache, slots = _store_case(num_tokens=7, num_blocks=3, head_dim=6)
     slots[2] = -1
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
@@ -40,7 +40,7 @@ def test_triton_matches_reference(device):
 
 @pytest.mark.gpu
 def test_triton_large_bf16():
-    from kernels.kv_store import store_kv_triton
+    from duplex.kernels.kv_store import store_kv_triton
     k, v, k_cache, v_cache, slots = _store_case(4000, 512, 16, 8, 128)
     args = [t.to("cuda") for t in (k.bfloat16(), v.bfloat16(), k_cache.bfloat16(),
                                    v_cache.bfloat16(), slots)]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.matmul import linear_ref, linear_triton, matmul_triton
+from duplex.kernels.matmul import linear_ref, linear_triton, matmul_triton
 
 
 def _operands(m, k, n, dtype=torch.float32, seed=0):

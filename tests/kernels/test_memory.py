@@ -1,4 +1,4 @@
-"""kernels.memory: buffers advised onto transparent huge pages hold what is written to them,
+"""duplex.kernels.memory: buffers advised onto transparent huge pages hold what is written to them,
 small ones are left alone, and the advice is accepted where the kernel offers THP."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import memory
+from duplex.kernels import memory
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernel_factories import attention_args, pack_paged_batch
-from kernels.mla_decode import mla_attend_ref
+from duplex.kernels.mla_decode import mla_attend_ref
 
 RANK, HALF = 32, 20  # D = 40: kv_lora_rank 32 + 8 rope dims, split over the two planes
 SCALE = 0.2
@@ -39,7 +39,7 @@ def from_definition(batch, row_of_seq):
 
 @pytest.mark.parametrize("num_heads", [4, 20])  # one head block, and two with a ragged end
 def test_decode_rows_match_the_definition_and_the_reference(device, num_heads):
-    from kernels.mla_decode import mla_decode_triton
+    from duplex.kernels.mla_decode import mla_decode_triton
     seqs = [(1, 1), (37, 1), (5, 3), (600, 1)]  # 600 keys: three splits of 256
     batch = latent_batch(seqs, num_heads)
     args = [t.to(device) for t in attention_args(batch)]
@@ -60,7 +60,7 @@ def test_the_half_precision_path(device):
     """Half-precision caches and queries take the kernel's other dot path (p cast to the
     cache's dtype). fp16 stands in for bf16 here: triton's interpreter computes tl.dot on
     bf16 operands wrongly (on this triton, any kernel), so bf16 is checked on a GPU only."""
-    from kernels.mla_decode import mla_decode_triton
+    from duplex.kernels.mla_decode import mla_decode_triton
     batch = latent_batch([(37, 1), (300, 1)], num_heads=4, seed=2)
     args = [t.to(device) for t in attention_args(batch)]
     args = [t.half() if t.is_floating_point() else t for t in args]
@@ -83,7 +83,7 @@ def test_reference_prefill_rows_match_the_definition():
 
 
 def test_row_is_bitwise_independent_of_the_batch(device):
-    from kernels.mla_decode import mla_decode_triton
+    from duplex.kernels.mla_decode import mla_decode_triton
     alone = latent_batch([(300, 1)], num_heads=4, seed=3)
     gen = torch.Generator().manual_seed(4)
     mixed_parts = []
@@ -103,7 +103,7 @@ def test_row_is_bitwise_independent_of_the_batch(device):
 def test_deepseek_v3_shape_on_the_gpu(dtype):
     """DeepSeek-V3's own latent (rank 512 + 64 rope dims, 128 heads), long and short
     decodes, against the fp32 torch reference on the same device."""
-    from kernels.mla_decode import mla_decode_triton
+    from duplex.kernels.mla_decode import mla_decode_triton
     rank, rope, heads, block_size = 512, 64, 128, 64
     half = (rank + rope) // 2
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""kernels.cpu_qgemv (the AVX512-VNNI quantized matmul) against two references: the same
+"""duplex.kernels.cpu_qgemv (the AVX512-VNNI quantized matmul) against two references: the same
 arithmetic done in torch (activations rounded to int8 per group of 32, then exact integer
 dot products; int4's zero points times the exact sum of x), which it must match to fp32 rounding, and the plain fp32 product of the
 dequantized weight, which it may differ from only by that activation rounding."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_qgemv, quant
-from kernels.quant import QuantWeight
+from duplex.kernels import cpu_qgemv, quant
+from duplex.kernels.quant import QuantWeight
 
 pytestmark = pytest.mark.skipif(not cpu_qgemv.available(),
                                 reason="no C compiler or no AVX512-VNNI on this CPU")

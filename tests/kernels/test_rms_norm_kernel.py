@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm_ref
+from duplex.kernels.rms_norm import rms_norm_ref
 
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 modeling_gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
@@ -42,7 +42,7 @@ def test_gemma3_semantics_bitwise(dtype):
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_triton_matches_reference(device, offset, with_residual):
-    from kernels.rms_norm import rms_norm_triton
+    from duplex.kernels.rms_norm import rms_norm_triton
     gen = torch.Generator().manual_seed(2)
     x, residual = torch.randn(2, 3, 40, generator=gen), torch.randn(2, 3, 40, generator=gen)
     weight = torch.randn(40, generator=gen)
@@ -58,7 +58,7 @@ def test_triton_matches_reference(device, offset, with_residual):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_large(dtype):
-    from kernels.rms_norm import rms_norm_triton
+    from duplex.kernels.rms_norm import rms_norm_triton
     x, residual = (torch.randn(4096, 4096, device="cuda", dtype=dtype) for _ in range(2))
     weight = torch.randn(4096, device="cuda", dtype=dtype)
     out, new_residual = rms_norm_triton(x, weight, 1e-6, residual)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.rotary import rope_cos_sin_cache, rotary_embedding_ref
+from duplex.kernels.rotary import rope_cos_sin_cache, rotary_embedding_ref
 
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
@@ -60,7 +60,7 @@ def test_partial_rotary_and_gptj_against_definition():
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("rotary_dim", [16, 8])
 def test_triton_matches_reference(device, is_neox, rotary_dim):
-    from kernels.rotary import rotary_embedding_triton
+    from duplex.kernels.rotary import rotary_embedding_triton
     cache = rope_cos_sin_cache(rotary_dim, 50)
     positions = torch.tensor([0, 49, 7, 7, 20])
     q, k = _qk(5, 16, torch.float32, seed=3)
@@ -73,7 +73,7 @@ def test_triton_matches_reference(device, is_neox, rotary_dim):
 
 @pytest.mark.gpu
 def test_triton_large_bf16():
-    from kernels.rotary import rotary_embedding_triton
+    from duplex.kernels.rotary import rotary_embedding_triton
     cache = rope_cos_sin_cache(128, 8192).cuda()
     positions = torch.randint(0, 8192, (4096,), device="cuda")
     q, k = (t.cuda() for t in _qk(4096, 128, torch.bfloat16))

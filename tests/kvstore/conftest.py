@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.disk import DiskConfig, DiskTier
+from duplex.kvstore.disk import DiskConfig, DiskTier
 from kvstore_factories import NS, FakeClock
 
 

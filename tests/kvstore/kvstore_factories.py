@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import hashlib
 
-from kvstore import retention
-from kvstore.entry import BlockEntry
-from kvstore.keys import block_keys, namespace
+from duplex.kvstore import retention
+from duplex.kvstore.entry import BlockEntry
+from duplex.kvstore.keys import block_keys, namespace
 
 T0 = 1_700_000_000.0  # a fixed "now" for every test clock
 DAY = retention.DAY_S

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from kvstore import blockfile
-from kvstore.blockfile import HEADER_BYTES
-from kvstore.disk import DiskConfig, DiskTier
-from kvstore.errors import KVStoreError
-from kvstore.keys import key_hex, namespace
+from duplex.kvstore import blockfile
+from duplex.kvstore.blockfile import HEADER_BYTES
+from duplex.kvstore.disk import DiskConfig, DiskTier
+from duplex.kvstore.errors import KVStoreError
+from duplex.kvstore.keys import key_hex, namespace
 from kvstore_factories import DAY, NS, make_entry, make_keys
 
 N = 256  # payload bytes per test block
@@ -131,7 +131,7 @@ async def test_flipped_payload_byte_is_a_miss(disk_factory, offset, caplog):
     tier = await disk_factory()
     keys = await stored(tier, 1)
     flip(tier.path(keys[0]), offset)
-    with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
+    with caplog.at_level(logging.WARNING, logger="duplex.kvstore.disk"):
         await assert_dropped(tier, keys[0])
     assert "checksum mismatch" in caplog.text and tier.path(keys[0]) in caplog.text
 
@@ -176,7 +176,7 @@ async def test_file_of_another_namespace_at_the_keys_path_is_a_miss(disk_factory
     other.put(other_key, make_entry(0, N))
     await other.flush()
     shutil.copyfile(other.path(other_key), tier.path(keys[0]))
-    with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
+    with caplog.at_level(logging.WARNING, logger="duplex.kvstore.disk"):
         await assert_dropped(tier, keys[0])
     assert "foreign namespace" in caplog.text
 
@@ -286,7 +286,7 @@ async def test_full_disk_is_counted_and_nothing_stored(disk_factory, monkeypatch
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(blockfile, "_write_chunks", no_space)
-    with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
+    with caplog.at_level(logging.WARNING, logger="duplex.kvstore.disk"):
         assert tier.put(K[0], make_entry(0, N))
         await tier.flush()
     assert tier.stats()["write_errors"] == 1 and tier.stats()["entries"] == 0

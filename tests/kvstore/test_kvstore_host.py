@@ -2,7 +2,7 @@
 import pytest
 
 from kvstore_factories import DAY, make_entry, make_keys
-from kvstore.host import HostTier
+from duplex.kvstore.host import HostTier
 
 K = make_keys(8)
 

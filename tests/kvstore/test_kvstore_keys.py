@@ -8,14 +8,14 @@ import time
 import numpy as np
 import pytest
 
-from kvstore import keys
-from kvstore.keys import block_keys, key_from_hex, key_hex, namespace, tenant_salt
+from duplex.kvstore import keys
+from duplex.kvstore.keys import block_keys, key_from_hex, key_hex, namespace, tenant_salt
 
 NS = namespace("m", "float16", 4)
 TOKENS = list(range(100, 150))  # 12 full blocks of 4, plus 2 tokens
 
 _SCRIPT = """
-from kvstore.keys import block_keys, namespace, tenant_salt
+from duplex.kvstore.keys import block_keys, namespace, tenant_salt
 ns = namespace("m", "float16", 4, "L", tenant_salt("sk-a", "s1"))
 print(ns.hex(), *[k.hex() for k in block_keys(ns, list(range(100, 150)), 4)])
 """

@@ -14,9 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.blockfile import HEADER_BYTES
-from kvstore.disk import DiskConfig, DiskTier
-from kvstore.host import HostTier
+from duplex.kvstore.blockfile import HEADER_BYTES
+from duplex.kvstore.disk import DiskConfig, DiskTier
+from duplex.kvstore.host import HostTier
 from kvstore_factories import DAY, FakeClock, make_entry, make_keys
 
 KEYS = make_keys(6)

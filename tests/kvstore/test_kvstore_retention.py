@@ -1,8 +1,8 @@
 """Retention classes and expiry."""
 import pytest
 
-from kvstore import retention
-from kvstore.retention import AGENT, CHAT, RetentionPolicy, classify, expiry
+from duplex.kvstore import retention
+from duplex.kvstore.retention import AGENT, CHAT, RetentionPolicy, classify, expiry
 
 
 def test_default_ttls():

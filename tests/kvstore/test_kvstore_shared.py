@@ -10,10 +10,10 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from kvstore import blockfile, retention
-from kvstore.keys import namespace
-from kvstore.redis_tier import RedisBackend
-from kvstore.shared import SharedConfig, SharedTier, open_shared
+from duplex.kvstore import blockfile, retention
+from duplex.kvstore.keys import namespace
+from duplex.kvstore.redis_tier import RedisBackend
+from duplex.kvstore.shared import SharedConfig, SharedTier, open_shared
 from kvstore_factories import NS, make_entry, make_keys
 
 FAST = SharedConfig(op_timeout_s=0.3, max_failures=1, cooldown_s=0.2)
@@ -257,7 +257,7 @@ async def test_long_chain_is_read_in_batches_and_stops_at_the_first_gap(tiers, s
 
 
 def test_breaker_opens_after_failures_and_lets_one_trial_through():
-    from kvstore.breaker import CircuitBreaker
+    from duplex.kvstore.breaker import CircuitBreaker
     now = [0.0]
     breaker = CircuitBreaker(max_failures=2, cooldown_s=5.0, clock=lambda: now[0])
     breaker.record_failure()
@@ -294,7 +294,7 @@ async def test_redis_cluster_round_trip_across_slots(tiers, tmp_path):
 
 
 def test_store_urls():
-    from kvstore.redis_tier import plain_url
+    from duplex.kvstore.redis_tier import plain_url
     assert plain_url("redis+cluster://h:7000") == ("redis://h:7000", True)
     assert plain_url("valkeys://:pw@h:6380/2") == ("rediss://:pw@h:6380/2", False)
     assert plain_url("redis://h:6379/0") == ("redis://h:6379/0", False)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import blockfile
-from kvstore.blockfile import Status
-from kvstore.shared_dir import LEASE_NAME, SharedDirBackend
+from duplex.kvstore import blockfile
+from duplex.kvstore.blockfile import Status
+from duplex.kvstore.shared_dir import LEASE_NAME, SharedDirBackend
 from kvstore_factories import NS, make_entry, make_keys
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ FILE = blockfile.HEADER_BYTES + BLOCK
 WRITER = """
 import asyncio, sys, time
 sys.path.insert(0, {kv_tests!r})
-from kvstore.shared_dir import SharedDirBackend
+from duplex.kvstore.shared_dir import SharedDirBackend
 from kvstore_factories import NS, make_entry, make_keys
 
 async def main():

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from kvstore.blockfile import HEADER_BYTES
-from kvstore.store import KVStore
+from duplex.kvstore.blockfile import HEADER_BYTES
+from duplex.kvstore.store import KVStore
 from kvstore_factories import DAY, make_entry, make_keys
 
 N = 100

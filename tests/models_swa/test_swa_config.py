@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.models.loader import FULL, SLIDING, ModelLoadError, hf_config_to_args
+from duplex.engine.models.loader import FULL, SLIDING, ModelLoadError, hf_config_to_args
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
              num_key_value_heads=2)

@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 
-from engine.models.loader import SLIDING
-from engine.sampling_params import SamplingParams
+from duplex.engine.models.loader import SLIDING
+from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy, make_core, run_engine
 
 WINDOW = 8

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
-from engine.stats import MoEStats
-from frontend.engine_client import EngineClient
-from frontend.metrics import Metrics
-from frontend.router import Router
-from frontend.supervisor import Supervisor
+from duplex.engine.config import EngineConfig
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.stats import MoEStats
+from duplex.frontend.engine_client import EngineClient
+from duplex.frontend.metrics import Metrics
+from duplex.frontend.router import Router
+from duplex.frontend.supervisor import Supervisor
 from tests.moe.conftest import VOCAB
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def _free_port() -> int:
 def _join(model_path: str, master: str, *extra: str) -> subprocess.Popen:
     """`duplex worker --ep-rank 1`, as an operator would start it on another host."""
     return subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "worker", "--ep-rank", "1", "--expert-parallel",
+        [sys.executable, "-m", "duplex.frontend.cli", "worker", "--ep-rank", "1", "--expert-parallel",
          "2", "--ep-master", master, "--model", model_path, "--num-kv-blocks", "96",
          "--max-model-len", "256", "--max-num-batched-tokens", "32", "--num-threads", "1",
          "--ep-redundant-experts", "2", "--eplb-interval-steps", "3", *extra],
@@ -246,14 +246,14 @@ def test_options_that_depend_on_timing_are_refused():
 
 
 def test_an_engine_outside_a_group_is_refused(model_path):
-    from engine.core import EngineCore
+    from duplex.engine.core import EngineCore
 
     with pytest.raises(ValueError, match="duplex serve"):
         EngineCore(_config(model_path))
 
 
 def test_serve_refuses_expert_parallel_with_a_split(capsys):
-    from frontend.cli import main
+    from duplex.frontend.cli import main
 
     assert main(["serve", "--expert-parallel", "2", "--prefill-workers", "1",
                  "--decode-workers", "1"]) == 2
@@ -261,8 +261,8 @@ def test_serve_refuses_expert_parallel_with_a_split(capsys):
 
 
 def _order_and_disagree(rank: int, master: str, out_dir: str) -> None:
-    from engine.ep_group import RankGroup, RanksDisagree, StepOrder
-    from engine.messages import AbortRequests
+    from duplex.engine.ep_group import RankGroup, RanksDisagree, StepOrder
+    from duplex.engine.messages import AbortRequests
 
     group = RankGroup(EngineConfig.of(expert_parallel=2, ep_master=master), rank)
     sent = StepOrder([AddRequest("a", [1, 2], GREEDY, deadline=0.0), AbortRequests(["b"])])
@@ -305,7 +305,7 @@ def test_duplex_serve_expert_parallel_end_to_end(model_path, reference, tmp_path
     add_word_tokenizer(model_dir)
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model_dir), "--port",
+        [sys.executable, "-m", "duplex.frontend.cli", "serve", "--model", str(model_dir), "--port",
          str(port), "--expert-parallel", "2", "--ep-redundant-experts", "2",
          "--eplb-interval-steps", "3", "--num-kv-blocks", "96", "--max-model-len", "256"],
         cwd=REPO, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

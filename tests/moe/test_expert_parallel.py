@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from engine.expert_parallel import enable_expert_parallel, launch
-from engine.sampling_params import SamplingParams
-from kernels.batch_invariant import set_batch_invariant_mode
+from duplex.engine.expert_parallel import enable_expert_parallel, launch
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kernels.batch_invariant import set_batch_invariant_mode
 from tests.engine.conftest import make_core, run_engine
 from tests.moe.conftest import VOCAB
 
@@ -113,7 +113,7 @@ def test_four_ranks_bitwise_single_process_with_rebalancing(tiny_moe, tmp_path):
 def _device_path_rank(rank: int, num_ranks: int, path: str, out_dir: str) -> None:
     """On the device path (triton kernels under the interpreter): what decode forwards read
     back, and the tokens of the prompts, with EP on (2 spare slots)."""
-    from kernels import _triton
+    from duplex.kernels import _triton
     from tests.engine.test_triton_backend import decode_read_backs
 
     def ep(core):
@@ -133,7 +133,7 @@ def test_device_path_routes_on_the_device_and_matches_single_process(tiny_moe, t
     interpreter): routing, the fixed-capacity exchange (empty rows with no expert) and the
     counters read nothing back in a decode forward; tokens equal the single-process
     device path's, logprobs within fp32 rounding."""
-    from kernels import _triton
+    from duplex.kernels import _triton
     path = tiny_moe("mixtral")
     with _triton.on_cpu():
         core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)

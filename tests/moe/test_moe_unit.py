@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine.eplb import Placement
-from engine.eplb import compute_placement, route
-from engine.expert_parallel import (_source_rank, _Tables, occurrence, route_on_device,
+from duplex.engine.eplb import Placement
+from duplex.engine.eplb import compute_placement, route
+from duplex.engine.expert_parallel import (_source_rank, _Tables, occurrence, route_on_device,
                                     token_bounds)
-from engine.messages import AddRequest
-from engine.model_runner import ModelRunner
-from engine.models.loader import ModelLoadError, hf_config_to_args
-from engine.models.moe import (ExpertWeights, LocalExperts, MoEArgs, count_pairs,
+from duplex.engine.messages import AddRequest
+from duplex.engine.model_runner import ModelRunner
+from duplex.engine.models.loader import ModelLoadError, hf_config_to_args
+from duplex.engine.models.moe import (ExpertWeights, LocalExperts, MoEArgs, count_pairs,
                                grouped_topk, run_experts, softmax_topk)
-from engine.sampling_params import SamplingParams
-from kernels.fused_moe import fused_moe_ref
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kernels.fused_moe import fused_moe_ref
 from tests.engine.conftest import hf_model, make_core, run_engine
 
 
@@ -98,7 +98,9 @@ def test_rows_with_no_expert_come_out_zero_and_leave_the_others_alone():
     idle[::2] = 4  # no expert
     got, want = run_experts(x, idle, weights), run_experts(x, ids, weights)
     assert torch.equal(got[::2], torch.zeros_like(got[::2]))
-    assert torch.equal(got[1::2], want[1::2])
+    # the same rows' values: bitwise with AVX-512 GEMMs; an AVX2 GEMM's blocking follows the
+    # row count, so there only to float32 rounding
+    torch.testing.assert_close(got[1::2], want[1::2], rtol=1e-5, atol=1e-5)
     assert count_pairs(idle, 5).tolist() == np.bincount(idle, minlength=5).tolist()
 
 

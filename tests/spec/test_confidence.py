@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
+from duplex.engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
                                     make_features)
-from engine.cost_model import CostModel
+from duplex.engine.cost_model import CostModel
 
 TRUE_WEIGHTS = np.array([-1.0, 4.0, -1.0, -2.0, 1.5, -1.0, -0.5, 1.0])
 

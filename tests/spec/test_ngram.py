@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.spec.ngram import NgramDrafter, find_occurrences
+from duplex.engine.spec.ngram import NgramDrafter, find_occurrences
 
 
 def test_copies_what_followed_the_suffix():

@@ -9,8 +9,8 @@ import collections
 import pytest
 import torch
 
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import make_core
 
 VOCAB = 384

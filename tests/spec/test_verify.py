@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.spec.verify import target_probs, verify_greedy, verify_sampled
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.spec.verify import target_probs, verify_greedy, verify_sampled
 
 P = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.07, 0.05, 0.03], dtype=torch.float64)
 Q = torch.tensor([0.03, 0.05, 0.07, 0.10, 0.10, 0.15, 0.20, 0.30], dtype=torch.float64)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import core as core_module
-from engine.config import EngineConfig
-from engine.core import EngineCore
+from duplex.engine import core as core_module
+from duplex.engine.config import EngineConfig
+from duplex.engine.core import EngineCore
 # one cache with the engine tests', so a whole-suite run loads the default model once
 from tests.engine.conftest import _cached_load
 

@@ -11,9 +11,9 @@ import asyncio
 import threading
 import time
 
-from engine.core import EngineCore
-from engine.messages import AddRequest, Ready, RequestDelta
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.engine.core import EngineCore
+from duplex.engine.messages import AddRequest, Ready, RequestDelta
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 
 class CoreEngine:

@@ -12,10 +12,10 @@ import jsonschema
 import msgspec
 import pytest
 
-from engine.kv_transfer import prefill_part
-from engine.messages import AddRequest
-from engine.sampling_params import Constraint, SamplingParams
-from engine.text.tokenizer import load_tokenizer
+from duplex.engine.kv_transfer import prefill_part
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import Constraint, SamplingParams
+from duplex.engine.text.tokenizer import load_tokenizer
 from tests.structured.conftest import make_core
 
 SCHEMA = {
@@ -197,7 +197,7 @@ def test_logit_bias_moves_greedy_choices(core, tokenizer):
 
 
 def test_a_constraint_and_a_logit_bias_cross_the_wire_as_data():
-    from engine.messages import decode_to_worker, encode
+    from duplex.engine.messages import decode_to_worker, encode
 
     params = SamplingParams(max_tokens=4, logit_bias={7: -2.5, 9: 100.0},
                             constraint=Constraint("json_schema", json.dumps(SCHEMA)))

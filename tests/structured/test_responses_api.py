@@ -9,8 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine.text.recipe import Recipe
-from frontend.serve import TOOLS_TEMPLATE
+from duplex.engine.text.recipe import Recipe
+from duplex.frontend.serve import TOOLS_TEMPLATE
 from tests.structured.conftest import make_core
 from tests.structured.support import ApiServer, CoreEngine
 from tests.structured.test_grammar_engine import SCHEMA

@@ -9,10 +9,10 @@ import jsonschema
 import openai
 import pytest
 
-from engine.text.recipe import Recipe
-from frontend.serve import TOOLS_TEMPLATE
-from engine.text.tool_formats import TOOL_FORMATS
-from engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
+from duplex.engine.text.recipe import Recipe
+from duplex.frontend.serve import TOOLS_TEMPLATE
+from duplex.engine.text.tool_formats import TOOL_FORMATS
+from duplex.engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 from tests.structured.conftest import make_core
 from tests.structured.support import ApiServer, CoreEngine
 from tests.structured.test_structured_api import BOUNDED, SCHEMAS

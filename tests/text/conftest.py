@@ -7,8 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from engine.config import default_model_path  # noqa: E402
-from engine.text.recipe import Recipe  # noqa: E402
+from duplex.engine.config import default_model_path  # noqa: E402
+from duplex.engine.text.recipe import Recipe  # noqa: E402
 from recipe_factories import TOOLS_TEMPLATE  # noqa: E402
 
 

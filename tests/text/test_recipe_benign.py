@@ -1,7 +1,7 @@
 """Benign chats tokenize exactly as transformers' apply_chat_template does."""
 import pytest
 
-from engine.text.messages import Chat
+from duplex.engine.text.messages import Chat
 
 from recipe_factories import BENIGN_CHATS, reference_ids, tool_chats
 

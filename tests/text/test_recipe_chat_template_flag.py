@@ -2,11 +2,11 @@
 sandboxed, injection-safe encoder; the cached recipe of the model keeps its own template."""
 from __future__ import annotations
 
-from frontend.operator_flags import read_chat_template, with_chat_template
-from engine.text.messages import Chat
-from engine.text.recipe import Recipe
+from duplex.frontend.operator_flags import read_chat_template, with_chat_template
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.recipe import Recipe
 
-from engine.config import default_model_path
+from duplex.engine.config import default_model_path
 
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")

@@ -3,8 +3,8 @@ ids equal transformers' apply_chat_template(continue_final_message=True), and th
 continue can never become a control token."""
 import pytest
 
-from engine.text.messages import Chat
-from engine.text.recipe import RecipeError
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.recipe import RecipeError
 
 HISTORY = [{"role": "system", "content": "You answer in one word."},
            {"role": "user", "content": "What is the capital of France?"}]
@@ -46,7 +46,7 @@ def test_continuation_needs_a_final_plain_assistant_message(default_recipe, mess
 
 
 def test_forced_tool_call_start_uses_the_models_own_tool_token(tools_recipe):
-    from engine.text.tool_parser import forced_call_prefix, tools_supported
+    from duplex.engine.text.tool_parser import forced_call_prefix, tools_supported
 
     assert tools_supported(tools_recipe.template)
     forced = forced_call_prefix(["get_weather", "get_time"], "get_weather")

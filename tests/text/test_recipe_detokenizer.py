@@ -3,7 +3,7 @@ character that a later token completes."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.text.detokenizer import IncrementalDetokenizer
+from duplex.engine.text.detokenizer import IncrementalDetokenizer
 
 MIXED = "Hi 🙂👨‍👩‍👧 — 你好世界 日本語 ünïcödé 🇫🇷 ok\n\tend 𝄞"
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from engine.text.messages import Chat
-from engine.text.recipe import RecipeError
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.recipe import RecipeError
 from recipe_factories import (WEATHER_TOOL, assistant, control_ids_in, system, tool_call,
                               user)
 

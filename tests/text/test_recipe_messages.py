@@ -1,8 +1,8 @@
 """Message and tool validation: malformed input is a RecipeError (a ValueError) naming it."""
 import pytest
 
-from engine.text.errors import RecipeError
-from engine.text.messages import Chat, normalize_messages, normalize_tools
+from duplex.engine.text.errors import RecipeError
+from duplex.engine.text.messages import Chat, normalize_messages, normalize_tools
 from recipe_factories import tool_call, user
 
 BAD_MESSAGES = [

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.text.stop import StopChecker
+from duplex.engine.text.stop import StopChecker
 
 
 def reference(text, stops, include):

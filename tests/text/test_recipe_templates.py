@@ -3,8 +3,8 @@ import time
 
 import pytest
 
-from engine.text.messages import Chat
-from engine.text.recipe import Recipe, RecipeError, RenderLimits
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.recipe import Recipe, RecipeError, RenderLimits
 from recipe_factories import (WEATHER_TOOL, assistant, reference_ids, system, tool_call, user)
 
 CHAT = [system("  Be brief.  "), user("  Hello <b>there</b>, wörld 🙂  "),

@@ -5,12 +5,12 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from engine.config import default_model_path
-from engine.text import tokenizer as tokenizer_module
-from engine.text.detokenizer import IncrementalDetokenizer
-from engine.text.messages import Chat
-from engine.text.recipe import Recipe
-from engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
+from duplex.engine.config import default_model_path
+from duplex.engine.text import tokenizer as tokenizer_module
+from duplex.engine.text.detokenizer import IncrementalDetokenizer
+from duplex.engine.text.messages import Chat
+from duplex.engine.text.recipe import Recipe
+from duplex.engine.text.tokenizer import (chat_template, control_tokens, eos_token_ids, load_tokenizer,
                                 special_token_ids, text_encoder)
 from recipe_factories import control_ids_in, reference_ids, user
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.text.tool_parser import (TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallParser,
+from duplex.engine.text.tool_parser import (TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallParser,
                                   ToolCallStart, parse_tool_calls, tools_supported)
 from recipe_factories import TOOLS_TEMPLATE
 

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.messages import FinishReason
-from engine.sampling_params import SamplingParams
-from engine.text.output import OutputStream
+from duplex.engine.messages import FinishReason
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.text.output import OutputStream
 
 TEXT = "Hello there — 你好 🙂 friend! The answer is 42.</answer> and then more text"
 

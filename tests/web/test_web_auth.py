@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from web_fakes import ScriptedEngine, ThreadedServer
 
-from frontend.server import ServerOptions
+from duplex.frontend.server import ServerOptions
 
 expect = pytest.importorskip("playwright.sync_api",
                              reason="playwright missing (pip install playwright)").expect

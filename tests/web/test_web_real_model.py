@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from web_fakes import free_port
 
-from engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
+from duplex.engine.config import DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE
 
 expect = pytest.importorskip("playwright.sync_api",
                              reason="playwright missing (pip install playwright)").expect
@@ -37,7 +37,7 @@ def real_server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "serve", "--port", str(port),
+            [sys.executable, "-m", "duplex.frontend.cli", "serve", "--port", str(port),
              "--num-kv-blocks", "256", "--max-model-len", "2048"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=log,
             start_new_session=True)

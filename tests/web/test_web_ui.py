@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from web_fakes import HTML_REPLY, MARKDOWN_REPLY, ScriptedEngine, ThreadedServer
 
-from frontend.protocol import SamplingFields
+from duplex.frontend.protocol import SamplingFields
 
 expect = pytest.importorskip("playwright.sync_api",
                              reason="playwright missing (pip install playwright)").expect

@@ -21,8 +21,8 @@ import msgspec
 from aiohttp import web
 from frontend_fakes import OFFSET, FakeEngineClient, FakeRecipe
 
-from engine.messages import AddRequest, RequestDelta
-from frontend.server import AppState, ServerOptions, build_app
+from duplex.engine.messages import AddRequest, RequestDelta
+from duplex.frontend.server import AppState, ServerOptions, build_app
 
 MARKDOWN_REPLY = (
     "Duplex splits serving into **prefill** and **decode**.\n\n"

@@ -11,12 +11,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.config import EngineConfig
-from engine.messages import AddRequest, Heartbeat, Outputs, Ready, RequestDelta
-from engine.sampling_params import SamplingParams
-from engine.zmq_io import Channel, frontend_channel, new_context
-from frontend.engine_client import EngineClient
-from frontend.supervisor import Supervisor
+from duplex.engine.config import EngineConfig
+from duplex.engine.messages import AddRequest, Heartbeat, Outputs, Ready, RequestDelta
+from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.zmq_io import Channel, frontend_channel, new_context
+from duplex.frontend.engine_client import EngineClient
+from duplex.frontend.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_CORE = "tests.worker.fake_core:FakeCore"
@@ -145,7 +145,7 @@ def raw_frontend(tmp_path):
 
 
 def worker_command(address: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "engine.worker_cli", "--connect", address,
+    return [sys.executable, "-m", "duplex.engine.worker_cli", "--connect", address,
             "--worker-id", "w0", "--core", FAKE_CORE, "--heartbeat-s", str(HEARTBEAT_S), *extra]
 
 

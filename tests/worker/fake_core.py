@@ -17,8 +17,8 @@ import json
 import os
 import time
 
-from engine.config import EngineConfig
-from engine.messages import AddRequest, RequestDelta, WorkerStats
+from duplex.engine.config import EngineConfig
+from duplex.engine.messages import AddRequest, RequestDelta, WorkerStats
 
 CRASH_TOKEN = 666_666
 VOCAB_SIZE = 1_000_000

@@ -11,13 +11,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine import curve
-from engine.config import EngineConfig
-from engine.messages import (Heartbeat, KvCancel, Outputs, Ready, RequestDelta, WorkerStats,
+from duplex.engine import curve
+from duplex.engine.config import EngineConfig
+from duplex.engine.messages import (Heartbeat, KvCancel, Outputs, Ready, RequestDelta, WorkerStats,
                              encode)
-from engine.worker import Worker
-from engine.zmq_io import kv_client_channel, kv_server_channel
-from frontend.engine_client import EngineClient
+from duplex.engine.worker import Worker
+from duplex.engine.zmq_io import kv_client_channel, kv_server_channel
+from duplex.frontend.engine_client import EngineClient
 
 from .conftest import HEARTBEAT_S, add_request, collect, tokens, until
 from .fake_core import FakeCore, expected_tokens

@@ -1,7 +1,7 @@
-"""engine.deadlines: earliest first, each id once, 0 means none; on a hand-set clock."""
+"""duplex.engine.deadlines: earliest first, each id once, 0 means none; on a hand-set clock."""
 from __future__ import annotations
 
-from engine.deadlines import Deadlines
+from duplex.engine.deadlines import Deadlines
 
 
 def test_deadlines_expire_in_order_once():

@@ -1,4 +1,4 @@
-"""frontend.engine_client against a real worker process (fake core) under a Supervisor:
+"""duplex.frontend.engine_client against a real worker process (fake core) under a Supervisor:
 streams, aborts, deadlines, and exactly one terminal delta per stream when the worker dies."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine.messages import Heartbeat, Ready, WorkerStats, encode
-from frontend.engine_client import DEAD_PREFIX, EngineClient
+from duplex.engine.messages import Heartbeat, Ready, WorkerStats, encode
+from duplex.frontend.engine_client import DEAD_PREFIX, EngineClient
 
 from .conftest import add_request, collect, is_running, tokens, until
 from .fake_core import CRASH_TOKEN, expected_tokens

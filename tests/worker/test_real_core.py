@@ -1,4 +1,4 @@
-"""The whole path with the real engine: Supervisor -> `python -m engine.worker_cli` loading the
+"""The whole path with the real engine: Supervisor -> `python -m duplex.engine.worker_cli` loading the
 default model -> EngineClient. Slow on CPU (model load and warm-up take tens of seconds)."""
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import importlib.util
 
 import pytest
 
-from engine.config import DEFAULT_MODEL_PACKAGE, EngineConfig
-from engine.messages import AddRequest
-from engine.sampling_params import SamplingParams
-from frontend.engine_client import EngineClient
-from frontend.supervisor import Supervisor
+from duplex.engine.config import DEFAULT_MODEL_PACKAGE, EngineConfig
+from duplex.engine.messages import AddRequest
+from duplex.engine.sampling_params import SamplingParams
+from duplex.frontend.engine_client import EngineClient
+from duplex.frontend.supervisor import Supervisor
 
 from .conftest import REPO, collect, tokens
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("engine.core") is None, reason="no engine.core"),
+    pytest.mark.skipif(importlib.util.find_spec("duplex.engine.core") is None, reason="no engine.core"),
     pytest.mark.skipif(importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None,
                        reason="default model not installed"),
 ]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from engine.messages import INVALID, AddRequest
-from engine.request_checks import MAX_STOP_TOKEN_IDS, check_add_request
-from engine.sampling_params import SamplingParams
+from duplex.engine.messages import INVALID, AddRequest
+from duplex.engine.request_checks import MAX_STOP_TOKEN_IDS, check_add_request
+from duplex.engine.sampling_params import SamplingParams
 
 from .conftest import add_request, tokens
 from .fake_core import FakeCore

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from engine.messages import Outputs, Ready
+from duplex.engine.messages import Outputs, Ready
 
 from .conftest import add_request
 from .fake_core import FakeCore

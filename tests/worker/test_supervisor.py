@@ -1,4 +1,4 @@
-"""frontend.supervisor: restarts with backoff, reports status, and leaves no orphan process
+"""duplex.frontend.supervisor: restarts with backoff, reports status, and leaves no orphan process
 however the server ends (close, exception, plain exit, SIGKILL)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine.config import EngineConfig
-from frontend.supervisor import Supervisor
+from duplex.engine.config import EngineConfig
+from duplex.frontend.supervisor import Supervisor
 
 from .conftest import FAKE_CORE, REPO, fake_worker_env, is_running, until
 
@@ -19,9 +19,9 @@ from .conftest import FAKE_CORE, REPO, fake_worker_env, is_running, until
 # once it is ready, then ends the way argv[1] says.
 SERVER_SCRIPT = f"""
 import asyncio, sys
-from engine.config import EngineConfig
-from frontend.engine_client import EngineClient
-from frontend.supervisor import Supervisor
+from duplex.engine.config import EngineConfig
+from duplex.frontend.engine_client import EngineClient
+from duplex.frontend.supervisor import Supervisor
 
 async def main(how):
     supervisor = Supervisor(EngineConfig(), worker_args=["--core", "{FAKE_CORE}"])

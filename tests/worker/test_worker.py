@@ -1,7 +1,7 @@
-"""engine.worker: the worker loop driven over its real ZMQ channel by a hand-held frontend.
+"""duplex.engine.worker: the worker loop driven over its real ZMQ channel by a hand-held frontend.
 
 Most tests run the Worker in-process on a FakeCore (fast, inspectable); the hostile-frame test
-runs `python -m engine.worker_cli` as a real subprocess."""
+runs `python -m duplex.engine.worker_cli` as a real subprocess."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +13,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.config import EngineConfig
-from engine.messages import (MAX_FRAME_BYTES, AbortRequests, Heartbeat, Outputs, Ready,
+from duplex.engine.config import EngineConfig
+from duplex.engine.messages import (MAX_FRAME_BYTES, AbortRequests, Heartbeat, Outputs, Ready,
                              Shutdown, WorkerError)
-from engine.worker import DEADLINE_ERROR, SHUTDOWN_ERROR, Worker
+from duplex.engine.worker import DEADLINE_ERROR, SHUTDOWN_ERROR, Worker
 
 from .conftest import (HEARTBEAT_S, RawFrontend, add_request, subprocess_env, tokens,
                        worker_command)

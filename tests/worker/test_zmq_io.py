@@ -1,4 +1,4 @@
-"""engine.zmq_io: typed queues round-trip messages and raw frames; hostile frames are counted,
+"""duplex.engine.zmq_io: typed queues round-trip messages and raw frames; hostile frames are counted,
 logged and skipped, never raised."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import msgspec
 import pytest
 import zmq.asyncio
 
-from engine.messages import (AbortRequests, Heartbeat, Outputs, Ready, RequestDelta, Shutdown,
+from duplex.engine.messages import (AbortRequests, Heartbeat, Outputs, Ready, RequestDelta, Shutdown,
                              WorkerStats, encode)
-from engine.zmq_io import frontend_channel, worker_channel
+from duplex.engine.zmq_io import frontend_channel, worker_channel
 
 from .conftest import add_request
 
@@ -85,13 +85,13 @@ async def test_frontend_rejects_a_worker_sending_nonsense(pair):
 
 
 async def test_a_context_with_messages_for_a_missing_peer_terminates_at_once():
-    """engine.zmq_io.new_context: sockets default to LINGER 0, so term (and the destroy a
+    """duplex.engine.zmq_io.new_context: sockets default to LINGER 0, so term (and the destroy a
     leaked context gets from the garbage collector, which once hung a CI worker) does not
     wait forever on a message queued for a peer that never came."""
     import threading
     import zmq
 
-    from engine.zmq_io import new_context
+    from duplex.engine.zmq_io import new_context
     ctx = new_context()
     socket = ctx.socket(zmq.DEALER)
     socket.connect("tcp://127.0.0.1:9")  # nothing listens: the message stays queued

@@ -1,0 +1,4 @@
+"""`python -m duplex ...` is the `duplex` command."""
+from duplex.frontend.cli import main
+
+raise SystemExit(main())
