@@ -76,3 +76,18 @@ def documented_commands(root: Path) -> dict[str, str]:
             for command in table_commands(text):
                 found.setdefault(command, doc.name)
     return found
+
+
+PLACEHOLDER = re.compile(r"[\[\]|…]|\.\.\.| / |\b[A-Z]{1,5}\b")
+
+
+def inline_commands(root: Path) -> dict[str, str]:
+    """`duplex ... --flag ...` spans in the prose of the README and docs/ that are whole
+    commands: at least one flag, no placeholder (`[--x]`, `a|b`, `FILE`, `N`, `...`)."""
+    found: dict[str, str] = {}
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for span in re.findall(r"`(duplex [^`]+)`", doc.read_text()):
+            span = " ".join(span.split())  # a span wrapped over lines
+            if " --" in span and not PLACEHOLDER.search(span):
+                found.setdefault(span, doc.name)
+    return found
