@@ -1,7 +1,7 @@
 """The one per-request pipeline every API shares (OpenAI, Anthropic, WebSocket).
 
-    AddRequest ─▶ engine deltas ─▶ OutputStream (detokenize, stop strings) ─▶ tool calls
-               ─▶ Delta*, Final
+    AddRequest ─▶ engine deltas ─▶ OutputStream (detokenize, stop strings)
+               ─▶ reasoning parser (thinking | answer) ─▶ tool calls (answer only) ─▶ Delta*, Final
 
 The OutputStream (engine/text/output.py) is the one the offline API uses too.
 
@@ -11,6 +11,12 @@ worker, and the stop text never reaches the client. `n > 1` runs n child request
 concurrently and interleaves their events (tagged by `index`). Closing the iterator early
 (client gone) closes every engine stream, so every child is aborted on the worker.
 The APIs only format these events; they never see token deltas.
+
+Thinking budget: when a choice has spent `Job.thinking_budget` tokens inside its thinking
+block, its engine stream is closed and the request continues as a new one whose output
+already holds the tokens so far plus the block's closing text (`AddRequest.output_token_ids`,
+the same path a resumed stream takes): the engine closes the block, the answer follows, and
+the prompt and the tokens so far are prefix-cache hits.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from duplex.engine.deadlines import DEADLINE_ERROR
 from duplex.engine.messages import FAILURES, INVALID, AddRequest, FinishReason, RequestDelta
 from duplex.engine.sampling_params import SamplingParams
 from duplex.engine.text.output import OutputStream
+from duplex.engine.text.reasoning import (CLOSE_TEXT, ReasoningFormat, check_fits, detect_parser,
+                                          template_variables)
 from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
 from duplex.frontend.admission import Reservation, Work, WorkAdmission
@@ -57,6 +65,8 @@ class Job:
     tool_format: str = "hermes"  # engine/text/tool_formats.py: how calls are written and parsed
     retention: str = "chat"
     cache_salt: str = ""
+    parse_reasoning: bool = False  # split the thinking block off (the server's format)
+    thinking_budget: int | None = None  # tokens of thinking before the engine closes it
 
 
 class TokenInfo(NamedTuple):
@@ -72,6 +82,7 @@ class Usage(NamedTuple):
     completion_tokens: int
     cached_tokens: int
     cached_by_tier: dict[str, int]
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the thinking block
 
     @property
     def total_tokens(self) -> int:
@@ -96,6 +107,7 @@ class Delta:
     num_draft_proposed: int = 0
     num_draft_accepted: int = 0
     accepted_mask: list[bool] = dataclasses.field(default_factory=list)
+    reasoning: str = ""  # thinking text (the answer is `text`)
 
 
 @dataclasses.dataclass
@@ -140,7 +152,8 @@ def total_usage(finals: list[Final], n: int = 1) -> Usage:
             by_tier[tier] = by_tier.get(tier, 0) + num
     return Usage(sum(u.prompt_tokens for u in firsts),
                  sum(f.usage.completion_tokens for f in finals),
-                 sum(u.cached_tokens for u in firsts), by_tier)
+                 sum(u.cached_tokens for u in firsts), by_tier,
+                 sum(f.usage.reasoning_tokens for f in finals))
 
 
 @dataclasses.dataclass
@@ -155,6 +168,7 @@ class ChoiceResult:
     """A whole choice, for non-streaming responses."""
     index: int
     text: str = ""
+    reasoning: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenInfo] = dataclasses.field(default_factory=list)
     tool_calls: dict[int, ToolCallResult] = dataclasses.field(default_factory=dict)
@@ -162,6 +176,7 @@ class ChoiceResult:
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
+        self.reasoning += delta.reasoning
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         for event in delta.tool_events:
@@ -294,14 +309,83 @@ def check_n(n: int, max_n: int) -> None:
         raise invalid(f"n must be between 1 and {max_n}, got {n}", param="n")
 
 
+# reasoning_effort -> thinking budget in tokens ("none": the smallest; a template with an
+# `enable_thinking` switch turns thinking off instead)
+EFFORT_BUDGETS = {"none": 1, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+# variables the renderer itself sets: never a chat_template_kwargs key
+_RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents",
+                               "strftime_now", "raise_exception"})
+
+
+def template_kwargs(kwargs: dict | None, template: str | None,
+                    param: str = "chat_template_kwargs") -> dict:
+    """A request's chat template variables, each one the template reads; else a 400
+    naming the key."""
+    if not kwargs:
+        return {}
+    readable = template_variables(template) - _RENDER_VARIABLES if template else frozenset()
+    for key in kwargs:
+        if key not in readable:
+            raise invalid(f"{param}.{key}: the chat template reads no variable {key!r}"
+                          + (f" (it reads {', '.join(sorted(readable))})" if readable else ""),
+                          param=f"{param}.{key}")
+    return dict(kwargs)
+
+
+def thinking_variables(kwargs: dict, template: str | None, effort: str | None) -> dict:
+    """`kwargs` plus `enable_thinking: false` for reasoning effort "none" where the template
+    has that switch (a request's own value wins)."""
+    if effort == "none" and template and "enable_thinking" in template_variables(template):
+        return {"enable_thinking": False, **kwargs}
+    return kwargs
+
+
+def thinking_budget(reasoning: ReasoningFormat | None, budget: int | None, effort: str | None,
+                    max_tokens: int, param: str = "thinking_budget") -> int | None:
+    """The thinking budget of a request, from an explicit budget or a reasoning effort; a
+    400 naming `param` for a budget <= 0, > max_tokens, or with no thinking block."""
+    if budget is None and effort is None:
+        return None
+    named = param if budget is not None else "reasoning_effort"
+    if reasoning is None:
+        raise invalid(f"{named}: this model has no thinking block (the server runs no "
+                      "reasoning parser)", param=named)
+    if budget is None:
+        budget = EFFORT_BUDGETS[effort]
+        return budget if budget < max_tokens else None  # max_tokens ends it first
+    if budget <= 0:
+        raise invalid(f"{param} must be at least 1, got {budget}", param=param)
+    if budget > max_tokens:
+        raise invalid(f"{param} is {budget}, more than max_tokens ({max_tokens})", param=param)
+    return budget
+
+
+def reasoning_format(options, recipe) -> ReasoningFormat | None:
+    """The server's reasoning format: `options.reasoning_parser` (checked against the chat
+    template: ValueError with the reason when it does not fit), or the one the template
+    asks for unambiguously when none was named; None: no reasoning parser."""
+    template = options.chat_template or recipe.template
+    name = options.reasoning_parser
+    if name == "none":
+        return None
+    if name is None:
+        name = detect_parser(template)
+        if name is None:
+            return None
+    check_fits(name, template)
+    return ReasoningFormat.for_recipe(name, recipe)
+
+
 # ---------------------------------------------------------------- the pipeline
 class Pipeline:
     """Owns the path from an engine's token deltas to API-neutral output events."""
 
     def __init__(self, engine, recipe, metrics, *, request_timeout_s: float = 0.0,
-                 admission: WorkAdmission | None = None) -> None:
+                 admission: WorkAdmission | None = None,
+                 reasoning: ReasoningFormat | None = None) -> None:
         self.engine = engine
         self.recipe = recipe
+        self.reasoning = reasoning  # None: no reasoning parser on this server
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.admission = admission  # None: no work bound, no fair gate (offline tests)
@@ -359,32 +443,51 @@ class Pipeline:
             final = choice.fail(FinishReason.TIMEOUT,
                                 "request timed out waiting for its turn to run")
         try:
-            if final is None:
-                async with contextlib.aclosing(self.engine.generate(msg)) as deltas:
-                    while final is None:
-                        try:
-                            async with asyncio.timeout(_seconds_until(cutoff)):
-                                delta = await anext(deltas)
-                        except StopAsyncIteration:
-                            final = choice.fail(FinishReason.ERROR,
-                                                "the engine stream ended without a result")
-                            break
-                        except TimeoutError:
-                            final = choice.fail(FinishReason.TIMEOUT, DEADLINE_ERROR)
-                            break
-                        except Exception as e:  # noqa: BLE001 - the engine failed: end it
-                            log.exception("engine stream failed req_id=%s", msg.req_id)
-                            final = choice.fail(FinishReason.ERROR, f"engine error: {e}")
-                            break
-                        event, final = choice.on_delta(delta)
-                        if event is not None:
+            while final is None:  # more than once only after a thinking-budget cut
+                async with contextlib.aclosing(self._engine_events(choice, msg, cutoff)) as events:
+                    async for event in events:
+                        if isinstance(event, Final):
+                            final = event
+                        else:
                             yield event
+                if final is None:
+                    msg, event = choice.close_thinking(msg)
+                    yield event
         finally:
             if has_turn and reservation is not None:
                 reservation.end_turn()
         self.metrics.observe_final(final)
         _log_final(msg.req_id, final)
         yield final
+
+    async def _engine_events(self, choice: _Choice, msg: AddRequest,
+                             cutoff: float | None) -> AsyncIterator[Event]:
+        """Events of one engine stream, ending with the Final, or without one when the
+        thinking budget is spent (closing the stream aborts the request on the worker)."""
+        async with contextlib.aclosing(self.engine.generate(msg)) as deltas:
+            while True:
+                try:
+                    async with asyncio.timeout(_seconds_until(cutoff)):
+                        delta = await anext(deltas)
+                except StopAsyncIteration:
+                    yield choice.fail(FinishReason.ERROR,
+                                      "the engine stream ended without a result")
+                    return
+                except TimeoutError:
+                    yield choice.fail(FinishReason.TIMEOUT, DEADLINE_ERROR)
+                    return
+                except Exception as e:  # noqa: BLE001 - the engine failed: end it
+                    log.exception("engine stream failed req_id=%s", msg.req_id)
+                    yield choice.fail(FinishReason.ERROR, f"engine error: {e}")
+                    return
+                event, final = choice.on_delta(delta)
+                if event is not None:
+                    yield event
+                if final is not None:
+                    yield final
+                    return
+                if choice.is_over_budget():
+                    return
 
     def token_info(self, top_logprob) -> TokenInfo:
         top = [(self.token_text(t), lp) for t, lp in top_logprob.top]
@@ -409,6 +512,12 @@ class _Choice:
         self.index = index  # its place among all choices of the API request
         self.stream = OutputStream.for_params(pipeline.recipe, job.params)
         self.tools = tool_format(job.tool_format).new_parser() if job.parse_tools else None
+        self.reasoning_format = pipeline.reasoning if job.parse_reasoning else None
+        self.reasoning = None if self.reasoning_format is None else \
+            self.reasoning_format.new_parser(_prompt_tail(pipeline.recipe, job.prompt_token_ids))
+        self.output_ids: list[int] = []
+        self.num_reasoning_tokens = 0
+        self.num_cuts = 0
         self._forced_events = self.tools.push(job.forced_text) \
             if self.tools is not None and job.forced_text else []
         self.has_tool_calls = False
@@ -441,10 +550,12 @@ class _Choice:
         engine_finish = delta.finish_reason
         is_complete = engine_finish is not None and engine_finish not in FAILURES
         # a failed stream's held-back text (a broken character, a partial stop string) is dropped
-        text = self.stream.push(delta.new_token_ids, is_last=is_complete)
+        text = self._push_text(delta.new_token_ids, is_complete)
         finish_reason = self.stream.finish_reason(engine_finish)
+        reasoning, text = self._parse_reasoning(delta.new_token_ids, text,
+                                                finish_reason is not None)
         text, tool_events = self._parse_tools(text, finish_reason is not None)
-        event = self._event(delta, text, tool_events)
+        event = self._event(delta, text, tool_events, reasoning)
         if finish_reason is None:
             return event, None
         if finish_reason in FAILURES:
@@ -452,6 +563,32 @@ class _Choice:
             final.is_invalid = delta.error_kind == INVALID
             return event, final
         return event, self.finish(finish_reason, self.stream.stop_str)
+
+    def is_over_budget(self) -> bool:
+        """The thinking budget is spent, the block still open, and room left to close it."""
+        budget = self.job.thinking_budget
+        if budget is None or self.reasoning is None or not self.reasoning.in_reasoning:
+            return False
+        room = (self.job.params.max_tokens or 1 << 30) - self.num_tokens
+        return self.num_reasoning_tokens >= budget and room > len(self._close_ids())
+
+    def close_thinking(self, msg: AddRequest) -> tuple[AddRequest, Delta]:
+        """The request that continues after the engine closes the thinking block, and the
+        event of the closing tokens (which the client sees like any other tokens)."""
+        close_ids = self._close_ids()
+        self.num_cuts += 1
+        self.num_tokens += len(close_ids)
+        text = self._push_text(close_ids, False)
+        reasoning, text = self._parse_reasoning([], text, False)
+        text, tool_events = self._parse_tools(text, False)
+        event = Delta(self.index, text, list(close_ids), [], tool_events, reasoning=reasoning)
+        output_ids = list(self.output_ids)
+        base_id = msg.req_id.split("~", 1)[0]
+        return msgspec.structs.replace(msg, req_id=f"{base_id}~think{self.num_cuts}",
+                                       output_token_ids=output_ids), event
+
+    def _close_ids(self) -> list[int]:
+        return self.pipeline.recipe.encode_reply_start(CLOSE_TEXT)
 
     def finish(self, finish_reason: FinishReason, stop_sequence: str | None = None) -> Final:
         if finish_reason == FinishReason.STOP and self.has_tool_calls:
@@ -482,6 +619,30 @@ class _Choice:
         self.pipeline.metrics.observe_delta(len(delta.new_token_ids), delta.num_draft_proposed,
                                             delta.num_draft_accepted)
 
+    def _push_text(self, token_ids: list[int], is_last: bool) -> str:
+        """Detokenized text of new ids; special marker tokens (dropped by the detokenizer)
+        come back as their text, so the reasoning parser sees them where they were."""
+        self.output_ids += token_ids
+        if self.reasoning_format is None:
+            return self.stream.push(token_ids, is_last=is_last)
+        return self.reasoning_format.push_ids(self.stream, token_ids, is_last)
+
+    def _parse_reasoning(self, token_ids: list[int], text: str,
+                         is_last: bool) -> tuple[str, str]:
+        """(thinking text, answer text) of a delta; its tokens count as reasoning when the
+        block was open before it or is open after it."""
+        if self.reasoning is None:
+            return "", text
+        was_open = self.reasoning.in_reasoning
+        split = self.reasoning.push(text)
+        if is_last:
+            end = self.reasoning.finish()
+            split = split._replace(reasoning=split.reasoning + end.reasoning,
+                                   answer=split.answer + end.answer)
+        if was_open or self.reasoning.in_reasoning or split.reasoning:
+            self.num_reasoning_tokens += len(token_ids)
+        return split.reasoning, split.answer
+
     def _parse_tools(self, text: str, is_last: bool) -> tuple[str, list]:
         if self.tools is None:
             return text, []
@@ -494,18 +655,19 @@ class _Choice:
         self.has_tool_calls |= bool(tool_events)
         return plain, tool_events
 
-    def _event(self, delta: RequestDelta, text: str, tool_events: list) -> Delta | None:
-        if not (text or tool_events or delta.new_token_ids):
+    def _event(self, delta: RequestDelta, text: str, tool_events: list,
+               reasoning: str = "") -> Delta | None:
+        if not (text or reasoning or tool_events or delta.new_token_ids):
             return None
         logprobs = [self.pipeline.token_info(lp) for lp in delta.logprobs]
         return Delta(self.index, text, list(delta.new_token_ids), logprobs, tool_events,
                      delta.num_draft_proposed, delta.num_draft_accepted,
-                     list(delta.accepted_draft_mask))
+                     list(delta.accepted_draft_mask), reasoning)
 
 
     def _usage(self) -> Usage:
         return Usage(len(self.job.prompt_token_ids), self.num_tokens, self.num_cached_tokens,
-                     self.cached_by_tier)
+                     self.cached_by_tier, self.num_reasoning_tokens)
 
     def _timings(self) -> Timings:
         end = time.time()
@@ -524,6 +686,11 @@ def _failure(finish_reason: FinishReason, error: str) -> FinishReason:
     if finish_reason == FinishReason.ABORT and error == DEADLINE_ERROR:
         return FinishReason.TIMEOUT
     return finish_reason
+
+
+def _prompt_tail(recipe, prompt_ids: list[int]) -> str:
+    """The prompt's last tokens as text, special tokens kept: where a thinking block opens."""
+    return recipe.decode(prompt_ids[-8:], skip_special_tokens=False)
 
 
 def _seconds_until(cutoff: float | None) -> float | None:

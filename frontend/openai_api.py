@@ -25,12 +25,14 @@ from duplex.frontend.retention import request_retention
 from duplex.frontend.offload import body_size
 from duplex.frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
                                  check_n, collect, params_from_fields, resolve_max_tokens,
+                                 template_kwargs, thinking_budget, thinking_variables,
                                  total_usage)
 from duplex.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
                                ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                                ChoiceLogprobs, ChunkChoice, ChunkDelta, Completion,
                                CompletionChoice, CompletionLogprobs, CompletionRequest,
-                               CompletionUsage, DeltaFunction, DeltaToolCall, DraftStats,
+                               CompletionTokensDetails, CompletionUsage, DeltaFunction,
+                               DeltaToolCall, DraftStats,
                                FunctionCall, ModelCard, ModelList, NamedToolChoice,
                                PromptTokensDetails,
                                SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
@@ -77,9 +79,13 @@ class OpenAIApi:
         check_n(body.n, state.options.max_n)
         tools = [tool_dict(t) for t in body.tools] if body.tools else None
         _check_tool_choice(body)
+        template = body.chat_template or state.options.chat_template or state.recipe.template
+        variables = thinking_variables(template_kwargs(body.chat_template_kwargs, template),
+                                       template, body.reasoning_effort)
         prompt_ids = state.encode_chat(Chat(chat_messages(body.messages), tools),
                                        body.add_generation_prompt, body.chat_template,
-                                       continue_final_message=body.continue_final_message)
+                                       continue_final_message=body.continue_final_message,
+                                       variables=variables)
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                             if body.max_completion_tokens is not None
                             else (body.max_tokens, "max_tokens"))
@@ -95,6 +101,8 @@ class OpenAIApi:
                 prompt_ids, [t["function"]["name"] for t in tools],
                 None if choice == "required" else choice.function.name, body.chat_template)
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, param)
+        budget = thinking_budget(state.reasoning, body.thinking_budget, body.reasoning_effort,
+                                 max_tokens)
         params = params_from_fields(body, max_tokens, state.stop_token_ids,
                                     logprobs=_chat_logprobs_count(body))
         constrained = structured.for_chat(structured.from_openai(body), tools, fmt,
@@ -104,7 +112,8 @@ class OpenAIApi:
         job = Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                   forced_text=forced,
                   params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
-                  tool_format=fmt.name,
+                  tool_format=fmt.name, parse_reasoning=state.reasoning is not None,
+                  thinking_budget=budget,
                   retention=request_retention(request, body.retention, bool(tools)),
                   cache_salt=state.keys.tenant_salt(request, body.cache_salt))
         return job, constrained.param if constrained else ""
@@ -232,8 +241,12 @@ def _message(m: ChatMessage, where: str) -> dict:
                       param=f"{where}.tool_calls")
     calls = [normalized.tool_call(c.function.name, c.function.arguments, c.id)
              for c in m.tool_calls or []]
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None and m.role != "assistant":
+        raise invalid(f"{where}.reasoning_content is only allowed on assistant messages",
+                      param=f"{where}.reasoning_content")
     return normalized.message(m.role, content, name=m.name or None, tool_calls=calls,
-                              tool_call_id=m.tool_call_id)
+                              tool_call_id=m.tool_call_id, reasoning=reasoning)
 
 
 def _content_text(content, where: str) -> str | None:
@@ -337,7 +350,8 @@ def usage_struct(finals: list[Final], n: int = 1) -> CompletionUsage:
     drafts = DraftStats(sum(f.num_draft_proposed for f in finals),
                         sum(f.num_draft_accepted for f in finals))
     return CompletionUsage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
-                           PromptTokensDetails(usage.cached_tokens), drafts)
+                           PromptTokensDetails(usage.cached_tokens), drafts,
+                           CompletionTokensDetails(usage.reasoning_tokens))
 
 
 def _finals_or_raise(results: list[ChoiceResult]) -> list[Final]:
@@ -356,7 +370,9 @@ def _chat_completion(reply: _Reply, results: list[ChoiceResult]) -> ChatCompleti
                  for c in r.tool_calls.values()]
         content = r.text if r.text or not calls else None
         logprobs = _chat_logprobs(r.logprobs) if r.logprobs else None
-        choices.append(ChatChoice(r.index, AssistantMessage(content, tool_calls=calls or None),
+        message = AssistantMessage(content, tool_calls=calls or None,
+                                   reasoning_content=r.reasoning or None)
+        choices.append(ChatChoice(r.index, message,
                                   r.final.finish_reason, logprobs))
     return ChatCompletion(reply.id, reply.created, reply.model, choices,
                           usage_struct(finals, reply.num_choices))
@@ -405,9 +421,10 @@ async def _stream_chat(request: web.Request, reply: _Reply, events: AsyncIterato
         finals = []
         async for event in events:
             if isinstance(event, Delta):
-                if event.text or event.tool_events or event.logprobs:
+                if event.text or event.reasoning or event.tool_events or event.logprobs:
                     delta = ChunkDelta(content=event.text or None,
-                                       tool_calls=_delta_tool_calls(event.tool_events))
+                                       tool_calls=_delta_tool_calls(event.tool_events),
+                                       reasoning_content=event.reasoning or None)
                     logprobs = _chat_logprobs(event.logprobs) if event.logprobs else None
                     await sse.send(chunk([ChunkChoice(event.index, delta, None, logprobs)],
                                          duplex=_draft_stats(event)))

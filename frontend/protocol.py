@@ -68,6 +68,9 @@ class ChatMessage(msgspec.Struct, **_KW):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # an earlier turn's thinking sent back (vLLM's name, and OpenRouter's `reasoning`)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDef(msgspec.Struct, **_KW):
@@ -143,6 +146,9 @@ class ChatCompletionRequest(StructuredFields, **_KW):
     chat_template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the final assistant message
+    chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking_budget: Int | None = None  # tokens of thinking before the engine closes it
 
 
 class CompletionRequest(StructuredFields, **_KW):
@@ -176,12 +182,17 @@ class DraftStats(msgspec.Struct):
     draft_accepted: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
 class CompletionUsage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     duplex: DraftStats | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -205,6 +216,7 @@ class AssistantMessage(msgspec.Struct):
     content: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # the thinking block (a reasoning parser is on)
 
 
 class ChatChoice(msgspec.Struct):
@@ -239,6 +251,7 @@ class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(msgspec.Struct):
@@ -332,7 +345,16 @@ class ToolResultBlock(msgspec.Struct, tag="tool_result", **_BLOCK):
     is_error: bool = False
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+class ThinkingBlock(msgspec.Struct, tag="thinking", **_BLOCK):
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", **_BLOCK):
+    data: str
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
 class AnthropicMessage(msgspec.Struct, **_KW):
@@ -372,7 +394,9 @@ class MessagesRequest(CountTokensRequest, **_KW):
     speculate: bool = True  # Duplex: false turns speculative decoding off for this request
     retention: Literal["chat", "agent"] | None = None  # None: header, else tools decide
     cache_salt: str | None = None
-    thinking: dict[str, Any] | None = None  # refused unless disabled: no thinking mode
+    # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}: the thinking block
+    thinking: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # Duplex: variables the template reads
 
 
 class AnthropicUsage(msgspec.Struct):
@@ -385,7 +409,7 @@ class AnthropicUsage(msgspec.Struct):
 class AnthropicResponse(msgspec.Struct):
     id: str
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: str | None
     stop_sequence: str | None
     usage: AnthropicUsage
@@ -406,7 +430,7 @@ class MessageStart(msgspec.Struct, tag="message_start", **_EVENT):
 
 class ContentBlockStart(msgspec.Struct, tag="content_block_start", **_EVENT):
     index: int
-    content_block: TextBlock | ToolUseBlock
+    content_block: ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class TextDelta(msgspec.Struct, tag="text_delta", **_EVENT):
@@ -417,9 +441,17 @@ class InputJsonDelta(msgspec.Struct, tag="input_json_delta", **_EVENT):
     partial_json: str
 
 
+class ThinkingDelta(msgspec.Struct, tag="thinking_delta", **_EVENT):
+    thinking: str
+
+
+class SignatureDelta(msgspec.Struct, tag="signature_delta", **_EVENT):
+    signature: str
+
+
 class ContentBlockDelta(msgspec.Struct, tag="content_block_delta", **_EVENT):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStop(msgspec.Struct, tag="content_block_stop", **_EVENT):
@@ -458,6 +490,9 @@ class WsChat(SamplingFields, tag="chat", tag_field="type", **_KW):
     """Client -> server: start a chat request; `id` is the client's name for it."""
     id: str
     messages: list[ChatMessage]
+    chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking_budget: Int | None = None  # tokens of thinking before the engine closes it
 
 
 class WsCancel(msgspec.Struct, tag="cancel", tag_field="type", **_KW):
@@ -475,6 +510,7 @@ class WsDelta(msgspec.Struct, tag="delta", tag_field="type"):
     draft_proposed: int = 0
     draft_accepted: int = 0
     accepted_mask: list[bool] = []
+    reasoning: str = ""  # thinking text (a reasoning parser is on); `text` is the answer
 
 
 class WsUsage(msgspec.Struct):
@@ -483,6 +519,7 @@ class WsUsage(msgspec.Struct):
     total_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the thinking block
 
 
 class WsTimings(msgspec.Struct):

@@ -27,10 +27,12 @@ from duplex.engine import curve
 from duplex.engine.config import (DEFAULT_MODEL_NAME, HANDOFF_LEASE_S, EngineConfig,
                            resolve_model_path)
 from duplex.engine.logs import LOG_FORMAT_ENV, setup_logging
+from duplex.engine.text.reasoning import REASONING_PARSERS
 from duplex.frontend.offload import SWITCH_INTERVAL_S
 from duplex.frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
                                      take_positional_model, tls_context, with_chat_template)
 from duplex.frontend.router import DEFAULT_BUCKETS, parse_buckets
+from duplex.frontend.generation import reasoning_format
 from duplex.frontend.server import AppState, ServerOptions, build_app
 
 log = logging.getLogger("duplex.serve")
@@ -109,6 +111,11 @@ def _add_server_arguments(group) -> None:
                        choices=["hermes", "llama3_json", "mistral", "pythonic"],
                        help="how the model writes tool calls: parsed from its output and, "
                             "except pythonic, constrained for tool_choice (default: hermes)")
+    group.add_argument("--reasoning-parser", default=None,
+                       choices=[*REASONING_PARSERS, "none"],
+                       help="split the model's thinking block from its answer (reasoning in "
+                            "every API); default: detected from the chat template where that "
+                            "is unambiguous (Qwen3, DeepSeek-R1), else none")
     group.add_argument("--allow-request-chat-template", action="store_true",
                        help="accept a chat_template in request bodies (a trust decision: the "
                             "caller then places control tokens, e.g. a fake system turn)")
@@ -163,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             chat_template=read_chat_template(args.chat_template)
             or default_chat_template(config.model),
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             allow_request_chat_template=args.allow_request_chat_template,
             max_queued_sequences=args.max_queued_sequences,
             max_queued_prompt_tokens=args.max_queued_prompt_tokens,
@@ -220,6 +228,11 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
     from duplex.frontend.supervisor import Supervisor
 
     recipe = with_chat_template(Recipe.from_model(model_path), chat_template)
+    try:
+        reasoning_format(options, recipe)  # a parser that does not fit: refused here
+    except ValueError as e:
+        print(f"duplex serve: {e}", file=sys.stderr)
+        return 2
     supervisor = Supervisor(config, roles=layout.roles, worker_args=layout.worker_args(),
                             address=layout.worker_bind)
     limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)

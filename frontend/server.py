@@ -27,6 +27,7 @@ from duplex.engine.logs import REQUEST_ID
 from duplex.engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
 from duplex.engine.stats import KVStats, MoEStats
 from duplex.engine.text.messages import Chat
+from duplex.engine.text.reasoning import check_parser_name
 from duplex.engine.text.tool_formats import TOOL_FORMATS
 from duplex.engine.text.tool_parser import forced_call_prefix, tools_supported
 from duplex.frontend import anthropic_api, openai_api, openapi, ws
@@ -34,7 +35,7 @@ from duplex.frontend.admission import WorkAdmission
 from duplex.frontend.auth import ApiKeys
 from duplex.frontend.cors import setup_cors
 from duplex.frontend.errors import ApiError, invalid
-from duplex.frontend.generation import Pipeline
+from duplex.frontend.generation import Pipeline, reasoning_format
 from duplex.frontend.metrics import Metrics, kv_usage
 from duplex.frontend.offload import (CPU_POOL, CpuPool, check_prompt_chars, longest_token_chars,
                               text_chars)
@@ -67,6 +68,9 @@ class ServerOptions:
     # A client's own chat template decides where control tokens go (it can write a fake
     # system turn): a trust decision, so off unless the operator turns it on.
     allow_request_chat_template: bool = False
+    # --reasoning-parser (engine/text/reasoning.py): None detects it from the chat template
+    # where that is unambiguous; "none" turns it off
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -80,6 +84,8 @@ class ServerOptions:
         if self.tool_call_parser not in TOOL_FORMATS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_FORMATS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, "none"):
+            check_parser_name(self.reasoning_parser)
         if self.request_timeout_s < 0:
             raise ValueError(f"request_timeout_s must be >= 0, got {self.request_timeout_s}")
 
@@ -170,9 +176,10 @@ class AppState:
         self.work = WorkAdmission(options.max_queued_sequences,
                                   options.max_queued_prompt_tokens,
                                   options.max_running_sequences, self.metrics)
+        self.reasoning = reasoning_format(options, recipe)
         self.pipeline = Pipeline(engine, recipe, self.metrics,
                                  request_timeout_s=options.request_timeout_s,
-                                 admission=self.work)
+                                 admission=self.work, reasoning=self.reasoning)
         self.admission = Admission(options.max_queued_requests, self.metrics)
         self.keys = ApiKeys(list(options.api_keys), options.metrics_public)
         self.started = int(time.time())
@@ -223,7 +230,8 @@ class AppState:
     # ------------------------------------------------------------ tokenizing
     def encode_chat(self, chat: Chat, add_generation_prompt: bool = True,
                     template: str | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    variables: dict | None = None) -> list[int]:
         """Prompt ids of a normalized chat (built from the request's structs, see
         engine/text/messages.py); the template's refusals become 400s."""
         if not chat.messages:
@@ -234,12 +242,13 @@ class AppState:
                           param="chat_template", code="chat_template_disabled")
         self._check_chars(text_chars(chat.messages) + text_chars(chat.tools), "messages")
         template = template if template is not None else self.options.chat_template
+        extra = {"variables": variables} if variables else {}  # fakes need not know it
         try:
             if continue_final_message:  # keyword only when used: fakes need not know it
                 return self.recipe.encode_chat(chat, template=template,
-                                               continue_final_message=True)
+                                               continue_final_message=True, **extra)
             return self.recipe.encode_chat(chat, add_generation_prompt=add_generation_prompt,
-                                           template=template)
+                                           template=template, **extra)
         except (ValueError, TypeError) as e:  # RecipeError is a ValueError
             raise invalid(f"cannot apply the chat template: {e}", param="messages") from None
 

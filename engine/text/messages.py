@@ -47,10 +47,14 @@ class Chat(NamedTuple):
 
 
 def message(role: str, content: str | None, *, name: str | None = None,
-            tool_calls: list[dict] | None = None, tool_call_id: str | None = None) -> dict:
+            tool_calls: list[dict] | None = None, tool_call_id: str | None = None,
+            reasoning: str | None = None) -> dict:
     """A normalized message from already-typed fields (`role` one of ROLES; `tool_calls`
-    built with `tool_call`)."""
+    built with `tool_call`; `reasoning`: an assistant turn's thinking, under both names
+    templates read)."""
     out: dict = {"role": ROLES[role], "content": content or ""}
+    if reasoning is not None:
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     if name is not None:
         out["name"] = name
     if tool_calls:

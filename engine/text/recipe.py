@@ -117,17 +117,20 @@ class Recipe:
         return _recipe_for(os.path.realpath(model_path))
 
     def render_chat(self, chat: Chat, add_generation_prompt: bool = True,
-                    template: str | None = None) -> Rendered:
-        """The chat as text, with the stretches the template wrote."""
+                    template: str | None = None, variables: dict | None = None) -> Rendered:
+        """The chat as text, with the stretches the template wrote. `variables`: more
+        template variables (a request's `chat_template_kwargs`, e.g. enable_thinking)."""
         source = self.template if template is None else template
         if source is None:
             raise RecipeError("the model has no chat template; pass `template`")
         return render_chat(source, _checked(chat).messages, chat.tools,
-                           bool(add_generation_prompt), self._variables, self.limits)
+                           bool(add_generation_prompt), {**self._variables, **(variables or {})},
+                           self.limits)
 
     def encode_chat(self, chat: Chat, add_generation_prompt: bool = True,
                     template: str | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    variables: dict | None = None) -> list[int]:
         """Token ids of a chat: control tokens only where the template wrote them.
 
         continue_final_message: the last message is the start of the assistant's reply
@@ -136,9 +139,9 @@ class Recipe:
         token), so the model continues it instead of starting a new turn."""
         if continue_final_message:
             history, prefix = _split_final_assistant(_checked(chat))
-            return (self.encode_chat(history, True, template)
+            return (self.encode_chat(history, True, template, variables=variables)
                     + self._text_ids(prefix, at_start=False))
-        rendered = self.render_chat(chat, add_generation_prompt, template)
+        rendered = self.render_chat(chat, add_generation_prompt, template, variables)
         return self._encode_rendered(rendered)
 
     def count_chat_tokens(self, chat: Chat, add_generation_prompt: bool = True,

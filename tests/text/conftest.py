@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 from duplex.engine.config import default_model_path  # noqa: E402
 from duplex.engine.text.recipe import Recipe  # noqa: E402
 from recipe_factories import TOOLS_TEMPLATE  # noqa: E402
+from reasoning_models import qwen3_tokenizer_dir, r1_tokenizer_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +52,24 @@ def tools_recipe(tools_model_dir) -> Recipe:
 @pytest.fixture(scope="session")
 def tools_tokenizer(tools_recipe):
     return tools_recipe.tokenizer
+
+
+
+# ---------------------------------------------------------------- reasoning models (no hub)
+@pytest.fixture(scope="session")
+def r1_recipe(tmp_path_factory, default_tokenizer) -> Recipe:
+    """DeepSeek-R1-Distill-Qwen's template; `<think>` plain added tokens, as in its tokenizer."""
+    return Recipe.from_model(r1_tokenizer_dir(tmp_path_factory.mktemp("r1"), default_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def qwen3_recipe(tmp_path_factory, default_tokenizer) -> Recipe:
+    return Recipe.from_model(qwen3_tokenizer_dir(tmp_path_factory.mktemp("qwen3"),
+                                                 default_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def qwen3_special_recipe(tmp_path_factory, default_tokenizer) -> Recipe:
+    """Qwen3's template with `<think>`/`</think>` as special tokens (dropped by decoding)."""
+    return Recipe.from_model(qwen3_tokenizer_dir(tmp_path_factory.mktemp("qwen3s"),
+                                                 default_tokenizer, think_special=True))
