@@ -32,8 +32,9 @@ import msgspec
 from duplex.engine.deadlines import DEADLINE_ERROR
 from duplex.engine.messages import FAILURES, INVALID, AddRequest, FinishReason, RequestDelta
 from duplex.engine.sampling_params import SamplingParams
+from duplex.engine.text import reasoning as reasoning_text
 from duplex.engine.text.output import OutputStream
-from duplex.engine.text.reasoning import (CLOSE_TEXT, ReasoningFormat, check_fits, detect_parser,
+from duplex.engine.text.reasoning import (CLOSE_TEXT, ReasoningFormat, detect_parser,
                                           template_variables)
 from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
@@ -372,7 +373,7 @@ def reasoning_format(options, recipe) -> ReasoningFormat | None:
         name = detect_parser(template)
         if name is None:
             return None
-    check_fits(name, template)
+    reasoning_text.check_fits(name, template)
     return ReasoningFormat.for_recipe(name, recipe)
 
 
