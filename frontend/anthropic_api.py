@@ -4,8 +4,11 @@ Anthropic messages (system, text / tool_use / tool_result blocks) are converted 
 OpenAI-shaped dicts the recipe renders; the pipeline's events become content blocks, or the
 SSE sequence message_start, ping, (content_block_start, content_block_delta*,
 content_block_stop)*, message_delta, message_stop; a failed request ends with one `error`
-event instead. As in Anthropic's API, `input_tokens` counts the prompt tokens not read
-from the cache and `cache_read_input_tokens` those that were (zero included).
+event instead. With a reasoning parser on, the thinking block comes first as a `thinking`
+content block (`thinking_delta` events); `thinking: {type: enabled, budget_tokens}` is the
+thinking budget, and `thinking` blocks sent back in history are the turn's reasoning. As in
+Anthropic's API, `input_tokens` counts the prompt tokens not read from the cache and
+`cache_read_input_tokens` those that were (zero included).
 """
 from __future__ import annotations
 
@@ -27,12 +30,14 @@ from duplex.frontend.errors import invalid
 from duplex.frontend.retention import request_retention
 from duplex.frontend.offload import body_size
 from duplex.frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
-                                 resolve_max_tokens, sampling_params)
+                                 resolve_max_tokens, sampling_params, template_kwargs,
+                                 thinking_budget, thinking_variables)
 from duplex.frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
                                AnthropicUsage, ContentBlockDelta, ContentBlockStart,
                                ContentBlockStop, CountTokensRequest, CountTokensResponse,
                                InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
-                               MessageStop, Ping, SseStream, StopInfo, TextBlock, TextDelta,
+                               MessageStop, Ping, RedactedThinkingBlock, SseStream, StopInfo,
+                               TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
                                ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
 
 if TYPE_CHECKING:
@@ -82,7 +87,8 @@ class AnthropicApi:
         if content != content.rstrip():
             raise invalid("final assistant content cannot end with trailing whitespace",
                           param=f"messages[{len(body.messages) - 1}].content")
-        ids = self.state.encode_chat(Chat(messages, tools), continue_final_message=prefill)
+        ids = self.state.encode_chat(Chat(messages, tools), continue_final_message=prefill,
+                                     variables=self._variables(body))
         choice = body.tool_choice
         if not tools or choice is None or choice.type not in ("any", "tool"):
             return ids, ""
@@ -98,11 +104,22 @@ class AnthropicApi:
         return self.state.force_tool_call(ids, names,
                                           choice.name if choice.type == "tool" else None)
 
+    def _variables(self, body: CountTokensRequest) -> dict:
+        """The request's chat template variables; thinking disabled switches a template's
+        `enable_thinking` off."""
+        template = self.state.options.chat_template or self.state.recipe.template
+        kwargs = template_kwargs(getattr(body, "chat_template_kwargs", None), template)
+        thinking = getattr(body, "thinking", None)
+        disabled = thinking is not None and thinking.get("type") == "disabled"
+        return thinking_variables(kwargs, template, "none" if disabled else None)
+
     def _job(self, request: web.Request, body: MessagesRequest) -> Job:
         state = self.state
-        _check_thinking(body.thinking)
+        requested_budget = _thinking_budget(body.thinking)
         prompt_ids, forced = self._encode(body)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
+        budget = thinking_budget(state.reasoning, requested_budget, None, max_tokens,
+                                 param="thinking.budget_tokens")
         params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
                                  top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
                                  ignore_eos=body.ignore_eos, speculate=body.speculate,
@@ -118,6 +135,7 @@ class AnthropicApi:
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
                    params=params, parse_tools=parse_tools, tool_format=fmt.name,
+                   parse_reasoning=state.reasoning is not None, thinking_budget=budget,
                    retention=request_retention(request, body.retention, bool(body.tools)),
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 
@@ -139,10 +157,14 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
 def _convert(message: AnthropicMessage, where: str) -> list[dict]:
     if isinstance(message.content, str):
         return [normalized.message(message.role, message.content)]
-    texts, calls, results = [], [], []
+    texts, calls, results, thoughts = [], [], [], []
     for j, block in enumerate(message.content):
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock) and message.role == "assistant":
+            thoughts.append(block.thinking)
+        elif isinstance(block, RedactedThinkingBlock) and message.role == "assistant":
+            continue  # encrypted elsewhere: nothing a template could render
         elif isinstance(block, ToolUseBlock) and message.role == "assistant":
             calls.append(normalized.tool_call(block.name, block.input, block.id))
         elif isinstance(block, ToolResultBlock) and message.role == "user":
@@ -153,7 +175,8 @@ def _convert(message: AnthropicMessage, where: str) -> list[dict]:
                           f"{type(block).__name__} block", param=f"{where}.content[{j}].type")
     text = "\n".join(texts)
     if message.role == "assistant":
-        return [normalized.message("assistant", text, tool_calls=calls)]
+        return [normalized.message("assistant", text, tool_calls=calls,
+                                   reasoning="\n".join(thoughts) if thoughts else None)]
     return results + ([normalized.message("user", text)] if texts or not results else [])
 
 
@@ -179,12 +202,17 @@ def _parallel(choice) -> bool:
     return not (choice is not None and choice.disable_parallel_tool_use)
 
 
-def _check_thinking(thinking: dict | None) -> None:
-    """Extended thinking: this server has no thinking mode, so only "disabled" is taken."""
-    if thinking is not None and thinking.get("type") != "disabled":
-        raise invalid("thinking is not supported by this server (the model has no "
-                      "thinking mode); omit it or send {\"type\": \"disabled\"}",
-                      param="thinking")
+def _thinking_budget(thinking: dict | None) -> int | None:
+    """The budget of `thinking: {type: enabled, budget_tokens: N}` (None: not enabled)."""
+    if thinking is None or thinking.get("type") == "disabled":
+        return None
+    if thinking.get("type") != "enabled":
+        raise invalid(f"thinking.type must be 'enabled' or 'disabled', got "
+                      f"{thinking.get('type')!r}", param="thinking.type")
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise invalid("thinking.budget_tokens must be an integer", param="thinking.budget_tokens")
+    return budget
 
 
 def tool_dict(tool: AnthropicTool) -> dict:
@@ -214,7 +242,9 @@ def _tool_input(arguments: str) -> dict:
 
 def _response(msg_id: str, model: str, result: ChoiceResult) -> AnthropicResponse:
     final = result.final
-    content: list = [TextBlock(text=result.text)] if result.text or not result.tool_calls else []
+    content: list = [ThinkingBlock(thinking=result.reasoning)] if result.reasoning else []
+    if result.text or not (result.tool_calls or result.reasoning):
+        content.append(TextBlock(text=result.text))
     content += [ToolUseBlock(id=tool_use_id(c.id), name=c.name, input=_tool_input(c.arguments))
                 for c in result.tool_calls.values()]
     return AnthropicResponse(msg_id, model, content, _stop_reason(final),
@@ -235,15 +265,28 @@ class _Blocks:
         self.sse = sse
         self.num_blocks = 0
         self.open_text: int | None = None
+        self.open_thinking: int | None = None
         self.tool_blocks: dict[int, int] = {}  # tool call index -> block index
 
+    async def thinking(self, text: str) -> None:
+        if self.open_thinking is None:
+            self.open_thinking = await self._start(ThinkingBlock(thinking=""))
+        await self._send(ContentBlockDelta(self.open_thinking, ThinkingDelta(text)))
+
+    async def close_thinking(self) -> None:
+        if self.open_thinking is not None:
+            await self._send(ContentBlockStop(self.open_thinking))
+            self.open_thinking = None
+
     async def text(self, text: str) -> None:
+        await self.close_thinking()
         if self.open_text is None:
             self.open_text = await self._start(TextBlock(text=""))
         await self._send(ContentBlockDelta(self.open_text, TextDelta(text)))
 
     async def tool_event(self, event) -> None:
         if isinstance(event, ToolCallStart):
+            await self.close_thinking()
             await self.close_text()
             self.tool_blocks[event.index] = await self._start(
                 ToolUseBlock(id=tool_use_id(event.id), name=event.name, input={}))
@@ -254,6 +297,7 @@ class _Blocks:
             await self._send(ContentBlockStop(self.tool_blocks.pop(event.index)))
 
     async def close_all(self) -> None:
+        await self.close_thinking()
         await self.close_text()
         for index in sorted(self.tool_blocks.values()):
             await self._send(ContentBlockStop(index))
@@ -284,6 +328,8 @@ async def _stream(request: web.Request, msg_id: str, model: str, job: Job,
         await sse.send(Ping(), event="ping")
         async for event in events:
             if isinstance(event, Delta):
+                if event.reasoning:
+                    await blocks.thinking(event.reasoning)
                 if event.text:
                     await blocks.text(event.text)
                 for tool_event in event.tool_events:
