@@ -4,8 +4,11 @@ Owns the conversion between Responses items and the chat pipeline, and a bounded
 finished responses (the conversation they close) so `previous_response_id` continues one:
 the earlier turns render to the same token prefix, so the KV prefix cache serves them
 instead of recomputing. Structured output (`text.format`) and tools go through the same
-constraint machinery as chat completions (frontend/structured.py). What the pipeline
-cannot do (background runs, built-in tools, reasoning) is a 400 naming the field.
+constraint machinery as chat completions (frontend/structured.py). With a reasoning parser
+on, the thinking block is a `reasoning` output item (`reasoning_text` content, streamed as
+response.reasoning_text.delta) before the message; `reasoning.effort` is a thinking budget,
+and reasoning items sent back in `input` are the next assistant turn's reasoning. What the
+pipeline cannot do (background runs, built-in tools) is a 400 naming the field.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
 from duplex.frontend import structured
 from duplex.frontend.errors import ApiError, invalid
-from duplex.frontend.generation import Delta, Job, collect, resolve_max_tokens, sampling_params
+from duplex.frontend.generation import (EFFORT_BUDGETS, Delta, Job, collect, resolve_max_tokens,
+                                        sampling_params, template_kwargs, thinking_budget,
+                                        thinking_variables)
 from duplex.frontend.protocol import REQ_ID, SseStream, json_response, read_json
 
 if TYPE_CHECKING:
@@ -52,6 +57,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     background: bool = False
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # Duplex: variables the template reads
 
 
 class ResponsesApi:
@@ -86,7 +92,8 @@ class ResponsesApi:
                 [result] = await collect(events, 1)
             if result.final.failed:
                 raise result.final.api_error()
-            reply.add_result(result.text, list(result.tool_calls.values()), result.final)
+            reply.add_result(result.text, list(result.tool_calls.values()), result.final,
+                             result.reasoning)
             return json_response(self._finish(reply, messages, body))
 
     # ------------------------------------------------------------ request -> job
@@ -106,9 +113,14 @@ class ResponsesApi:
         state = self.state
         state.check_model(body.model)
         tools = [_chat_tool(t, i) for i, t in enumerate(body.tools or [])] or None
-        prompt_ids = state.encode_chat(_chat(messages, tools))
+        effort = _effort(body.reasoning, state.reasoning is not None)
+        template = state.options.chat_template or state.recipe.template
+        variables = thinking_variables(template_kwargs(body.chat_template_kwargs, template),
+                                       template, effort)
+        prompt_ids = state.encode_chat(_chat(messages, tools), variables=variables)
         max_tokens = resolve_max_tokens(body.max_output_tokens, len(prompt_ids),
                                         state.max_model_len, "max_output_tokens")
+        budget = thinking_budget(state.reasoning, None, effort, max_tokens)
         params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
                                  top_p=body.top_p, stop_token_ids=state.stop_token_ids)
         fmt = tool_format(state.options.tool_call_parser)
@@ -119,6 +131,7 @@ class ResponsesApi:
             params = msgspec.structs.replace(params, constraint=constrained.constraint)
         job = Job(req_id=f"resp_{request[REQ_ID]}", prompt_token_ids=prompt_ids, params=params,
                   parse_tools=bool(tools) and body.tool_choice != "none", tool_format=fmt.name,
+                  parse_reasoning=state.reasoning is not None, thinking_budget=budget,
                   cache_salt=state.keys.tenant_salt(request, None))
         return job, constrained
 
@@ -126,6 +139,8 @@ class ResponsesApi:
         response = reply.response("completed")
         if body.store:
             turn = {"role": "assistant", "content": reply.text}
+            if reply.reasoning:
+                turn["reasoning_content"] = reply.reasoning
             if reply.calls:
                 turn["tool_calls"] = [{"id": c["call_id"], "type": "function", "function": {
                     "name": c["name"], "arguments": c["arguments"]}} for c in reply.calls]
@@ -144,6 +159,10 @@ class ResponsesApi:
             text_index = None
             async for event in events:
                 if isinstance(event, Delta):
+                    if event.reasoning:
+                        await _reasoning_delta(emit, reply, event.reasoning)
+                    if event.text or event.tool_events:
+                        await _close_reasoning(emit, reply)
                     if event.text:
                         if text_index is None:
                             text_index = await _open_text(emit, reply)
@@ -158,6 +177,7 @@ class ResponsesApi:
                     await emit("error", code=event.finish_reason, message=event.error,
                                param=None)
                     break
+                await _close_reasoning(emit, reply)
                 if text_index is not None:
                     await _close_text(emit, reply, text_index)
                 for call in reply.calls:
@@ -172,9 +192,22 @@ class ResponsesApi:
 def _refuse_unsupported(body: ResponsesRequest) -> None:
     if body.background:
         raise invalid("background responses are not supported", param="background")
-    if body.reasoning is not None and body.reasoning.get("effort") not in (None, "none"):
-        raise invalid("reasoning is not supported: the model has no reasoning mode",
-                      param="reasoning")
+
+
+def _effort(reasoning: dict | None, has_thinking: bool) -> str | None:
+    """`reasoning.effort` (a thinking budget: generation.EFFORT_BUDGETS), checked."""
+    effort = (reasoning or {}).get("effort")
+    if effort is None:
+        return None
+    if effort not in EFFORT_BUDGETS:
+        raise invalid(f"reasoning.effort must be one of {', '.join(EFFORT_BUDGETS)}, got "
+                      f"{effort!r}", param="reasoning.effort")
+    if not has_thinking:
+        if effort == "none":
+            return None
+        raise invalid("reasoning.effort: this model has no thinking block (the server runs "
+                      "no reasoning parser)", param="reasoning.effort")
+    return effort
 
 
 def _chat(messages: list[dict], tools: list[dict] | None) -> Chat:
@@ -189,6 +222,7 @@ def _input_messages(items) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
+    reasoning: list[str] = []  # reasoning items: the next assistant turn's
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         where = f"input[{i}]"
@@ -199,6 +233,9 @@ def _input_messages(items) -> list[dict]:
                               param=f"{where}.role")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _content_text(item.get("content"), where)})
+        elif kind == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
+            continue
         elif kind == "function_call":
             out.append({"role": "assistant", "content": None, "tool_calls": [{
                 "id": item.get("call_id", ""), "type": "function", "function": {
@@ -207,11 +244,24 @@ def _input_messages(items) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
                         "content": _content_text(item.get("output"), where)})
         else:
-            raise invalid(f"{where}.type {kind!r} is not supported (message, function_call, "
-                          "function_call_output are)", param=f"{where}.type")
+            raise invalid(f"{where}.type {kind!r} is not supported (message, reasoning, "
+                          "function_call, function_call_output are)", param=f"{where}.type")
+        if reasoning and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = "\n".join(reasoning)
+        reasoning = [] if out[-1]["role"] == "assistant" else reasoning
     if not out:
         raise invalid("input is empty", param="input")
     return out
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """The text of a reasoning input item: its reasoning_text content, else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise invalid(f"{where}.content must be a list of reasoning_text parts",
+                      param=f"{where}.content")
+    return "\n".join(p["text"] for p in parts)
 
 
 def _content_text(content, where: str) -> str:
@@ -283,17 +333,25 @@ class _Reply:
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.text = ""
+        self.reasoning = ""
+        self.rs_id = "rs_" + uuid.uuid4().hex
+        self.reasoning_open = False  # streaming: the reasoning item is open
         self.calls: list[dict] = []
         self.final = None
 
-    def add_result(self, text: str, calls, final) -> None:
+    @property
+    def num_reasoning_items(self) -> int:
+        return 1 if self.reasoning else 0
+
+    def add_result(self, text: str, calls, final, reasoning: str = "") -> None:
         self.text = text
+        self.reasoning = reasoning
         self.calls = [{"call_id": c.id, "name": c.name, "arguments": c.arguments,
                        "id": "fc_" + uuid.uuid4().hex} for c in calls]
         self.final = final
 
     def output(self) -> list[dict]:
-        out = []
+        out = [_reasoning_item(self.rs_id, self.reasoning, "completed")] if self.reasoning else []
         if self.text or not self.calls:
             out.append(_message_item(self.msg_id, self.text, "completed"))
         out += [_call_item(c, "completed") for c in self.calls]
@@ -318,7 +376,7 @@ class _Reply:
                 "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
                 "total_tokens": usage.total_tokens,
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-                "output_tokens_details": {"reasoning_tokens": 0}}
+                "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
             if final.finish_reason == FinishReason.LENGTH:
                 response["status"] = "incomplete"
                 response["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -330,6 +388,36 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
         "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": content}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": status}
+
+
+async def _reasoning_delta(emit: _Emitter, reply: _Reply, text: str) -> None:
+    if not reply.reasoning_open:
+        reply.reasoning_open = True
+        await emit("response.output_item.added", output_index=0,
+                   item=_reasoning_item(reply.rs_id, "", "in_progress"))
+        await emit("response.content_part.added", item_id=reply.rs_id, output_index=0,
+                   content_index=0, part={"type": "reasoning_text", "text": ""})
+    reply.reasoning += text
+    await emit("response.reasoning_text.delta", item_id=reply.rs_id, output_index=0,
+               content_index=0, delta=text)
+
+
+async def _close_reasoning(emit: _Emitter, reply: _Reply) -> None:
+    if not reply.reasoning_open:
+        return
+    reply.reasoning_open = False
+    await emit("response.reasoning_text.done", item_id=reply.rs_id, output_index=0,
+               content_index=0, text=reply.reasoning)
+    await emit("response.content_part.done", item_id=reply.rs_id, output_index=0,
+               content_index=0, part={"type": "reasoning_text", "text": reply.reasoning})
+    await emit("response.output_item.done", output_index=0,
+               item=_reasoning_item(reply.rs_id, reply.reasoning, "completed"))
 
 
 def _call_item(call: dict, status: str) -> dict:
@@ -350,7 +438,7 @@ class _Emitter:
 
 
 async def _open_text(emit: _Emitter, reply: _Reply) -> int:
-    index = len(reply.calls)
+    index = len(reply.calls) + reply.num_reasoning_items
     await emit("response.output_item.added", output_index=index,
                item=_message_item(reply.msg_id, "", "in_progress"))
     await emit("response.content_part.added", item_id=reply.msg_id, output_index=index,
@@ -372,7 +460,7 @@ async def _tool_event(emit: _Emitter, reply: _Reply, event) -> None:
     if isinstance(event, ToolCallStart):
         call = {"call_id": event.id, "name": event.name, "arguments": "",
                 "id": "fc_" + uuid.uuid4().hex, "output_index": len(reply.calls) +
-                (1 if reply.text else 0)}
+                (1 if reply.text else 0) + reply.num_reasoning_items}
         reply.calls.append(call)
         await emit("response.output_item.added", output_index=call["output_index"],
                    item=_call_item(call, "in_progress"))
