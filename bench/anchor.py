@@ -9,10 +9,14 @@ medians over repeats and ratios Duplex / llama-server:
 
 | row (`--workloads`) | workload                                   | metrics                     |
 | ------------------- | ------------------------------------------ | --------------------------- |
-| single              | random, 8 × ~80-token prompts, 128 out, c=1 | out tok/s, TPOT p50         |
-| random16            | random, 32 × 130–390 tokens, 128 out, c=16  | out tok/s, TTFT p50         |
+| single              | random, 8 × ~80-token prompts, 128 out, c=1 | out tok/s, TPOT p50, RSS    |
+| random16            | random, 32 × 130–390 tokens, 128 out, c=16  | out tok/s, TTFT p50, RSS    |
 | multiturn           | multi-turn, 8 × 4 turns, 64 out, c=8        | out tok/s, hit rate, TTFT p99 |
 | bench               | llama-bench pp512 / tg128 vs `engine.LLM`   | tok/s                       |
+
+RSS is the resident memory of each server's whole process group (frontend and workers) read
+from /proc after each run. `--shape 1b|3b|8b` measures a random-weight GGUF of a real model's
+shape instead of `--model` (bench/shapes.py; quantized to `--quant` by llama-quantize).
 
 Prompt lengths are tokens of the model's tokenizer (the workloads' unit): the issue's word
 counts times 1.3. The hit rate of both servers is cached prompt tokens / prompt tokens from
@@ -73,14 +77,15 @@ class Spec(NamedTuple):
 
 
 OUT_TOK_S = Metric("out tok/s", ("output_throughput",), "{:.1f} out tok/s")
+RSS = Metric("RSS", ("rss_mb",), "RSS {:.0f} MB")  # the server's processes, after the run
 SPECS: dict[str, Spec] = {
     "single": Spec(
         "one stream, ~60-word prompts, 128 tokens out",
-        (OUT_TOK_S, Metric("TPOT", ("tpot_ms", "p50"), "TPOT {:.1f} ms")),
+        (OUT_TOK_S, Metric("TPOT", ("tpot_ms", "p50"), "TPOT {:.1f} ms"), RSS),
         "random", {"num_requests": 8, "input_len": 80, "output_len": 128}),
     "random16": Spec(
         "32 random 100-300-word prompts, 128 out, concurrency 16",
-        (OUT_TOK_S, Metric("TTFT p50", ("ttft_ms", "p50"), "TTFT p50 {:.0f} ms")),
+        (OUT_TOK_S, Metric("TTFT p50", ("ttft_ms", "p50"), "TTFT p50 {:.0f} ms"), RSS),
         "random", {"num_requests": 32, "input_len": 130, "output_len": 128}, 390, 16),
     "multiturn": Spec(
         "8 conversations x 4 turns, 64 out, concurrency 8",
@@ -96,6 +101,7 @@ class Target(NamedTuple):
     server: str               # "llama" or "duplex"
     url: str
     model: str                # the model name the server answers to
+    pgid: int = 0             # the server's process group (0: not ours, RSS not measured)
 
 
 # ----- CLI -----------------------------------------------------------------------------------
@@ -112,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "probe dies with SIGILL (VMs that advertise AMX without enabling "
                              "it)")
     parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--shape", choices=("1b", "3b", "8b"), default=None,
+                        help="instead of --model: a random-weight GGUF of Llama-3.2-1B's / "
+                             "3B's / Llama-3.1-8B's shape (bench/shapes.py), made once in "
+                             "--shape-dir and quantized to --quant by llama-quantize")
+    parser.add_argument("--quant", default="Q4_K_M", help="llama-quantize type for --shape")
+    parser.add_argument("--shape-dir", default="/tmp/duplex-shapes",
+                        help="where --shape files are made and kept")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each server")
     parser.add_argument("--duplex-url", default=None,
                         help="an already running Duplex server on the same model (default: "
@@ -168,9 +181,9 @@ def measure(args: argparse.Namespace, result: dict) -> None:
     """Every measurement the table needs, into `result` (JSON-able) as each part ends."""
     from duplex.engine.config import resolve_model_path
 
-    model = resolve_model_path(args.model)
     bin_dir = build_llama(args.llama_dir, args.build_script) if args.build \
         else find_llama_bin(args.llama_dir)
+    model = shape_model(args, bin_dir) if args.shape else resolve_model_path(args.model)
     llama = LlamaCpp(bin_dir, model, args.threads, choose_repack(args.llama_repack, bin_dir,
                                                                  model, args.threads))
     result |= {"command": sys.argv, "model": model, "threads": args.threads,
@@ -181,6 +194,26 @@ def measure(args: argparse.Namespace, result: dict) -> None:
         result["runs"] = serve_both(args, llama, specs)
     if "bench" in args.workloads:
         result["bench"] = bench_both(args, llama)
+
+
+def shape_model(args: argparse.Namespace, bin_dir: Path) -> str:
+    from duplex.bench import shapes
+    from duplex.engine.config import default_model_path
+
+    return str(shapes.shape_model(args.shape, args.quant, Path(args.shape_dir),
+                                  default_model_path(), bin_dir))
+
+
+def group_rss_mb(pgid: int) -> float | None:
+    """Resident memory of every process in a process group (a server and its workers), MB."""
+    total, seen = 0, False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # field 5 of stat: pgrp
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # field 24: rss pages
+                seen = True
+    return total / 1e6 if seen else None
 
 
 def write_results(out: Path, result: dict) -> None:
@@ -331,17 +364,18 @@ def running_targets(args: argparse.Namespace, llama: LlamaCpp):
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         llama_port = free_port()
-        stack.enter_context(running_command(llama.server_command(llama_port), llama_port,
-                                            out / "llama-server.log"))
+        llama_proc = stack.enter_context(running_command(
+            llama.server_command(llama_port), llama_port, out / "llama-server.log"))
+        pgids = {"llama": llama_proc.pid, "duplex": 0}
         duplex_url = args.duplex_url
         if duplex_url is None:
             port = free_port()
-            stack.enter_context(running_server(
+            duplex_proc = stack.enter_context(running_server(
                 ["serve", "--model", llama.model, "--num-threads", str(args.threads)], port,
                 timeout_s=HEALTH_TIMEOUT_S))
-            duplex_url = f"http://127.0.0.1:{port}"
+            duplex_url, pgids["duplex"] = f"http://127.0.0.1:{port}", duplex_proc.pid
         urls = {"llama": f"http://127.0.0.1:{llama_port}", "duplex": duplex_url}
-        yield [Target(s, urls[s], served_model(urls[s])) for s in SERVERS]
+        yield [Target(s, urls[s], served_model(urls[s]), pgids[s]) for s in SERVERS]
 
 
 # ----- serving workloads ---------------------------------------------------------------------
@@ -370,8 +404,9 @@ def compare_serving(targets: list[Target], specs: dict[str, Spec], tokenizer, re
             workload = spec_workload(spec, text, workload_seed(name, seed, repeat))
             for target in alternate(targets, repeat):
                 result = bench(workload, load_config(spec, target, num_requests))
+                summary = {**result["summary"], "rss_mb": group_rss_mb(target.pgid)}
                 runs.append({"workload": name, "server": target.server, "repeat": repeat,
-                             "summary": result["summary"], "failures": failures(result)})
+                             "summary": summary, "failures": failures(result)})
     return runs
 
 

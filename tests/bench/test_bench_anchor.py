@@ -61,8 +61,9 @@ def test_parse_llama_bench_falls_back_to_the_mean_and_names_mixed_tests():
 
 # ----- the table -----------------------------------------------------------------------------
 
-def _summary(out, tpot=None, ttft50=None, ttft99=None, hit=None, completed=2, reasons=None):
-    return {"output_throughput": out, "tpot_ms": {"p50": tpot},
+def _summary(out, tpot=None, ttft50=None, ttft99=None, hit=None, completed=2, reasons=None,
+             rss=None):
+    return {"output_throughput": out, "tpot_ms": {"p50": tpot}, "rss_mb": rss,
             "ttft_ms": {"p50": ttft50, "p99": ttft99}, "cache_hit_rate": hit,
             "num_planned": 2, "completed": completed, "failure_reasons": reasons or {}}
 
@@ -73,10 +74,12 @@ def _runs(workload, server, summaries):
 
 
 def _result():
-    runs = (_runs("single", "llama", [_summary(10.0, 5.0), _summary(12.0, 6.0),
-                                      _summary(11.0, 7.0)])
-            + _runs("single", "duplex", [_summary(20.0, 3.0), _summary(22.0, 3.0),
-                                         _summary(21.0, 4.0)])
+    runs = (_runs("single", "llama", [_summary(10.0, 5.0, rss=1200.0),
+                                      _summary(12.0, 6.0, rss=1250.0),
+                                      _summary(11.0, 7.0, rss=1300.0)])
+            + _runs("single", "duplex", [_summary(20.0, 3.0, rss=1500.0),
+                                         _summary(22.0, 3.0, rss=1500.0),
+                                         _summary(21.0, 4.0, rss=1600.0)])
             + _runs("multiturn", "llama", [_summary(30.0, ttft99=400.0),
                                            _summary(40.0, ttft99=500.0)])
             + _runs("multiturn", "duplex", [_summary(45.0, ttft99=200.0, hit=0.5),
@@ -91,8 +94,9 @@ def test_markdown_reports_medians_and_duplex_over_llama_ratios():
     assert anchor.markdown(_result()) == textwrap.dedent("""\
         | workload | llama-server | Duplex | ratio |
         |---|---|---|---|
-        | one stream, ~60-word prompts, 128 tokens out | 11.0 out tok/s, TPOT 6.0 ms | \
-21.0 out tok/s, TPOT 3.0 ms | out tok/s 1.91x, TPOT 0.50x |
+        | one stream, ~60-word prompts, 128 tokens out | 11.0 out tok/s, TPOT 6.0 ms, \
+RSS 1250 MB | 21.0 out tok/s, TPOT 3.0 ms, RSS 1500 MB | out tok/s 1.91x, TPOT 0.50x, \
+RSS 1.20x |
         | 8 conversations x 4 turns, 64 out, concurrency 8 | 35.0 out tok/s, hit rate n/a, \
 TTFT p99 450 ms | 40.0 out tok/s, hit rate 62%, TTFT p99 250 ms | out tok/s 1.14x, \
 hit rate n/a, TTFT p99 0.56x |
@@ -131,7 +135,8 @@ def test_a_row_without_runs_reads_n_a_and_a_zero_reference_has_no_ratio():
     result = _result() | {"workloads": ["random16"]}
     assert anchor.markdown(result).splitlines()[2] == (
         "| 32 random 100-300-word prompts, 128 out, concurrency 16 | out tok/s n/a, "
-        "TTFT p50 n/a | out tok/s n/a, TTFT p50 n/a | out tok/s n/a, TTFT p50 n/a |")
+        "TTFT p50 n/a, RSS n/a | out tok/s n/a, TTFT p50 n/a, RSS n/a | out tok/s n/a, "
+        "TTFT p50 n/a, RSS n/a |")
     assert anchor.ratio(3.0, 0.0) == "n/a"
     assert anchor.ratio(None, 2.0) == "n/a"
 
@@ -383,3 +388,10 @@ def test_isolated_gemm_flop_count_covers_every_layer():
     flop = 2 * 2 * (3 * (64 * 32 + 32 * 32 + 96 * 32 + 32 * 48) + 100 * 32)
     assert gflop == pytest.approx(flop / 1e9, rel=1e-12)
     assert seconds > 0
+
+
+def test_group_rss_counts_a_process_group():
+    import os
+    own = anchor.group_rss_mb(os.getpgid(0))
+    assert own is not None and own > 10  # this interpreter alone holds more than 10 MB
+    assert anchor.group_rss_mb(2**22 + 12345) is None  # no such group
