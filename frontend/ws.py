@@ -1,7 +1,8 @@
 """WebSocket API at GET /v1/ws: many concurrent chat requests on one socket, told apart by id.
 
 Client frames (JSON text): `chat` (id, messages, sampling fields), `cancel` (id), `ping`.
-Server frames: `delta` per engine step, then exactly one terminal frame per request,
+Server frames: `delta` per engine step (`text` the answer, `reasoning` the thinking block when
+a reasoning parser is on), then exactly one terminal frame per request,
 `done` (finish reason, usage with cached tokens by tier, timings) or `error` (code,
 message; code "cancelled" after a cancel). Each request runs in its own task; cancelling
 it, or closing the socket, closes its pipeline and so aborts it on the worker. Frame
@@ -22,7 +23,8 @@ from duplex.engine.text.messages import Chat
 from duplex.frontend.auth import WS_PROTOCOL
 from duplex.frontend.body_limits import check_depth
 from duplex.frontend.errors import ApiError
-from duplex.frontend.generation import Delta, Final, Job, params_from_fields, resolve_max_tokens
+from duplex.frontend.generation import (Delta, Final, Job, params_from_fields, resolve_max_tokens,
+                                        template_kwargs, thinking_budget, thinking_variables)
 from duplex.frontend.openai_api import chat_messages
 from duplex.frontend.retention import request_retention
 from duplex.frontend.protocol import (WsCancel, WsChat, WsClientFrame, WsDelta, WsDone, WsError,
@@ -162,17 +164,23 @@ class _Session:
 
     def _job(self, frame: WsChat, req_id: str) -> Job:
         state = self.state
-        prompt_ids = state.encode_chat(Chat(chat_messages(frame.messages)))
+        template = state.options.chat_template or state.recipe.template
+        variables = thinking_variables(template_kwargs(frame.chat_template_kwargs, template),
+                                       template, frame.reasoning_effort)
+        prompt_ids = state.encode_chat(Chat(chat_messages(frame.messages)), variables=variables)
         max_tokens = resolve_max_tokens(frame.max_tokens, len(prompt_ids), state.max_model_len)
+        budget = thinking_budget(state.reasoning, frame.thinking_budget, frame.reasoning_effort,
+                                 max_tokens)
         params = params_from_fields(frame, max_tokens, state.stop_token_ids)
         return Job(req_id=req_id, prompt_token_ids=prompt_ids, params=params,
+                   parse_reasoning=state.reasoning is not None, thinking_budget=budget,
                    retention=request_retention(self.request, frame.retention, False),
                    cache_salt=state.keys.tenant_salt(self.request, frame.cache_salt))
 
     def _frame(self, client_id: str, event: Delta | Final):
         if isinstance(event, Delta):
             return WsDelta(client_id, event.text, len(event.token_ids), event.num_draft_proposed,
-                           event.num_draft_accepted, event.accepted_mask)
+                           event.num_draft_accepted, event.accepted_mask, event.reasoning)
         if event.failed:
             error = event.api_error()
             return WsError(client_id, error.kind, error.message)
@@ -180,7 +188,8 @@ class _Session:
         info = self.state.engine.ready_info
         return WsDone(client_id, event.finish_reason,
                       WsUsage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
-                              usage.cached_tokens, dict(usage.cached_by_tier)),
+                              usage.cached_tokens, dict(usage.cached_by_tier),
+                              usage.reasoning_tokens),
                       WsTimings(timings.ttft_s, timings.tokens_per_s, timings.e2e_s),
                       batch_invariant=bool(info and info.batch_invariant))
 
