@@ -13,8 +13,9 @@ Ctrl-D) at the prompt ends it.
 
 Failures are one line on stderr, never a traceback. When the socket drops, the client
 reconnects (for up to --reconnect-timeout seconds) and sends the request again, unless part
-of the answer already went down a pipe. Exit status: 0 done, 1 failed, 2 usage error,
-130 interrupted (piped mode). Imports msgspec, aiohttp and the protocol structs, never torch.
+of the answer already went down a pipe. A reasoning model's thinking goes to stderr, dimmed
+on a terminal and apart from the answer, never to stdout. Exit status: 0 done, 1 failed,
+2 usage error, 130 interrupted (piped mode). Imports msgspec, aiohttp and the protocol structs, never torch.
 """
 from __future__ import annotations
 
@@ -330,6 +331,7 @@ class Chat:
         self.reconnect_s = reconnect_s
         self._wrote = False  # part of the current answer is on `out`
         self._is_line_open = False  # `out` does not end with a newline
+        self._is_thinking = False  # reasoning is being written to `err`, its line open
 
     def ask(self, user_text: str) -> Answer | None:
         """One turn: the finished answer (now part of the conversation) or None when the
@@ -393,16 +395,21 @@ class Chat:
                 if isinstance(frame, WsPong) or frame.id not in (request["id"], None):
                     continue  # a frame of an earlier, abandoned request
                 if isinstance(frame, WsDelta):
+                    self._think(frame.reasoning)
+                    if frame.text:
+                        self._end_thinking()
                     self._write(frame.text)
                     texts.append(frame.text)
                     num_proposed += frame.draft_proposed
                     num_accepted += frame.draft_accepted
                 elif isinstance(frame, WsDone):
+                    self._end_thinking()
                     self._end_line()
                     return Answer("".join(texts), frame, num_proposed, num_accepted)
                 else:
                     raise _request_error(frame)
         except KeyboardInterrupt:
+            self._end_thinking()
             self._end_line()
             self._cancel(request["id"])
             return None
@@ -420,6 +427,23 @@ class Chat:
                     return
         except (ChatError, queue.Empty, KeyboardInterrupt):
             pass
+
+    def _think(self, text: str) -> None:
+        """Reasoning goes to `err` (never `out`, so a pipe gets the answer alone), dimmed on
+        a terminal, on lines of its own before the answer."""
+        if not text:
+            return
+        if self.err.isatty():
+            text = f"\x1b[2m{text}\x1b[0m"
+        self.err.write(text)
+        self.err.flush()
+        self._is_thinking = True
+
+    def _end_thinking(self) -> None:
+        if self._is_thinking:
+            self._is_thinking = False
+            self.err.write("\n\n" if self.err.isatty() else "\n")
+            self.err.flush()
 
     def _write(self, text: str) -> None:
         if not text:
