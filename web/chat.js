@@ -128,13 +128,16 @@ export class AnswerView {
     this.renderPending = false;
     this.body = el("div", { class: "answer-body" }, thinkingDots());
     this.renderer = new StreamRenderer(this.body);
+    this.reasoning = "";  // a reasoning model's thinking, shown apart (ReasoningView)
+    this.reasoningView = null;
     this.problem = el("div", { class: "problem", role: "alert", hidden: true });
     this.stats = new AnswerStats();
     const avatar = el("div", { class: "avatar", "aria-hidden": "true" }, "D");
     this.actions = messageActions(["copy-message", "Copy"], ["regenerate", "Regenerate"]);
     this.actions.hidden = true;
-    article.append(avatar, el("div", { class: "content" }, this.body, this.problem,
-                                       this.stats.root, this.actions));
+    this.content = el("div", { class: "content" }, this.body, this.problem, this.stats.root,
+                      this.actions);
+    article.append(avatar, this.content);
     this.setState("streaming");
     this.stats.showLive(this);
   }
@@ -145,6 +148,8 @@ export class AnswerView {
 
   onDelta(frame) {
     if (frame.num_tokens > 0 && !this.firstTokenAt) this.firstTokenAt = performance.now();
+    if (frame.reasoning) this.addReasoning(frame.reasoning);
+    if (frame.text && this.reasoningView) this.reasoningView.finish();
     this.markDrafted(frame.text, frame.accepted_mask || []);
     this.text += frame.text;
     this.numTokens += frame.num_tokens;
@@ -154,7 +159,19 @@ export class AnswerView {
     this.scheduleRender();
   }
 
+  /** Thinking text: into its collapsible block, open while the model thinks. */
+  addReasoning(text) {
+    if (!this.reasoningView) {
+      this.reasoningView = new ReasoningView();
+      this.content.insertBefore(this.reasoningView.root, this.body);
+    }
+    this.reasoning += text;
+    this.reasoningView.append(text);
+    this.onRender();
+  }
+
   onDone(frame) {
+    if (this.reasoningView) this.reasoningView.finish();
     this.setState("done");
     this.stats.showDone(this, frame);
     this.render();  // at once: the final text is there when the state says "done"
@@ -233,6 +250,29 @@ export class AnswerView {
     if (this.isStreaming) lastTextBlock(this.body).append(el("span", { class: "caret",
                                                                       "aria-hidden": "true" }));
     this.onRender();
+  }
+}
+
+/** A reasoning model's thinking: a <details> block above the answer, open and labelled
+ * "Thinking…" while it streams, closed to "Thought" once the answer begins. Plain text
+ * (never markdown, never HTML): what the model thinks is not rendered as the answer. */
+class ReasoningView {
+  constructor() {
+    this.summary = el("summary", {}, "Thinking…");
+    this.text = el("div", { class: "reasoning-text" });
+    this.root = el("details", { class: "reasoning", open: true }, this.summary, this.text);
+    this.isDone = false;
+  }
+
+  append(text) {
+    this.text.append(document.createTextNode(text));
+  }
+
+  finish() {
+    if (this.isDone) return;
+    this.isDone = true;
+    this.root.open = false;
+    this.summary.textContent = "Thought";
   }
 }
 
