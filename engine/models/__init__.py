@@ -4,7 +4,8 @@ from __future__ import annotations
 from duplex.engine.models.gemma3 import Gemma3ForCausalLM
 from duplex.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from duplex.engine.models.llama import ForwardContext, LlamaForCausalLM
-from duplex.engine.models.loader import ModelArgs, ModelLoadError, load
+from duplex.engine.models.args import ModelArgs, ModelLoadError
+from duplex.engine.models.loader import load
 from duplex.engine.models.mixtral import MixtralForCausalLM
 from duplex.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from duplex.engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from duplex.engine.models.llama import ForwardContext
-from duplex.engine.models.loader import ModelArgs
+from duplex.engine.models.args import ModelArgs
 from duplex.engine.models.moe import MoEBlock, MoEDecoderLayer, MoEForCausalLM, grouped_topk
 from duplex.kernels import ops
 from duplex.kernels.mla_decode import mla_attend_ref, mla_decode_triton

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from duplex.engine.models.llama import MLP, Attention, ForwardContext, LlamaForCausalLM
-from duplex.engine.models.loader import ModelArgs
+from duplex.engine.models.args import ModelArgs
 from duplex.kernels import ops
 from duplex.kernels.rotary import rope_cos_sin_cache
 

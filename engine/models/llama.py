@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from duplex.engine.models.loader import ModelArgs
+from duplex.engine.models.args import ModelArgs
 from duplex.kernels import cpu_decode, cpu_fused, ops, quant
 from duplex.kernels.batch_invariant import is_batch_invariant
 from duplex.kernels.quant import QuantWeight

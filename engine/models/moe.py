@@ -5,8 +5,7 @@ layer, plus the routed-token statistics) and the pieces a MoE decoder is made of
 the `MoEBlock` that replaces a dense MLP, `MoEForCausalLM` with the switch between expert
 backends. engine/expert_parallel.py provides the other backend (experts sharded over ranks).
 
-Also the MoE families' hyper-parameters (`MoEArgs`, `MLAArgs`) and how they are read from a
-Hugging Face config: engine/models/loader.py hands those model types to `moe_config_to_args`.
+The MoE families' hyper-parameters (`MoEArgs`, `MLAArgs`) live in engine/models/args.py.
 
 An expert backend computes, for one MoE layer, `sum_j weight[t, j] * expert[ids[t, j]](x[t])`:
 
@@ -20,15 +19,14 @@ result does not depend on which rank or replica computed each of its experts' ro
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from duplex.engine.eplb import ExpertLoadStats
 from duplex.engine.models.llama import DecoderLayer, LlamaForCausalLM, MLP
-from duplex.engine.models.loader import MOE_ARCHS, ModelArgs, ModelLoadError
+from duplex.engine.models.args import MLAArgs, MoEArgs, ModelArgs  # noqa: F401 (re-exported)
 from duplex.engine.stats import MoEStats
 from duplex.kernels import batch_invariant as bi
 from duplex.kernels import ops
@@ -36,127 +34,6 @@ from duplex.kernels import ops
 # Steps of routed-token counts kept (a ring of window x layers x experts int64: 512 steps of
 # DeepSeek-V3's 58 x 256 is 61 MB).
 DEFAULT_STATS_WINDOW = 512
-
-
-# ---------------------------------------------------------------------------- hyper-parameters
-@dataclasses.dataclass(frozen=True)
-class MoEArgs:
-    num_experts: int  # routed experts per MoE layer
-    top_k: int
-    intermediate_size: int  # of one routed expert
-    moe_layers: tuple[int, ...]  # decoder layers whose MLP is a MoE block (others are dense)
-    norm_topk_prob: bool  # renormalise the top-k weights to sum to 1
-    shared_intermediate_size: int = 0  # 0: no shared expert
-    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ gate) scales the shared expert
-    num_groups: int = 1  # DeepSeek-V3 grouped routing: experts split into groups, ...
-    topk_groups: int = 1  # ... tokens pick experts from their best `topk_groups` groups only
-    routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalising)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ModelLoadError(f"top_k {self.top_k} must be in [1, {self.num_experts}]")
-        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
-            raise ModelLoadError(f"{self.num_experts} experts cannot form {self.num_groups} "
-                                 f"groups with {self.topk_groups} chosen")
-
-
-@dataclasses.dataclass(frozen=True)
-class MLAArgs:
-    """DeepSeek multi-head latent attention (see engine/models/deepseek_v3.py)."""
-    q_lora_rank: int | None  # None: q is one projection, no low-rank factorisation
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool  # the checkpoint's rope dims come in (even, odd) pairs
-
-
-def moe_config_to_args(config: dict[str, Any]) -> ModelArgs:
-    """ModelArgs of a Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 config.json."""
-    arch = config["model_type"]
-    if arch not in MOE_ARCHS:
-        raise ModelLoadError(f"not a MoE architecture: {arch!r}")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{arch} with hidden_act {config['hidden_act']!r} is not supported")
-    if config.get("sliding_window") and config.get("use_sliding_window", arch == "mixtral"):
-        raise ModelLoadError(f"{arch} with a sliding window is not supported")
-    heads = config["num_attention_heads"]
-    rope_theta, rope_scaling = _rope(config)
-    if rope_scaling is not None and (arch != "deepseek_v3" or rope_scaling["rope_type"] != "yarn"):
-        raise ModelLoadError(f"{arch} with rope scaling {rope_scaling} is not supported")
-    fields = dict(
-        arch=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-        intermediate_size=config.get("intermediate_size", 0),
-        num_layers=config["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-        max_position_embeddings=config.get("max_position_embeddings", 2048),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-        attention_bias=config.get("qkv_bias", True) if arch == "qwen2_moe"
-        else config.get("attention_bias", False),
-        qk_norm=arch == "qwen3_moe", rope_scaling=rope_scaling,
-        bos_token_id=config.get("bos_token_id"), eos_token_id=_first(config.get("eos_token_id")),
-        moe=_moe_args(arch, config))
-    if arch == "deepseek_v3":
-        fields.update(_mla_fields(config))
-    return ModelArgs(**fields)
-
-
-def _moe_args(arch: str, config: dict[str, Any]) -> MoEArgs:
-    num_layers = config["num_hidden_layers"]
-    num_experts = config.get("num_local_experts") or config.get("num_experts") \
-        or config.get("n_routed_experts")
-    common = dict(num_experts=num_experts, top_k=config["num_experts_per_tok"])
-    if arch == "mixtral":
-        return MoEArgs(**common, intermediate_size=config["intermediate_size"],
-                       moe_layers=tuple(range(num_layers)), norm_topk_prob=True)
-    if arch == "deepseek_v3":
-        first_moe = config.get("first_k_dense_replace", 0)
-        return MoEArgs(
-            **common, intermediate_size=config["moe_intermediate_size"],
-            moe_layers=tuple(range(first_moe, num_layers)),
-            norm_topk_prob=config.get("norm_topk_prob", True),
-            shared_intermediate_size=config["moe_intermediate_size"]
-            * config.get("n_shared_experts", 0),
-            num_groups=config.get("n_group", 1), topk_groups=config.get("topk_group", 1),
-            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
-    dense = set(config.get("mlp_only_layers") or ())
-    step = config.get("decoder_sparse_step", 1)
-    moe_layers = tuple(i for i in range(num_layers)
-                       if num_experts and i not in dense and (i + 1) % step == 0)
-    shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
-    return MoEArgs(**common, intermediate_size=config["moe_intermediate_size"],
-                   moe_layers=moe_layers, norm_topk_prob=config.get("norm_topk_prob", False),
-                   shared_intermediate_size=shared, shared_expert_gate=bool(shared))
-
-
-def _mla_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """MLA args plus the paged-cache geometry they imply (see engine/models/deepseek_v3.py):
-    one kv head whose k and v planes each hold half of the latent [c_kv | k_pe]."""
-    mla = MLAArgs(q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
-                  qk_nope_head_dim=config["qk_nope_head_dim"],
-                  qk_rope_head_dim=config["qk_rope_head_dim"],
-                  v_head_dim=config.get("v_head_dim") or config["qk_nope_head_dim"],
-                  rope_interleave=config.get("rope_interleave", True))
-    latent = mla.kv_lora_rank + mla.qk_rope_head_dim
-    if latent % 2:
-        raise ModelLoadError(f"kv_lora_rank + qk_rope_head_dim = {latent} must be even "
-                             "(the latent is split over the cache's k and v planes)")
-    return dict(mla=mla, num_kv_heads=1, head_dim=latent // 2)
-
-
-def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, scaling parameters or None) from the old or the rope_parameters layout."""
-    params = dict(config.get("rope_parameters") or {})
-    params.update(config.get("rope_scaling") or {})
-    theta = config.get("rope_theta") or params.get("rope_theta", 10000.0)
-    kind = params.get("rope_type", params.get("type", "default"))
-    return theta, ({**params, "rope_type": kind} if kind != "default" else None)
-
-
-def _first(value):
-    return value[0] if isinstance(value, list) and value else value
 
 
 # ---------------------------------------------------------------------------- expert compute

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from duplex.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM
-from duplex.engine.models.loader import ModelArgs
+from duplex.engine.models.args import ModelArgs
 from duplex.kernels import ops
 
 

@@ -1,0 +1,279 @@
+"""GGUF test fixtures: tiny random models of every architecture Duplex runs, saved by
+transformers as safetensors and written again as GGUF files with the `gguf` package, the way
+llama.cpp's converter lays them out (see engine/models/gguf_file.py for the conventions)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+VOCAB = 384
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               initializer_range=0.3, tie_word_embeddings=False, rms_norm_eps=1e-6)
+# name -> (transformers config class prefix, GGUF architecture, extra config); spread init (0.3)
+# keeps top-k choices and argmax far from ties
+TINY = {
+    "llama": ("Llama", "llama", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2", "qwen2", dict()),
+    "qwen3": ("Qwen3", "qwen3", dict(head_dim=32)),
+    "gemma3": ("Gemma3Text", "gemma3", dict(
+        head_dim=32, sliding_window=4, layer_types=["sliding_attention", "sliding_attention",
+                                                    "full_attention"],
+        tie_word_embeddings=True, query_pre_attn_scalar=32, rope_local_base_freq=10000.0)),
+    "mixtral": ("Mixtral", "llama", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2Moe", "qwen2moe", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3Moe", "qwen3moe", dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+}
+_GEMMA_NORM_OFFSET = 1.0  # llama.cpp stores Gemma norms as 1 + weight
+
+
+def build_hf(name: str, root: Path) -> Path:
+    """A tiny random transformers model of family `name`, saved under root/name-hf."""
+    import transformers
+
+    prefix, _, extra = TINY[name]
+    config = getattr(transformers, f"{prefix}Config")(**{**_COMMON, **extra})
+    torch.manual_seed(0)
+    model_cls = prefix.removesuffix("Text") + "ForCausalLM"  # Gemma3TextConfig: Gemma3ForCausalLM
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # Gemma's norms start at 0 (a factor of 1): give them real weights
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(0.0, 0.3)
+    path = root / f"{name}-hf"
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def gguf_name(hf: str, arch: str, model_type: str) -> tuple[str, int | None]:
+    """(GGUF tensor name, expert index or None) of an HF checkpoint name."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf], None
+    parts = hf.split(".")
+    layer, rest = parts[2], ".".join(parts[3:])
+    layer_names = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+        "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+    if model_type == "gemma3_text":
+        layer_names |= {"post_attention_layernorm": "post_attention_norm",
+                        "pre_feedforward_layernorm": "ffn_norm",
+                        "post_feedforward_layernorm": "post_ffw_norm"}
+    module, suffix = rest.rsplit(".", 1)
+    if ".experts." in module:  # mlp.experts.3.gate_proj / block_sparse_moe.experts.3.w1
+        expert, proj = module.split(".experts.")[1].split(".")
+        kind = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}[proj]
+        return f"blk.{layer}.ffn_{kind}_exps.{suffix}", int(expert)
+    return f"blk.{layer}.{layer_names[module]}.{suffix}", None
+
+
+def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: rotary pairs (i, i + d/2) interleaved as (2i, 2i + 1)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def gguf_tensors(state: dict[str, torch.Tensor], config: dict, arch: str
+                 ) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array (row-major, as the HF weight), experts stacked."""
+    model_type = config["model_type"]
+    out, experts = {}, {}
+    for hf, tensor in state.items():
+        w = tensor.float().numpy()
+        name, expert = gguf_name(hf, arch, model_type)
+        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in hf else \
+                config["num_key_value_heads"]
+            w = permute_rotary(w, heads)
+        if model_type == "gemma3_text" and hf.endswith("norm.weight"):
+            w = w + _GEMMA_NORM_OFFSET
+        if hf.endswith("shared_expert_gate.weight"):
+            w = w.reshape(-1)
+        if expert is None:
+            out[name] = w
+        else:
+            experts.setdefault(name, {})[expert] = w
+    for name, per_expert in experts.items():
+        out[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
+    return out
+
+
+def metadata(config: dict, arch: str, shapes: dict[str, tuple]) -> dict[str, object]:
+    """The llama.cpp metadata keys of a config (without the `{arch}.` prefix)."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    meta = {"context_length": config["max_position_embeddings"],
+            "embedding_length": config["hidden_size"], "block_count": config["num_hidden_layers"],
+            "feed_forward_length": config.get("intermediate_size", 0),
+            "attention.head_count": heads,
+            "attention.head_count_kv": config["num_key_value_heads"],
+            "attention.key_length": head_dim, "attention.value_length": head_dim,
+            "attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
+            "rope.freq_base": _rope_theta(config), "vocab_size": config["vocab_size"]}
+    if config["model_type"] == "gemma3_text":  # which layers slide: one flag per layer
+        meta["attention.sliding_window"] = config["sliding_window"]
+        meta["attention.sliding_window_pattern"] = [t == "sliding_attention"
+                                                    for t in config["layer_types"]]
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    if num_experts:
+        meta |= {"expert_count": num_experts, "expert_used_count": config["num_experts_per_tok"]}
+    if config.get("moe_intermediate_size"):
+        meta["expert_feed_forward_length"] = config["moe_intermediate_size"]
+    if config.get("shared_expert_intermediate_size"):
+        meta["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
+    return meta
+
+
+def _rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    return float(config.get("rope_theta") or params.get("rope_theta", 10000.0))
+
+
+def write_gguf(path: Path, arch: str, meta: dict, tensors: dict[str, np.ndarray],
+               qtype: str = "F32", tokenizer_from: str | None = None) -> None:
+    """Write a GGUF file: 2-D weights whose rows allow it in `qtype`, the rest F32."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(path.stem)
+    for key, value in meta.items():
+        _add(writer, f"{arch}.{key}", value)
+    if tokenizer_from is not None:
+        copy_tokenizer(writer, tokenizer_from)
+    for name, w in tensors.items():
+        data, kind = _encode(w, qtype)
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _encode(w: np.ndarray, qtype: str):
+    """(data, raw_dtype) of a weight in GGUF type `qtype` (F32 where it cannot be)."""
+    import gguf
+    from gguf.quants import quantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    if w.ndim < 2 or qtype == "F32" or w.shape[-1] % 32:
+        return np.ascontiguousarray(w, dtype=np.float32), None
+    if qtype == "F16":
+        return np.ascontiguousarray(w, dtype=np.float16), None
+    return quantize(np.ascontiguousarray(w, dtype=np.float32), kind), kind
+
+
+def _add(writer, key: str, value) -> None:
+    if isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, str(value))
+
+
+def copy_tokenizer(writer, source: str) -> None:
+    """Every tokenizer.* field of the GGUF file `source`, as it is there."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, field.contents())
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(key, field.contents())
+        else:
+            writer.add_key_value(key, field.contents(), kind)
+
+
+def dequantized_state(state: dict[str, torch.Tensor], config: dict, arch: str, qtype: str
+                      ) -> dict[str, torch.Tensor]:
+    """The HF state dict with each weight as the GGUF file holds it after `qtype` rounding
+    (what a reference model must load to run the same weights)."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for hf, tensor in state.items():
+        w = tensor.float().numpy()
+        data, kind = _encode(w, qtype)
+        if kind is not None:
+            w = dequantize(data, kind).reshape(w.shape)
+        elif data.dtype == np.float16:
+            w = data.astype(np.float32)
+        out[hf] = torch.from_numpy(np.array(w, dtype=np.float32))
+    return out
+
+
+class TinyModel:
+    """A tiny model's HF directory, config and checkpoint weights, and GGUF writers."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.name, self.root = name, root
+        self.arch = TINY[name][1]
+        self.hf_dir = build_hf(name, root)
+        self.config = json.loads((self.hf_dir / "config.json").read_text())
+        self.state = {}
+        for f in sorted(self.hf_dir.glob("*.safetensors")):
+            self.state.update(load_file(str(f)))
+
+    def gguf(self, qtype: str = "F32", tokenizer_from: str | None = None,
+             tensors: dict | None = None, meta: dict | None = None, tag: str = "") -> str:
+        tensors = tensors if tensors is not None else gguf_tensors(self.state, self.config,
+                                                                    self.arch)
+        meta = meta if meta is not None else metadata(
+            self.config, self.arch, {k: v.shape for k, v in tensors.items()})
+        path = self.root / f"{self.name}-{qtype}{tag}.gguf"
+        write_gguf(path, self.arch, meta, tensors, qtype, tokenizer_from)
+        return str(path)
+
+    def reference_dir(self, qtype: str) -> Path:
+        """An HF directory with the weights rounded as a `qtype` GGUF holds them."""
+        from safetensors.torch import save_file
+
+        if qtype == "F32":
+            return self.hf_dir
+        path = self.root / f"{self.name}-hf-{qtype}"
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.config))
+        save_file(dequantized_state(self.state, self.config, self.arch, qtype),
+                  str(path / "model.safetensors"))
+        return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """name -> TinyModel, built on first use."""
+    built = {}
+
+    def get(name: str) -> TinyModel:
+        if name not in built:
+            built[name] = TinyModel(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
