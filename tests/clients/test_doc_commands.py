@@ -36,6 +36,8 @@ SKIPPED = {
     "bash ../shared/anchors/build-llama-server.sh /tmp/llamacpp":
         "builds llama.cpp from source (~12 min on 2 cores); `duplex bench anchor` is tested "
         "with a stand-in server in tests/bench/test_bench_anchor.py",
+    "cmake --build /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build --target "
+    "llama-quantize": "adds llama-quantize to that build (seconds, but only after it)",
     "redis-server --bind 10.0.0.5 --port 6379 --save '' --maxmemory 64gb "
     "--maxmemory-policy volatile-lru":
         "binds another host's address; tests/kvstore runs a real redis-server on loopback",
