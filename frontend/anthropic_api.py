@@ -135,7 +135,9 @@ class AnthropicApi:
         return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                    forced_text=forced,
                    params=params, parse_tools=parse_tools, tool_format=fmt.name,
-                   parse_reasoning=state.reasoning is not None, thinking_budget=budget,
+                   # a forced tool call starts the reply: no thinking block to parse
+                   parse_reasoning=state.reasoning is not None and not forced,
+                   thinking_budget=budget,
                    retention=request_retention(request, body.retention, bool(body.tools)),
                    cache_salt=state.keys.tenant_salt(request, body.cache_salt))
 

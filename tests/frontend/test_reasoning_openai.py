@@ -187,3 +187,45 @@ def test_unknown_or_unfit_parser_is_refused_at_start(recipes):
         AppState(FakeEngineClient(), FakeRecipe(), ServerOptions(reasoning_parser="qwen3"))
     state = AppState(FakeEngineClient(), recipes["qwen3"], ServerOptions(reasoning_parser="none"))
     assert state.reasoning is None
+
+
+class ThinkingFakeRecipe:
+    """FakeRecipe (one token per byte, so every marker is split across tokens) with a
+    Qwen3-like template: the server detects the qwen3 parser."""
+
+    def __new__(cls):
+        from frontend_fakes import FakeRecipe
+        recipe = FakeRecipe()
+        recipe.template = ("{% if enable_thinking is defined and enable_thinking is false %}"
+                           "<think>\n\n</think>\n\n{% endif %}")
+        return recipe
+
+
+async def test_markers_split_across_byte_tokens_never_leak_into_a_chunk(make_harness):
+    from frontend_fakes import FakeEngineClient
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from duplex.frontend.server import AppState, ServerOptions, build_app
+    reply = "<think>\n<thin k> and </thinker> are not markers\n</think>\n\nYes </think> <think>"
+    state = AppState(FakeEngineClient(reply=reply), ThinkingFakeRecipe(), ServerOptions())
+    assert state.reasoning.name == "qwen3"
+    client = TestClient(TestServer(build_app(state), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none",
+                                 max_retries=0)
+        stream = await sdk.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "?"}], stream=True)
+        reasoning, content = [], []
+        async for chunk in stream:
+            for choice in chunk.choices:
+                reasoning.append(getattr(choice.delta, "reasoning_content", None) or "")
+                content.append(choice.delta.content or "")
+    finally:
+        await client.close()
+    assert "".join(reasoning) == "<thin k> and </thinker> are not markers"
+    assert "".join(content) == "Yes </think> <think>"
+    pieces = [p for p in reasoning + content if p]
+    assert len(pieces) > 20  # streamed piece by piece, yet no piece holds a marker's start
+    held = tuple("</think>"[:k] for k in range(1, 8))  # a reasoning piece never ends in one
+    assert not any(p.endswith(held) for p in reasoning)
