@@ -36,7 +36,7 @@ from duplex.kernels.attention import AttentionPlan
 from duplex.kernels.decode_attention import StepLens
 from duplex.kernels.batch_invariant import is_batch_invariant
 from duplex.kernels._triton import runs_triton
-from duplex.kernels.quant import QuantEmbedding, QuantWeight
+from duplex.kernels.quant import QuantEmbedding, QuantWeight, fuse
 from duplex.kernels.rotary import RopeTables
 
 
@@ -246,9 +246,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def concat_weights(weights: list) -> torch.Tensor | QuantWeight:
-    """Stack `[N_i, K]` weights along N (fused projections), quantized or not."""
-    if isinstance(weights[0], QuantWeight):
-        return QuantWeight.cat(weights)
+    """Stack `[N_i, K]` weights along N (fused projections), quantized or not; parts of
+    different quantized types stay apart inside one `quant.FusedWeight`."""
+    if any(isinstance(w, QuantWeight) for w in weights):
+        return fuse(weights)
     return torch.cat(weights)
 
 

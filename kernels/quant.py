@@ -120,6 +120,12 @@ class QuantWeight:
         q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
         return cls(8, q, scale, with_dense=with_dense)
 
+    def can_cat(self, weights: list) -> bool:
+        """Whether `cat` can stack these into one weight of this kind."""
+        return all(type(w) is QuantWeight and w.bits == self.bits
+                   and w.group_size == self.group_size and w.shape[1] == self.shape[1]
+                   and w.with_dense == self.with_dense and w.q is not None for w in weights)
+
     @staticmethod
     def cat(weights: list[QuantWeight]) -> QuantWeight:
         """Stack along N (fused q/k/v or gate/up projections), before packing."""
@@ -224,6 +230,67 @@ class QuantWeight:
             if out_dtype is not None:
                 out = out.to(out_dtype)
         return out.reshape(*x.shape[:-1], self.shape[0])
+
+
+def fuse(weights: list) -> QuantWeight:
+    """One weight for `[N_i, K]` parts stacked along N (fused q/k/v or gate/up): the parts'
+    own `cat` where they are all one kind, else a `FusedWeight` that runs each part with its
+    own kernel (a llama.cpp Q4_K_M file stores attn_v as Q6_K beside Q4_K q and k)."""
+    first = weights[0]
+    if isinstance(first, QuantWeight) and first.can_cat(weights):
+        return type(first).cat(weights)
+    return FusedWeight(weights)
+
+
+class FusedWeight(QuantWeight):
+    """Parts of different kinds (QuantWeights of other types, or float tensors) stacked
+    along N. Kept apart rather than converted to one type: each keeps its file's bits and its
+    kernel, at the cost of one matmul per part and one concatenation of their outputs. It
+    has no VNNI layout and no dense copy, so the models' one-call decode stack and bf16
+    stream pass it by (they take the per-op path)."""
+
+    def __init__(self, parts: list) -> None:
+        k = parts[0].shape[1]
+        assert all(p.shape[1] == k for p in parts), (
+            f"fused parts must share K, got {[tuple(p.shape) for p in parts]}")
+        self.parts, self.bits, self.group_size, self.with_dense = list(parts), 0, 0, False
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), k))
+        self.dense = self.q = self.scale = self.zero = self._vnni = None
+        self._packed: bool | None = None
+
+    def can_cat(self, weights: list) -> bool:
+        return False
+
+    def pack(self, dtype: torch.dtype = torch.bfloat16) -> FusedWeight:
+        for p in self.parts:
+            if isinstance(p, QuantWeight):
+                p.pack(dtype)
+        self._packed = True
+        return self
+
+    def vnni_layout(self) -> None:
+        return None
+
+    def dense_from_rows(self) -> None:
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, QuantWeight) else _bytes(p) for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) if isinstance(p, QuantWeight) else p.to(dtype)
+                          for p in self.parts])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`x [..., K] @ w.T + bias -> [..., N]`: each part's product, concatenated."""
+        outs = [p.linear(x) if isinstance(p, QuantWeight)
+                else torch.nn.functional.linear(x.to(p.dtype), p).to(x.dtype) for p in self.parts]
+        out = torch.cat(outs, dim=-1)  # [..., N]
+        if bias is not None:
+            out = out + bias
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 def prepack_dense(w: torch.Tensor) -> torch.Tensor:

@@ -14,17 +14,61 @@ All three 4-bit formats become int4 with group 32: scale = d (or d*sc) and
 zero = the weight at q = 8. Q8_0 becomes (int8 values, per-32 scales): the embedding reads
 it as is, and a linear layer re-quantizes it per channel (`QuantWeight.int8_from_float`).
 The tests hold every unpacking to `gguf.dequantize` on the same bytes.
+
+`gguf_weight` keeps any type kernels.cpu_gguf reads (Q4_0 ... Q6_K, F16, BF16) as the
+file's bytes in a `GGUFWeight`, plus the int4 form above where the VNNI kernel will run.
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from duplex.kernels import cpu_gguf, cpu_qgemv
+from duplex.kernels.gguf_weight import GGUFWeight
 from duplex.kernels.quant import QuantWeight
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# linear weights that run with their own bits (F32 is a plain tensor already)
+OWN_BITS_TYPES = tuple(name for name in cpu_gguf.TYPE_IDS if name != "F32")
+
+log = logging.getLogger("duplex.engine")
+_said_dequantized: set[str] = set()  # the types say_dequantized has logged
+
+
+def say_dequantized(type_name: str, dtype: torch.dtype) -> None:
+    """One log line per GGUF type whose linear weights have no kernel and are dequantized."""
+    if type_name not in _said_dequantized:
+        _said_dequantized.add(type_name)
+        log.info("GGUF %s weights have no kernel here: dequantized to %s", type_name, dtype)
+
+
+def quantized_linear(type_name: str, raw: np.ndarray, num_cols: int, permute, quant: str,
+                     dtype: torch.dtype) -> QuantWeight | None:
+    """A GGUF linear weight as `quant` keeps it: `auto` runs OWN_BITS_TYPES with their own
+    bits (no dense copy unless DUPLEX_DENSE_WEIGHTS=1), `int4` keeps the 4-bit types' int4;
+    None where the caller dequantizes it (for `auto`, said once per type)."""
+    if quant == "auto" and type_name in OWN_BITS_TYPES:
+        return gguf_weight(type_name, raw, num_cols, permute)
+    if quant == "int4" and type_name in INT4_TYPES:
+        return unpack_int4(type_name, raw, num_cols).map_rows(permute).to_weight()
+    if quant == "auto" and type_name != "F32":
+        say_dequantized(type_name, dtype)
+    return None
+
+
+def gguf_weight(type_name: str, raw: np.ndarray, num_cols: int, permute) -> GGUFWeight:
+    """raw: uint8 `[N, bytes_per_row]` of a type in OWN_BITS_TYPES; `permute` reorders rows
+    (any row order is the same bytes, row by row)."""
+    rows = permute(np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1))  # bytes
+    int4 = None
+    if type_name in INT4_TYPES and cpu_qgemv.available() and cpu_qgemv.fits(len(rows), num_cols):
+        int4 = tuple(torch.from_numpy(np.ascontiguousarray(a))
+                     for a in unpack_int4(type_name, rows, num_cols))
+    return GGUFWeight(cpu_gguf.TYPE_IDS[type_name], torch.from_numpy(np.array(rows, copy=True)),
+                      num_cols, int4)
 
 
 def unpack_int4(type_name: str, raw: np.ndarray, num_cols: int) -> Int4Rows:

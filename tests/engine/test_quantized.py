@@ -1,18 +1,22 @@
 """Quantized weights on the default GGUF (Q4_1 layers, Q8_0 embedding): the engine's output
 in `auto` mode against the exact float32 mode, at the rates the README states, through
-both of its paths (the int4 kernel — VNNI where the CPU has it — for small batches, the
-bf16 copy for large ones)."""
+both of its paths (the row kernels - VNNI where the CPU has it - for small batches, the
+tiled dequantize-and-GEMM for large ones; no dense bf16 copy by default); and a tiny llama
+whose layers mix GGUF types as llama.cpp's Q4_K_M does, against its dequantized self."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from duplex.bench.quality import measure
 from duplex.engine.config import EngineConfig
 from duplex.engine.core import EngineCore
-from duplex.kernels import quant
-from duplex.kernels.quant import QuantEmbedding, QuantWeight
-from tests.engine.conftest import make_core
+from duplex.kernels import gguf_weight, quant
+from duplex.engine.sampling_params import SamplingParams
+from duplex.kernels.gguf_weight import GGUFWeight
+from duplex.kernels.quant import FusedWeight, QuantEmbedding, QuantWeight
+from tests.engine.conftest import make_core, run_engine
 
 # stated in README.md ("Weight precision"); measured by `duplex bench quality`
 MIN_TOP1 = {"auto": 0.95, "int8": 0.94, "float32:bfloat16": 0.97}
@@ -20,10 +24,11 @@ MAX_PERPLEXITY_RATIO = 1.01
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed_rows", [0, 10**9], ids=["bf16-copy", "int4-kernel"])
+@pytest.mark.parametrize("packed_rows", [0, 10**9], ids=["tiled-gemm", "row-kernels"])
 def test_auto_agrees_with_float32_at_the_stated_rate(default_model, monkeypatch, packed_rows):
     monkeypatch.setattr(quant, "MAX_PACKED_ROWS", packed_rows)
     monkeypatch.setattr(quant, "MAX_VNNI_ROWS", packed_rows)
+    monkeypatch.setattr(gguf_weight, "GEMV_ROWS", packed_rows)
     fp32, auto, int8, kv16 = measure(default_model, ["float32", "auto", "int8", "float32:bfloat16"])
     assert fp32.top1_agreement == 1.0
     for q in (auto, int8, kv16):  # kv16: exact weights, only the KV cache rounded to bf16
@@ -35,7 +40,8 @@ def test_auto_agrees_with_float32_at_the_stated_rate(default_model, monkeypatch,
 def test_auto_keeps_the_files_bits(default_model):
     core = make_core(default_model, weights_dtype="auto", num_kv_blocks=64)
     layer = core.model.layers[0]
-    assert isinstance(layer.attn.qkv_weight, QuantWeight) and layer.attn.qkv_weight.bits == 4
+    assert isinstance(layer.attn.qkv_weight, GGUFWeight) and layer.attn.qkv_weight.bits == 4
+    assert layer.attn.qkv_weight.type_name == "Q4_1" and layer.attn.qkv_weight.dense is None
     assert isinstance(layer.mlp.down_weight, QuantWeight)
     assert isinstance(core.model.embed, QuantEmbedding)  # Q8_0 rows, dequantized on lookup
     assert isinstance(core.model.lm_head, QuantWeight) and core.model.lm_head.bits == 8
@@ -53,3 +59,87 @@ def test_auto_under_batch_invariant_runs_float32(default_model):
                       progress=False)
     assert core.quant == "none" and not isinstance(core.model.layers[0].attn.qkv_weight,
                                                    QuantWeight)
+
+
+# ---------------------------------------------------------------------- mixed GGUF types
+# A tiny llama whose layers mix types the way llama.cpp's Q4_K_M does (attn_v and ffn_down in
+# Q6_K beside 4-bit q / k): GGUF tensor name suffix -> type.
+MIXED_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q6_K", "attn_output": "Q4_1",
+               "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q6_K", "output": "Q5_K"}
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, VOCAB = 256, 4, 2, 64, 256, 2, 256
+
+
+def k_quant_bytes(rows: int, cols: int, type_name: str, rng, d: float) -> np.ndarray:
+    """Valid Q5_K / Q6_K rows that `gguf` cannot quantize: random bytes, fp16 d (and dmin)."""
+    import gguf
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    blocks = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    d = np.full((rows, cols // block), d, dtype=np.float16).view(np.uint8)
+    for start in ((208,) if type_name == "Q6_K" else (0, 2)):
+        blocks[..., start:start + 2] = d.reshape(rows, cols // block, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_mixed_llama(path) -> None:
+    import gguf
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"context_length": 256, "embedding_length": HIDDEN, "block_count": LAYERS,
+                       "feed_forward_length": INTER, "attention.head_count": HEADS,
+                       "attention.head_count_kv": KV_HEADS, "vocab_size": VOCAB}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    tensors = {"token_embd.weight": (rng.standard_normal((VOCAB, HIDDEN)) * 0.5, "F32"),
+               "output_norm.weight": (1 + rng.standard_normal(HIDDEN) * 0.1, "F32"),
+               "output.weight": ((VOCAB, HIDDEN), MIXED_TYPES["output"])}
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{norm}.weight"] = (1 + rng.standard_normal(HIDDEN) * 0.1, "F32")
+        for part, shape in shapes.items():
+            tensors[f"blk.{i}.{part}.weight"] = (shape, MIXED_TYPES[part])
+    for name, (value, type_name) in tensors.items():
+        kind = gguf.GGMLQuantizationType[type_name]
+        if type_name == "F32":
+            writer.add_tensor(name, np.asarray(value, dtype=np.float32))
+        elif type_name in ("Q5_K", "Q6_K"):
+            d = 3e-4 if name == "output.weight" else 1e-5  # logits far from ties
+            writer.add_tensor(name, k_quant_bytes(*value, type_name, rng, d), raw_dtype=kind)
+        else:
+            w = (rng.standard_normal(value) * 0.05).astype(np.float32)
+            writer.add_tensor(name, quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def mixed_llama(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("mixed") / "mixed-q4_k_m-like.gguf"
+    write_mixed_llama(path)
+    return str(path)
+
+
+def test_mixed_types_run_with_their_own_bits_and_match_the_dequantized_model(mixed_llama):
+    auto = make_core(mixed_llama, weights_dtype="auto", kv_cache_dtype="float32", num_kv_blocks=32)
+    layer = auto.model.layers[0]
+    assert isinstance(layer.attn.qkv_weight, FusedWeight)  # Q4_0 q, k + Q6_K v
+    assert isinstance(layer.mlp.gate_up_weight, FusedWeight)  # Q5_0 gate + Q8_0 up
+    assert isinstance(layer.mlp.down_weight, GGUFWeight) and layer.mlp.down_weight.bits == 6
+    assert isinstance(auto.model.lm_head, GGUFWeight) and auto.model.lm_head.type_name == "Q5_K"
+    assert all(w.dense is None for w in (layer.attn.o_weight, layer.mlp.down_weight))
+    exact = make_core(mixed_llama, weights_dtype="float32", num_kv_blocks=32)
+    prompts = [[(7 * i + 3) % VOCAB for i in range(n)] for n in (5, 23)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    got, want = run_engine(auto, prompts, params), run_engine(exact, prompts, params)
+    for req in want:
+        assert got[req][0] == want[req][0]
+        torch.testing.assert_close(torch.tensor(got[req][1]), torch.tensor(want[req][1]),
+                                   rtol=0, atol=1e-4)  # fp32 kernels: sums in other orders

@@ -1,0 +1,212 @@
+/* GGUF quantized weights computed from their own bytes (kernels/cpu_gguf.py builds and calls
+ * this). Portable C (vectorized by the compiler with -march=native): one code path on every
+ * x86/ARM CPU, AVX512 or not.
+ *
+ * A weight is `n` rows of `row_bytes` bytes, each row a run of ggml blocks (the layouts are
+ * those of the `gguf` package's numpy dequantizers, which the tests hold this to):
+ *
+ *   type   weights/block  bytes  layout                                       w
+ *   Q4_0        32          18   d f16 | 16 B nibbles                         d (q - 8)
+ *   Q4_1        32          20   d f16 | m f16 | 16 B nibbles                 d q + m
+ *   Q5_0        32          22   d f16 | qh u32 | 16 B nibbles                d (q - 16)
+ *   Q5_1        32          24   d f16 | m f16 | qh u32 | 16 B nibbles        d q + m
+ *   Q8_0        32          34   d f16 | 32 int8                              d q
+ *   Q4_K       256         144   d | dmin | 12 B 6-bit (sc, m) x 8 | 128 B    d sc q - dmin m
+ *   Q5_K       256         176   d | dmin | 12 B scales | qh 32 B | 128 B     d sc q - dmin m
+ *   Q6_K       256         210   ql 128 B | qh 64 B | 16 int8 scales | d      d sc (q - 32)
+ *   F16/BF16/F32  1        2/2/4
+ *
+ * Nibbles of a 32-block: low nibbles are weights 0..15, high ones 16..31. K-quants: each 32
+ * bytes of nibbles hold two sub-blocks of 32 (low, then high); Q5_K's bit 4 of sub-block j
+ * is bit j of qh[i]; Q6_K: half h (128 weights) takes ql[64h..] (sub-blocks 4h..4h+3 are the
+ * low nibbles of bytes 0-31, 32-63, then the high ones) and 2 bits from qh[32h + i] >> 2s.
+ *
+ *   gg_dequant: rows [0, n) -> fp32 [n, k]           (the tiled GEMM path, the reference)
+ *   gg_linear:  out [m, n] = x [m, k] @ w.T, fp32    (few rows: each weight row is expanded
+ *               once into an L1 buffer and dotted with every row of x)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7,
+       GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_BF16 = 30 };  /* ggml's ids */
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  /* subnormal half: normalize */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+static inline float bf16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes. */
+static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static void block32(int type, const uint8_t *b, float *y) {
+    float d = f16_at(b), m = 0.0f;
+    const uint8_t *qs;
+    uint32_t qh = 0;
+    switch (type) {
+    case GG_Q8_0:
+        for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
+        return;
+    case GG_Q4_0: qs = b + 2; m = -8.0f * d; break;
+    case GG_Q4_1: qs = b + 4; m = f16_at(b + 2); break;
+    case GG_Q5_0: memcpy(&qh, b + 2, 4); qs = b + 6; m = -16.0f * d; break;
+    default: /* Q5_1 */ m = f16_at(b + 2); memcpy(&qh, b + 4, 4); qs = b + 8; break;
+    }
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
+        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+        y[j] = d * (float)lo + m;
+        y[j + 16] = d * (float)hi + m;
+    }
+}
+
+static void block_q4_q5_k(int five, const uint8_t *b, float *y) {
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *ql = five ? b + 48 : b + 16;
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min_k4(j, scales, &sc, &mn);
+        float ds = d * (float)sc, dm = dmin * (float)mn;
+        const uint8_t *q = ql + 32 * (j / 2);
+        int shift = (j & 1) * 4;
+        for (int i = 0; i < 32; i++) {
+            int v = (q[i] >> shift) & 0x0F;
+            if (five) v |= ((qh[i] >> j) & 1) << 4;
+            y[32 * j + i] = ds * (float)v - dm;
+        }
+    }
+}
+
+static void block_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    float d = f16_at(b + 208);
+    for (int h = 0; h < 2; h++) {
+        for (int s = 0; s < 4; s++) {  /* sub-block of 32: 4h + s */
+            const uint8_t *q = ql + 64 * h + 32 * (s & 1);
+            int shift = (s >> 1) * 4;
+            for (int i = 0; i < 32; i++) {
+                int v = ((q[i] >> shift) & 0x0F) | (((qh[32 * h + i] >> (2 * s)) & 3) << 4);
+                int e = 128 * h + 32 * s + i;
+                y[e] = d * (float)scales[e / 16] * (float)(v - 32);
+            }
+        }
+    }
+}
+
+static int block_size(int type) {
+    switch (type) {
+    case GG_F32: case GG_F16: case GG_BF16: return 1;
+    case GG_Q4_0: case GG_Q4_1: case GG_Q5_0: case GG_Q5_1: case GG_Q8_0: return 32;
+    case GG_Q4_K: case GG_Q5_K: case GG_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static int block_bytes(int type) {
+    static const int bytes[31] = {[GG_F32] = 4, [GG_F16] = 2, [GG_Q4_0] = 18, [GG_Q4_1] = 20,
+                                  [GG_Q5_0] = 22, [GG_Q5_1] = 24, [GG_Q8_0] = 34,
+                                  [GG_Q4_K] = 144, [GG_Q5_K] = 176, [GG_Q6_K] = 210,
+                                  [GG_BF16] = 2};
+    return type >= 0 && type <= 30 ? bytes[type] : 0;
+}
+
+/* One row of k weights -> y [k] fp32. */
+static void dequant_row(int type, const uint8_t *row, int64_t k, float *y) {
+    int64_t i;
+    switch (type) {
+    case GG_F32: memcpy(y, row, (size_t)k * 4); return;
+    case GG_F16: for (i = 0; i < k; i++) y[i] = f16_at(row + 2 * i); return;
+    case GG_BF16: for (i = 0; i < k; i++) y[i] = bf16_at(row + 2 * i); return;
+    case GG_Q4_K: case GG_Q5_K:
+        for (i = 0; i < k / 256; i++) block_q4_q5_k(type == GG_Q5_K, row + i * block_bytes(type),
+                                                    y + 256 * i);
+        return;
+    case GG_Q6_K: for (i = 0; i < k / 256; i++) block_q6_k(row + 210 * i, y + 256 * i); return;
+    default:
+        for (i = 0; i < k / 32; i++) block32(type, row + i * block_bytes(type), y + 32 * i);
+    }
+}
+
+/* 0 when (type, k, row_bytes) describe rows this file can read, else -1. */
+int gg_check(int type, int64_t k, int64_t row_bytes) {
+    int bs = block_size(type);
+    if (bs == 0 || k <= 0 || k % bs) return -1;
+    return row_bytes == k / bs * block_bytes(type) ? 0 : -1;
+}
+
+/* out [n, k] (row stride ldo) = the rows' weights in fp32. */
+int gg_dequant(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, float *out,
+               int64_t ldo, int threads) {
+    if (gg_check(type, k, row_bytes)) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 16)
+    for (int64_t r = 0; r < n; r++) dequant_row(type, w + r * row_bytes, k, out + r * ldo);
+    return 0;
+}
+
+/* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ w.T; each thread expands its
+ * rows of w one at a time into a k-float buffer and dots it with every row of x. */
+int gg_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+              const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {
+    if (gg_check(type, k, row_bytes) || m < 1) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+    {
+        float *buf = malloc((size_t)k * sizeof(float));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            if (!buf) continue;
+            dequant_row(type, w + r * row_bytes, k, buf);
+            for (int64_t i = 0; i < m; i++) {
+                const float *xi = x + i * ldx;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t j = 0; j < k; j++) s += buf[j] * xi[j];
+                out[i * ldo + r] = s;
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

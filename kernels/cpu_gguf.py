@@ -1,0 +1,104 @@
+"""GGUF block-quantized weights read from their own bytes (kernels/cpu_gguf.c).
+
+    raw = uint8 [N, row_bytes]   the file's rows, each a run of ggml blocks (TYPES)
+    w = dequant(type_id, raw, k)             -> fp32 [N, k]
+    y = linear(type_id, raw, k, x)           x [M, k] fp32 -> [M, N] fp32, for a few rows
+
+The C library is portable (no AVX512 needed). Without a C compiler (or DUPLEX_GGUF_C=0) the
+same functions run on the `gguf` package's numpy dequantizers, which are also the reference
+the tests hold the C code to.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from duplex.kernels.cpu_fused import load_library
+
+# ggml type id -> (name, weights per block, bytes per block)
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+         6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+         13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2)}
+TYPE_IDS = {name: type_id for type_id, (name, _, _) in TYPES.items()}
+_SOURCE = Path(__file__).with_name("cpu_gguf.c")
+_lib: ctypes.CDLL | None | bool = None
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    """Bytes of one row of k weights; asserts k is whole blocks of a known type."""
+    assert type_id in TYPES, f"GGUF type {type_id} has no kernel (known: {sorted(TYPES)})"
+    _, block, nbytes = TYPES[type_id]
+    assert k % block == 0, f"{TYPES[type_id][0]} rows need K divisible by {block}, got {k}"
+    return k // block * nbytes
+
+
+def available() -> bool:
+    return os.environ.get("DUPLEX_GGUF_C", "1") != "0" and _load() is not False
+
+
+def dequant(type_id: int, raw: torch.Tensor, k: int, out: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """raw uint8 `[N, row_bytes]` -> fp32 `[N, k]` (into `out` when given)."""
+    _check(type_id, raw, k)
+    out = torch.empty(raw.shape[0], k, dtype=torch.float32) if out is None else out
+    assert out.shape == (raw.shape[0], k) and out.dtype == torch.float32 and out.is_contiguous()
+    if not available():
+        out.copy_(reference_dequant(type_id, raw, k))
+        return out
+    rc = _load().gg_dequant(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
+                            out.data_ptr(), k, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"gg_dequant refused {TYPES[type_id][0]} [{raw.shape[0]}, {k}]")
+    return out
+
+
+def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Tensor:
+    """x `[M, k]` fp32 (last dim contiguous) @ w.T -> `[M, N]` fp32."""
+    _check(type_id, raw, k)
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, (
+        f"x must be fp32 [M, {k}] with contiguous rows, got {x.dtype} {tuple(x.shape)}")
+    if not available():
+        return x @ reference_dequant(type_id, raw, k).T
+    out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
+    rc = _load().gg_linear(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k, x.data_ptr(),
+                           x.stride(0), x.shape[0], out.data_ptr(), raw.shape[0],
+                           torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"gg_linear refused {TYPES[type_id][0]} [{raw.shape[0]}, {k}]")
+    return out
+
+
+def reference_dequant(type_id: int, raw: torch.Tensor, k: int) -> torch.Tensor:
+    """The `gguf` package's numpy dequantizer on the same bytes: fp32 `[N, k]`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(raw.numpy(), GGMLQuantizationType(type_id))
+    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(raw.shape[0], k))
+
+
+def _check(type_id: int, raw: torch.Tensor, k: int) -> None:
+    assert raw.dtype == torch.uint8 and raw.dim() == 2 and raw.is_contiguous(), (
+        f"raw must be contiguous uint8 [N, row_bytes], got {raw.dtype} {tuple(raw.shape)}")
+    assert raw.shape[1] == row_bytes(type_id, k), (
+        f"{TYPES[type_id][0]} rows of {k} weights are {row_bytes(type_id, k)} bytes, "
+        f"got {raw.shape[1]}")
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        _lib = load_library(_SOURCE, ["-fopenmp"], (), _declare, "GGUF CPU kernel")
+    return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.gg_dequant.restype = lib.gg_linear.restype = ctypes.c_int
+    lib.gg_dequant.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, ctypes.c_int]
+    lib.gg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
+    return lib

@@ -1,0 +1,168 @@
+"""A linear weight kept as a GGUF file's own blocks (Q4_0 ... Q6_K, F16, BF16, F32).
+
+`GGUFWeight` stands where a `[N, K]` weight would, like `kernels.quant.QuantWeight` (of which
+it is a kind, so `ops.linear` and the models treat both alike). It holds the file's bytes,
+`raw [N, row_bytes]`, and nothing dense; a matmul of M rows runs, in this order of choice:
+
+    path                   when                                   reads
+    VNNI int4 (qgemv)      Q4_0/Q4_1/Q4_K, AVX512-VNNI, M <= 12/64  its int4 layout (built once)
+    row kernel (cpu_gguf)  M <= GEMV_ROWS, not a prompt step      raw: a row at a time into L1
+    tiled GEMM             otherwise (prompt steps, big batches)  raw: TILE_BYTES of fp32 rows
+                                                                  at a time, then torch's GEMM
+
+Why tiles and not int8 activations (llama.cpp's way) for big M: a fp32 GEMM on a dequantized
+tile costs the dequantization once per call (N * K, amortized over M rows) and runs at the
+BLAS's speed; its result is the fp32 reference's up to summation order, where int8
+activations would add their rounding to every prompt token. The dense bf16 copy the engine
+used to keep for this (2 bytes a weight beside the ~0.6 of the file) is opt-in:
+DUPLEX_DENSE_WEIGHTS=1 keeps one per weight and logs what it costs.
+
+Inside `quant.prompt_step()` every M takes the tiled path, so a prompt's numbers do not
+depend on how much of it came from the prefix cache.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from duplex.kernels import cpu_gguf, cpu_qgemv, memory, quant
+from duplex.kernels.quant import QuantWeight
+
+log = logging.getLogger("duplex.kernels")
+
+GEMV_ROWS = 8  # the row kernel's limit: from here the tiled GEMM is faster (measured)
+TILE_BYTES = 1 << 20  # fp32 rows dequantized at a time: about an L2 cache
+_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
+         "Q5_K": 5}
+_dense_bytes = 0  # what the opt-in dense copies hold, all weights together (logged)
+
+
+def dense_by_default() -> bool:
+    """DUPLEX_DENSE_WEIGHTS=1: every GGUF weight also keeps a bf16 copy for big batches."""
+    return os.environ.get("DUPLEX_DENSE_WEIGHTS", "0") == "1"
+
+
+class GGUFWeight(QuantWeight):
+    """`raw` uint8 `[N, row_bytes]`: N rows of ggml type `type_id` with K weights each.
+    `int4` (q, scale, zero) as `QuantWeight` takes them: given for Q4 types where the VNNI
+    kernel runs, turned into its layout by `pack()` and dropped."""
+
+    def __init__(self, type_id: int, raw: torch.Tensor, k: int,
+                 int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 with_dense: bool | None = None) -> None:
+        assert raw.shape[1] == cpu_gguf.row_bytes(type_id, k), (
+            f"{cpu_gguf.TYPES[type_id][0]} [N, {k}] has {cpu_gguf.row_bytes(type_id, k)} "
+            f"bytes a row, got {raw.shape[1]}")
+        self.type_id, self.raw, self.int4 = type_id, raw.contiguous(), int4
+        self.type_name = cpu_gguf.TYPES[type_id][0]
+        self.bits = _BITS.get(self.type_name, 4)
+        self.group_size = cpu_gguf.TYPES[type_id][1]
+        self.with_dense = dense_by_default() if with_dense is None else with_dense
+        self.shape = torch.Size((raw.shape[0], k))
+        self.dense: torch.Tensor | None = None
+        self.q = self.scale = self.zero = None
+        self._packed: bool | None = None  # True once pack() ran
+        self._vnni: cpu_qgemv.Packed | None = None
+        self._vnni_pointers = None
+        self._dtype = torch.float32
+
+    # ------------------------------------------------------------------ construction
+    def can_cat(self, weights: list) -> bool:
+        return all(type(w) is GGUFWeight and w.type_id == self.type_id
+                   and w.shape[1] == self.shape[1] and (w.int4 is None) == (self.int4 is None)
+                   and w.with_dense == self.with_dense for w in weights)
+
+    @staticmethod
+    def cat(weights: list[GGUFWeight]) -> GGUFWeight:
+        """Stack along N (fused projections) before packing: the rows' bytes, one after
+        another, are the fused weight's."""
+        first = weights[0]
+        assert first.can_cat(weights) and first._packed is None, "mixed types or packed"
+        int4 = None if first.int4 is None else tuple(
+            torch.cat([w.int4[i] for w in weights]) for i in range(3))
+        return GGUFWeight(first.type_id, torch.cat([w.raw for w in weights]), first.shape[1],
+                          int4, first.with_dense)
+
+    def pack(self, dtype: torch.dtype = torch.bfloat16) -> GGUFWeight:
+        """The VNNI layout where it runs (Q4 types), the opt-in dense copy; `raw` stays."""
+        global _dense_bytes
+        if self.int4 is not None and cpu_qgemv.available() and cpu_qgemv.fits(*self.shape):
+            self._vnni = cpu_qgemv.pack_int4(*self.int4)
+            self._vnni_pointers = self._vnni.pointers
+        self.int4 = None
+        if self.with_dense:
+            dense = memory.empty(self.shape, torch.bfloat16)
+            dense.copy_(self.dequantize(torch.bfloat16))
+            self.dense = quant.prepack_dense(dense)
+            _dense_bytes += dense.numel() * 2
+            log.info("DUPLEX_DENSE_WEIGHTS=1: bf16 copies hold %.1f MB so far",
+                     _dense_bytes / 1e6)
+        self._packed = True
+        return self
+
+    # ------------------------------------------------------------------ use
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return cpu_gguf.dequant(self.type_id, self.raw, self.shape[1]).to(dtype)
+
+    def vnni_layout(self) -> cpu_qgemv.Packed | None:
+        if self._packed is None:
+            self.pack()
+        return self._vnni
+
+    def dense_from_rows(self) -> int | None:
+        if self._packed is None:
+            self.pack()
+        return None if self.dense is None else \
+            (GEMV_ROWS if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.raw, self.dense] + ([] if self.int4 is None else list(self.int4))
+        own = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return own + (0 if self._vnni is None else self._vnni.nbytes)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`x [..., K] @ w.T + bias -> [..., N]`, in out_dtype (default x's dtype)."""
+        if self._packed is None:
+            self.pack()
+        assert x.shape[-1] == self.shape[1], f"x [..., {self.shape[1]}] expected, got {tuple(x.shape)}"
+        rows = x.reshape(-1, self.shape[1])
+        out = self._rows_linear(rows)
+        if bias is not None:
+            out = out.to(x.dtype) + bias
+        out = out.to(out_dtype or x.dtype)
+        return out.reshape(*x.shape[:-1], self.shape[0])
+
+    def _rows_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows `[M, K]` -> `[M, N]` (fp32, or bf16 from the dense copy)."""
+        m, prompt = rows.shape[0], quant.in_prompt_step()
+        if self.dense is not None and (prompt or m >= self.dense_from_rows()):
+            return quant.dense_linear(rows.to(torch.bfloat16), self.dense)
+        if not prompt and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
+            return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
+        if not prompt and m <= GEMV_ROWS:
+            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows))
+        return self._tiled(_fp32(rows))
+
+    def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows `[M, K]` fp32 -> `[M, N]`: a tile of output rows is dequantized to fp32 (about
+        TILE_BYTES, so it stays in cache) and multiplied by torch's GEMM."""
+        n, k = self.shape
+        step = max(16, TILE_BYTES // (4 * k))
+        if step >= n:
+            return rows @ self.dequantize().T
+        out_t = torch.empty(n, rows.shape[0], dtype=torch.float32)  # [N, M]: tiles are rows
+        tile = torch.empty(step, k, dtype=torch.float32)
+        for n0 in range(0, n, step):
+            part = tile[:min(step, n - n0)]
+            cpu_gguf.dequant(self.type_id, self.raw[n0:n0 + step], k, part)
+            torch.mm(part, rows.T, out=out_t[n0:n0 + part.shape[0]])
+        return out_t.T.contiguous()  # callers view slices of the output
+
+
+def _fp32(rows: torch.Tensor) -> torch.Tensor:
+    rows = rows.float()
+    return rows if rows.stride(1) == 1 else rows.contiguous()

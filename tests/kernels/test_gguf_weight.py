@@ -1,0 +1,141 @@
+"""kernels.cpu_gguf / kernels.gguf_weight: every GGUF type the engine runs with its own bits,
+against the `gguf` package's numpy dequantizer on the same bytes and an fp32 matmul, at
+decode row counts (the row kernel) and prompt row counts (the tiled GEMM); and fused
+projections whose parts have different types (quant.FusedWeight)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from duplex.kernels import cpu_gguf, gguf_weight, ops, quant
+from duplex.kernels.gguf_weight import GGUFWeight
+from duplex.kernels.quant import FusedWeight, QuantWeight
+
+TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+K_QUANTS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where their fp16 d fields are
+
+
+def raw_rows(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 `[n, row_bytes]`: gguf's own quantizer where it has one; K-quants (which it
+    cannot quantize) are random bytes with their fp16 d / dmin set to small values."""
+    rng = np.random.default_rng(seed)
+    type_id = cpu_gguf.TYPE_IDS[type_name]
+    if type_name not in K_QUANTS:
+        values = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+        data = quantize(values, GGMLQuantizationType(type_id))
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(n, -1))
+    _, block, nbytes = cpu_gguf.TYPES[type_id]
+    blocks = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    d = (rng.random((n, k // block)) * 2e-3).astype(np.float16)
+    for start in K_QUANTS[type_name]:
+        blocks[..., start:start + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def reference(type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Tensor:
+    w = cpu_gguf.reference_dequant(cpu_gguf.TYPE_IDS[type_name], raw, k)
+    return x.double() @ w.double().T
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequant_is_bitwise_gguf(type_name):
+    k = 512
+    raw = raw_rows(type_name, 21, k)
+    type_id = cpu_gguf.TYPE_IDS[type_name]
+    assert torch.equal(cpu_gguf.dequant(type_id, raw, k), cpu_gguf.reference_dequant(type_id, raw, k))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 37, 130])  # decode rows (row kernel), prompt rows (tiles)
+def test_linear_matches_dequantized_fp32(type_name, m, monkeypatch):
+    monkeypatch.setattr(gguf_weight, "TILE_BYTES", 4 * 768 * 16)  # 16-row tiles: several
+    n, k = 67, 768  # odd N; K three K-quant blocks
+    raw = raw_rows(type_name, n, k, seed=m)
+    w = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], raw, k, with_dense=False)
+    x = torch.randn(m, k)
+    out = ops.linear(x, w)
+    assert out.shape == (m, n) and out.dtype == torch.float32 and w.dense is None
+    assert_close(out, reference(type_name, raw, k, x))
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q6_K"])
+def test_prompt_step_takes_the_tiled_path_at_any_row_count(type_name):
+    k = 256
+    raw = raw_rows(type_name, 32, k)
+    w = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], raw, k, with_dense=False)
+    x = torch.randn(2, k)
+    with quant.prompt_step():
+        one = ops.linear(x, w)
+    assert torch.equal(one, w._tiled(x))
+    assert_close(one, reference(type_name, raw, k, x))
+
+
+def test_bias_out_dtype_and_leading_dims():
+    k = 64
+    raw = raw_rows("Q8_0", 48, k)
+    w = GGUFWeight(cpu_gguf.TYPE_IDS["Q8_0"], raw, k, with_dense=False)
+    x, bias = torch.randn(2, 5, k), torch.randn(48)
+    out = ops.linear(x, w, bias, out_dtype=torch.bfloat16)
+    assert out.shape == (2, 5, 48) and out.dtype == torch.bfloat16
+    ref = reference("Q8_0", raw, k, x.reshape(-1, k)).reshape(2, 5, 48) + bias.double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_dense_copy_is_opt_in(monkeypatch):
+    k = 256
+    raw = raw_rows("Q4_K", 32, k)
+    assert GGUFWeight(cpu_gguf.TYPE_IDS["Q4_K"], raw, k).pack().dense is None
+    monkeypatch.setenv("DUPLEX_DENSE_WEIGHTS", "1")
+    w = GGUFWeight(cpu_gguf.TYPE_IDS["Q4_K"], raw, k).pack()
+    assert w.dense is not None and w.nbytes == raw.numel() + 32 * k * 2
+    x = torch.randn(gguf_weight.GEMV_ROWS + 1, k)
+    ref = reference("Q4_K", raw, k, x)
+    err = (ops.linear(x, w).double() - ref).norm() / ref.norm()
+    assert err < 1e-2, err  # bf16 weights and inputs: ~0.4 % expected
+
+
+def test_same_type_parts_fuse_into_one_weight():
+    k = 256
+    parts = [GGUFWeight(cpu_gguf.TYPE_IDS["Q5_K"], raw_rows("Q5_K", n, k, seed=n), k,
+                        with_dense=False) for n in (32, 16, 16)]
+    fused = ops.concat_weights(parts)
+    assert type(fused) is GGUFWeight and fused.shape == (64, k)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+@pytest.mark.parametrize("m", [1, 3, 37])
+def test_mixed_types_in_one_fused_projection(m):
+    """q, k as Q4_K and v as Q6_K (what llama.cpp's Q4_K_M writes), plus an int4
+    QuantWeight and a float part: one fused weight, each part with its own kernel."""
+    k = 256
+    q = GGUFWeight(cpu_gguf.TYPE_IDS["Q4_K"], raw_rows("Q4_K", 64, k, 1), k, with_dense=False)
+    kk = GGUFWeight(cpu_gguf.TYPE_IDS["Q4_K"], raw_rows("Q4_K", 32, k, 2), k, with_dense=False)
+    v = GGUFWeight(cpu_gguf.TYPE_IDS["Q6_K"], raw_rows("Q6_K", 32, k, 3), k, with_dense=False)
+    int4 = QuantWeight.int4_from_float(torch.randn(16, k) * 0.05)
+    dense = torch.randn(8, k) * 0.05
+    fused = ops.concat_weights([q, kk, v, int4, dense])
+    assert isinstance(fused, FusedWeight) and fused.shape == (152, k)
+    assert fused.vnni_layout() is None and fused.dense_from_rows() is None
+    torch.manual_seed(m)
+    x, bias = torch.randn(m, k), torch.randn(152)
+    out = ops.linear(x, fused, bias)
+    assert out.shape == (m, 152)
+    gguf_parts = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()]).double()
+    assert_close(out[:, :128], x.double() @ gguf_parts.T + bias[:128].double())
+    # the int4 part is its own kernel's (bf16 activations where torch's kernel runs)
+    assert torch.equal(out[:, 128:144], int4.linear(x) + bias[128:144])
+    assert_close(out[:, 144:], x.double() @ dense.double().T + bias[144:].double())
+
+
+def test_refuses_rows_of_the_wrong_size():
+    with pytest.raises(AssertionError, match="bytes a row"):
+        GGUFWeight(cpu_gguf.TYPE_IDS["Q4_0"], torch.zeros(4, 17, dtype=torch.uint8), 32)
+    with pytest.raises(AssertionError, match="divisible by 256"):
+        cpu_gguf.row_bytes(cpu_gguf.TYPE_IDS["Q6_K"], 300)
