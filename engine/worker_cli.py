@@ -13,7 +13,14 @@ The supervisor starts it as `python -m duplex.engine.worker_cli ... --config-jso
 JSON EngineConfig replaces the engine flags; the worker flags (--role, --heartbeat-s,
 --kv-bind, --handoff-lease-s) always make its worker section, so one JSON serves every role.
 Hidden flags: `--core module:attr` picks another core factory (tests use a fake),
-`--parent-pid` makes the worker die with that parent.
+`--parent-pid` makes the worker die with that parent, `--startup-error-file PATH` is where the
+supervisor reads why a worker never came up.
+
+Exit codes: 0 after Shutdown; 1 when a serving worker fails (the supervisor restarts it);
+EXIT_USAGE (bad flags or config) and EXIT_STARTUP_FAILED (the model cannot be loaded, or
+the core failed before serving) are start-up failures, never restarted: the worker checks
+the model file before it connects, and its reason is one line on stderr, or in the
+--startup-error-file when the supervisor gives one.
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ from duplex.engine.logs import setup_logging_from_env
 from duplex.engine.worker import CoreFactory, Worker, role_config
 
 DEFAULT_CORE = "duplex.engine.core:EngineCore"
+EXIT_USAGE, EXIT_STARTUP_FAILED = 2, 3
+STARTUP_EXIT_CODES = (EXIT_USAGE, EXIT_STARTUP_FAILED)  # the supervisor does not restart these
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("duplex.engine.worker")
@@ -75,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "door; required for addresses off this host")
     parser.add_argument("--core", default=DEFAULT_CORE, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--startup-error-file", default=None, help=argparse.SUPPRESS)
     add_engine_arguments(parser)
 
 
@@ -85,22 +95,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config_from(args)
     except ValueError as e:  # a refused field: its one-line reason
-        print(f"duplex worker: {e}", file=sys.stderr)
-        return 2
+        return _fail_start(args, EXIT_USAGE, str(e))
+    if args.core == DEFAULT_CORE:
+        try:
+            check_model(config)
+        except (ValueError, FileNotFoundError) as e:  # ModelLoadError is a ValueError
+            return _fail_start(args, EXIT_STARTUP_FAILED, str(e))
     if args.ep_rank:
         from duplex.engine.ep_group import follow
 
         return follow(config, args.ep_rank, started_by_leader=args.parent_pid is not None)
     if args.connect is None:
-        print("duplex worker: --connect is required", file=sys.stderr)
-        return 2
+        return _fail_start(args, EXIT_USAGE, "--connect is required")
     options = config.worker
     try:
         keys = load_keys(args.worker_key, args.connect,
                          options.kv_bind if options.role == "decode" else None)
     except (OSError, ValueError) as e:
-        print(f"duplex worker: {e}", file=sys.stderr)
-        return 2
+        return _fail_start(args, EXIT_USAGE, str(e))
     factory = resolve_core_factory(args.core)
     if config.ep.is_on and args.core == DEFAULT_CORE:
         from duplex.engine.ep_group import leader_core as factory
@@ -108,8 +120,32 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(private_kv_dir(role_config(config), worker_id), factory,
                     address=args.connect, worker_id=worker_id, keys=keys)
     code = _run_on_uvloop(worker)
+    if code and worker.core is None:  # failed before its core was built: never served
+        return _fail_start(args, EXIT_STARTUP_FAILED, "the engine core failed to start "
+                           "(its traceback is in the worker's log above)")
     if args.cost_model_out:
         _save_cost_model(worker, args.cost_model_out)
+    return code
+
+
+def check_model(config: EngineConfig) -> None:
+    """Fail now, before connecting, on a model this worker could never load."""
+    from duplex.engine.config import resolve_model_path
+    from duplex.engine.models.loader import check
+
+    check(resolve_model_path(config.model))
+
+
+def _fail_start(args: argparse.Namespace, code: int, reason: str) -> int:
+    """Report a start-up failure in one line (to the supervisor's file, or stderr)."""
+    if args.startup_error_file:
+        try:
+            with open(args.startup_error_file, "w") as f:
+                f.write(reason)
+            return code
+        except OSError:
+            pass
+    print(f"duplex worker: {reason}", file=sys.stderr)
     return code
 
 

@@ -227,6 +227,8 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
     from duplex.frontend.router import DEFAULT_BUCKET_LIMITS, Router
     from duplex.frontend.supervisor import Supervisor
 
+    if not _is_readable(model_path):  # not a GGUF at all: one line, before any worker
+        return 2
     recipe = with_chat_template(Recipe.from_model(model_path), chat_template)
     try:
         reasoning_format(options, recipe)  # a parser that does not fit: refused here
@@ -243,6 +245,7 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
     state = AppState(engine, recipe, options, supervisor=supervisor)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     stop, force = _signal_events()
+    supervisor.on_startup_failure(lambda reason: stop.set())
     try:
         await engine.start()
         await supervisor.start()
@@ -254,6 +257,8 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await _announce_when_ready(engine, stop, f"{scheme}://{host}:{port}", options, layout,
                                    config.ep.expert_parallel)
         await stop.wait()
+        if supervisor.startup_failure:  # a worker that can never start: no server to run
+            return _startup_failed(supervisor.startup_failure)
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)
         drained = await _drain(state, shutdown_timeout_s, force)
@@ -271,6 +276,24 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         await supervisor.close()
     log.info("stopped")
     return 0
+
+
+def _is_readable(model_path: str) -> bool:
+    """False (after saying why in one line) for a .gguf path that is no complete GGUF file."""
+    from duplex.engine.models.gguf_file import open_reader
+
+    try:
+        if model_path.endswith(".gguf"):
+            open_reader(model_path)
+        return True
+    except ValueError as e:  # ModelLoadError
+        print(f"duplex serve: {e}", file=sys.stderr)
+        return False
+
+
+def _startup_failed(reason: str) -> int:
+    print(f"duplex serve: {reason}", file=sys.stderr)
+    return 1
 
 
 def drain_outcome(drained: bool, forced: bool, num_active: int, timeout_s: float) -> str | None:

@@ -9,6 +9,12 @@ layers:
 * an atexit hook SIGKILLs whatever is still running if the loop never got to `close()`;
 * each worker asks Linux for SIGKILL when its parent dies (`--parent-pid` -> PR_SET_PDEATHSIG),
   which covers a SIGKILLed server. Each worker leads its own process group, killed as a whole.
+
+Only workers that die while serving are restarted. A worker that could not start (bad config,
+a model it cannot load; see engine/worker_cli.py) writes its one-line reason to the start-up
+error file the supervisor names and exits: it never came up and never would, so its slot stops
+("failed"), the reason is kept in `startup_failure`, and the `on_startup_failure` callbacks
+run (`duplex serve` then exits non-zero with that line instead of answering 503 forever).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 STABLE_AFTER_S = 30.0
 
 OnWorkerExit = Callable[[int, str], None]  # (pid, reason)
+OnStartupFailure = Callable[[str], None]  # (reason)
 
 
 class WorkerStatus(NamedTuple):
@@ -46,7 +53,7 @@ class WorkerStatus(NamedTuple):
     role: str
     address: str
     pid: int  # 0 while no process runs
-    state: str  # "starting" | "running" | "backoff" | "stopped"
+    state: str  # "starting" | "running" | "backoff" | "stopped" | "failed"
     num_restarts: int
     last_exit: str  # how the previous process ended, "" if none did
 
@@ -62,6 +69,7 @@ class _Slot:
         self.last_exit = ""
         self.started_at = 0.0
         self.backoff_s = backoff_s
+        self.error_file = ""  # set by the supervisor: a worker that cannot start says why there
 
     @property
     def is_alive(self) -> bool:
@@ -93,8 +101,12 @@ class Supervisor:
         self.address = address or self._address(use_tcp)  # where the frontend binds
         self._slots = [_Slot(f"{role}-{i}", role, self.address, self._min_backoff_s)
                        for i, role in enumerate(roles)]
+        for slot in self._slots:  # where a worker that cannot start writes why
+            slot.error_file = os.path.join(self._dir, f"{slot.worker_id}.startup-error")
         self._worker_config = worker_config(config, len(self._slots))
         self._exit_listeners: list[OnWorkerExit] = []
+        self._startup_listeners: list[OnStartupFailure] = []
+        self.startup_failure = ""  # why a worker could not start ("" while none failed so)
         self._tasks: list[asyncio.Task] = []
         self._closing = asyncio.Event()
 
@@ -117,6 +129,10 @@ class Supervisor:
         client.on_worker_dead = lambda ready, reason: self.kill_worker(ready.worker_id,
                                                                        pid=ready.pid)
         self._exit_listeners.append(client.worker_exited)
+
+    def on_startup_failure(self, listener: OnStartupFailure) -> None:
+        """Call `listener(reason)` when a worker exits before it could ever serve."""
+        self._startup_listeners.append(listener)
 
     async def start(self) -> None:
         atexit.register(self._kill_all_now)
@@ -160,7 +176,8 @@ class Supervisor:
                 returncode = await slot.process.wait()
                 if self._closing.is_set():
                     break
-                self._report_exit(slot, returncode)
+                if self._report_exit(slot, returncode) == "failed":
+                    return  # it never came up and would not on a restart
             await self._back_off(slot)
 
     async def _spawn(self, slot: _Slot) -> None:
@@ -179,13 +196,22 @@ class Supervisor:
         return [sys.executable, "-m", "duplex.engine.worker_cli", "--role", slot.role,
                 "--connect", slot.address, "--worker-id", slot.worker_id,
                 "--config-json", config_json, "--parent-pid", str(os.getpid()),
-                *self._worker_args]
+                "--startup-error-file", slot.error_file, *self._worker_args]
 
-    def _report_exit(self, slot: _Slot, returncode: int) -> None:
+    def _report_exit(self, slot: _Slot, returncode: int) -> str:
+        """Tell the exit listeners; a worker that left a start-up error (it could not start)
+        also fails its slot and tells the start-up listeners. Returns the slot's state."""
         slot.last_exit = _describe_exit(returncode)
         log.error("worker %s (pid %d) %s", slot.worker_id, slot.process.pid, slot.last_exit)
         for listener in self._exit_listeners:
             listener(slot.process.pid, slot.last_exit)
+        reason = _read_reason(slot.error_file)
+        if reason:
+            slot.state = "failed"
+            self.startup_failure = self.startup_failure or f"worker {slot.worker_id}: {reason}"
+            for startup_listener in self._startup_listeners:
+                startup_listener(self.startup_failure)
+        return slot.state
 
     async def _back_off(self, slot: _Slot) -> None:
         if time.monotonic() - slot.started_at > STABLE_AFTER_S:
@@ -199,6 +225,8 @@ class Supervisor:
         slot.num_restarts += 1
 
     async def _stop(self, slot: _Slot, grace_s: float) -> None:
+        if slot.state == "failed":
+            return
         if slot.is_alive:
             slot.signal(signal.SIGTERM)
             try:
@@ -232,6 +260,15 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _read_reason(path: str) -> str:
+    """The one line a worker left in its start-up error file ("" if none)."""
+    try:
+        with open(path) as f:
+            return " ".join(f.read().split())
+    except OSError:
+        return ""
 
 
 def _describe_exit(returncode: int) -> str:

@@ -83,16 +83,38 @@ async def test_no_orphan_worker_however_the_server_process_ends(how):
     await until(lambda: not is_running(worker_pid), timeout_s=5)
 
 
-async def test_a_worker_that_keeps_failing_is_restarted_with_growing_backoff():
+async def test_a_worker_that_dies_while_running_is_restarted_with_growing_backoff():
+    supervisor = fake_supervisor(restart_backoff_s=(0.05, 0.2))
+    await supervisor.start()
+    try:
+        for num_restarts in range(3):
+            await until(lambda: supervisor.status()[0].pid != 0, timeout_s=60)
+            os.killpg(supervisor.status()[0].pid, signal.SIGKILL)
+            await until(lambda: supervisor.status()[0].num_restarts == num_restarts + 1,
+                        timeout_s=60)
+        [status] = supervisor.status()
+        assert status.last_exit == "killed by SIGKILL" and supervisor.startup_failure == ""
+        assert supervisor._slots[0].backoff_s == 0.2  # doubled up to the cap
+    finally:
+        await supervisor.close()
+
+
+async def test_a_worker_that_cannot_start_is_not_restarted_and_says_why():
     env = {**fake_worker_env(), "DUPLEX_FAKE_CORE": "not json"}  # the core cannot start
     supervisor = Supervisor(EngineConfig(), worker_args=["--core", FAKE_CORE], env=env,
                             restart_backoff_s=(0.05, 0.2))
+    reasons = []
+    supervisor.on_startup_failure(reasons.append)
     await supervisor.start()
     try:
-        await until(lambda: supervisor.status()[0].num_restarts >= 2, timeout_s=20)
+        await until(lambda: supervisor.status()[0].state == "failed", timeout_s=60)
+        await asyncio.sleep(0.5)  # several backoffs: nothing restarts it
         [status] = supervisor.status()
-        assert status.last_exit == "exited with code 1"
-        assert supervisor._slots[0].backoff_s == 0.2  # doubled up to the cap
+        assert (status.num_restarts, status.pid, status.last_exit) == (0, 0, "exited with code 3")
+        assert reasons == [supervisor.startup_failure] == [
+            "worker unified-0: the engine core failed to start (its traceback is in the "
+            "worker's log above)"]
+        assert not supervisor.is_healthy
     finally:
         await supervisor.close()
 
