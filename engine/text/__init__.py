@@ -5,5 +5,6 @@ of the frontend. Modules: `recipe` (chats -> ids, injection-safe) built on `mess
 (validation), `symbolic` (user-text placeholders) and `sandbox` (the budgeted Jinja
 environment); `tokenizer` (loading, control tokens, the text-only encoder); `detokenizer`,
 `stop` and `output` (token ids -> text of one output stream); `tool_parser` and
-`tool_formats` (tool calls in model output).
+`tool_formats` (tool calls in model output); `reasoning` (the thinking block apart from the
+answer).
 """
