@@ -566,9 +566,11 @@ class _Choice:
         return event, self.finish(finish_reason, self.stream.stop_str)
 
     def is_over_budget(self) -> bool:
-        """The thinking budget is spent, the block still open, and room left to close it."""
+        """The thinking budget is spent, the block still open, and room left to close it
+        (once: after the cut the block is closed, whatever text a stop string holds back)."""
         budget = self.job.thinking_budget
-        if budget is None or self.reasoning is None or not self.reasoning.in_reasoning:
+        if budget is None or self.num_cuts or self.reasoning is None \
+                or not self.reasoning.in_reasoning:
             return False
         room = (self.job.params.max_tokens or 1 << 30) - self.num_tokens
         return self.num_reasoning_tokens >= budget and room > len(self._close_ids())
@@ -583,10 +585,8 @@ class _Choice:
         reasoning, text = self._parse_reasoning([], text, False)
         text, tool_events = self._parse_tools(text, False)
         event = Delta(self.index, text, list(close_ids), [], tool_events, reasoning=reasoning)
-        output_ids = list(self.output_ids)
-        base_id = msg.req_id.split("~", 1)[0]
-        return msgspec.structs.replace(msg, req_id=f"{base_id}~think{self.num_cuts}",
-                                       output_token_ids=output_ids), event
+        return msgspec.structs.replace(msg, req_id=f"{msg.req_id}~think",
+                                       output_token_ids=list(self.output_ids)), event
 
     def _close_ids(self) -> list[int]:
         return self.pipeline.recipe.encode_reply_start(CLOSE_TEXT)
@@ -611,9 +611,10 @@ class _Choice:
                 self.first_token_at = self.last_token_at
                 self.num_first_tokens = len(delta.new_token_ids)
         self.num_tokens += len(delta.new_token_ids)
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        if delta.cached_tokens_by_tier:
-            self.cached_by_tier = dict(delta.cached_tokens_by_tier)
+        if not self.num_cuts:  # a continuation's hits cover its output too: not the prompt's
+            self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+            if delta.cached_tokens_by_tier:
+                self.cached_by_tier = dict(delta.cached_tokens_by_tier)
         self.num_draft_proposed += delta.num_draft_proposed
         self.num_draft_accepted += delta.num_draft_accepted
         self.queue_s = max(self.queue_s, delta.queue_s)
