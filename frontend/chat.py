@@ -15,7 +15,8 @@ Failures are one line on stderr, never a traceback. When the socket drops, the c
 reconnects (for up to --reconnect-timeout seconds) and sends the request again, unless part
 of the answer already went down a pipe. A reasoning model's thinking goes to stderr, dimmed
 on a terminal and apart from the answer, never to stdout. Exit status: 0 done, 1 failed,
-2 usage error, 130 interrupted (piped mode). Imports msgspec, aiohttp and the protocol structs, never torch.
+2 usage error, 130 interrupted (piped mode). Imports msgspec, aiohttp and the protocol
+structs, never torch.
 """
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ async def test_r1_reasoning_apart_from_content(serve, recipes):
 async def test_r1_streamed_markers_never_leak(serve, recipes):
     _, sdk = await serve(recipes["r1"], r1_answer)
     stream = await sdk.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "2+2?"}], max_tokens=50, stream=True,
-        stream_options={"include_usage": True})
+        model="fake-model", messages=[{"role": "user", "content": "2+2?"}], max_tokens=50,
+        stream=True, stream_options={"include_usage": True})
     reasoning, content, usage = [], [], None
     async for chunk in stream:
         usage = chunk.usage or usage
@@ -116,8 +116,8 @@ async def test_bad_reasoning_fields_are_400s_naming_the_field(serve, recipes, ex
                                                               message):
     _, sdk = await serve(recipes["r1"], budgeted)
     with pytest.raises(openai.BadRequestError) as error:
-        await sdk.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "go"}],
-                                          max_tokens=40, extra_body=extra)
+        await sdk.chat.completions.create(model="fake-model", max_tokens=40, extra_body=extra,
+                                          messages=[{"role": "user", "content": "go"}])
     assert error.value.body["param"] == field
     assert error.value.body["message"] == message
 

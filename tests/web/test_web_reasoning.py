@@ -33,8 +33,7 @@ class ThinkingServer(ThreadedServer):
 
 @pytest.fixture(scope="module")
 def server():
-    server = ThinkingServer(FakeEngineClient(reply=REPLY, step_s=0.03,
-                                                     max_model_len=4096))
+    server = ThinkingServer(FakeEngineClient(reply=REPLY, step_s=0.03, max_model_len=4096))
     server.start()
     yield server
     server.close()
