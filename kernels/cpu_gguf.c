@@ -32,6 +32,10 @@
 enum { GG_F32 = 0, GG_F16 = 1, GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7,
        GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_BF16 = 30 };  /* ggml's ids */
 
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
     if (exp == 0x1F) {
@@ -49,6 +53,7 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 static inline float f16_at(const uint8_t *p) {
     uint16_t h;
@@ -88,6 +93,13 @@ static void block32(int type, const uint8_t *b, float *y) {
     case GG_Q4_1: qs = b + 4; m = f16_at(b + 2); break;
     case GG_Q5_0: memcpy(&qh, b + 2, 4); qs = b + 6; m = -16.0f * d; break;
     default: /* Q5_1 */ m = f16_at(b + 2); memcpy(&qh, b + 4, 4); qs = b + 8; break;
+    }
+    if (type == GG_Q4_0 || type == GG_Q4_1) {  /* no fifth bit: the loop vectorizes */
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)(qs[j] & 0x0F) + m;
+            y[j + 16] = d * (float)(qs[j] >> 4) + m;
+        }
+        return;
     }
     for (int j = 0; j < 16; j++) {
         int lo = (qs[j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
