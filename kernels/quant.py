@@ -7,8 +7,10 @@ integers and scales, and knows how to multiply: `ops.linear(x, w)` dispatches to
     int8  w[n, k] = q[n, k] * scale[n]                                       q in [-128, 128)
 
 GGUF's Q4_0 (`d * (q - 8)`), Q4_1 (`d * q + m`) and Q4_K (`d * sc * q - dmin * m` per
-32-element sub-block) are exactly int4 with G = 32 (zero = m + 8 d, or 8 d sc - dmin m), so
-those files run with their own bits. Activations stay in their dtype (fp32 by default); the
+32-element sub-block) are exactly int4 with G = 32 (zero = m + 8 d, or 8 d sc - dmin m): a
+GGUF file's weights are `kernels.gguf_weight.GGUFWeight`s (this class's kind), which keep the
+file's bytes for every common type and build this int4 form only for the VNNI kernel. Fused
+projections whose parts differ in kind are `FusedWeight`s (`fuse`). Activations stay in their dtype (fp32 by default); the
 CPU kernels are torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`, which
 dequantize a tile at a time inside the GEMM. The references (`dequantize()` then a plain
 matmul) are what the tests hold the kernels to.
@@ -17,7 +19,8 @@ Torch's weight-only kernels dequantize per output row, so their cost grows with 
 of rows M: at M = 1 (batch-1 decode, where the bytes read per step set the speed) they beat
 every dense GEMM, from M ~ 8 on a bf16 GEMM (AMX / avx512_bf16) is several times faster
 (figures in docs/BENCHMARKS.md). A weight made `with_dense=True` therefore also keeps a bf16
-copy and runs batches of more than `MAX_PACKED_ROWS` rows through it. That copy is held in
+copy and runs batches of more than `MAX_PACKED_ROWS` rows through it (the loader asks for one
+only for a GGUF file's tied output head; GGUFWeights tile instead, see kernels.gguf_weight). That copy is held in
 oneDNN's own blocked layout where torch has oneDNN (`dense_linear`): `F.linear` on a plain
 bf16 weight repacks it on every call, the prepacked one does not (measured 1.3-1.8x faster
 at the SmolLM2 shapes, 16-256 rows; `DUPLEX_ONEDNN_PACK=0` keeps the plain copy, for

@@ -11,8 +11,9 @@ Layouts (ggml's, as the `gguf` package reads them; one row of the tensor is a ru
 Nibbles: in a run of n bytes the low nibbles are the first n weights and the high nibbles
 the next n (n = 16 for Q4_0 / Q4_1; 32 for each 64 weights of Q4_K).
 All three 4-bit formats become int4 with group 32: scale = d (or d*sc) and
-zero = the weight at q = 8. Q8_0 becomes (int8 values, per-32 scales): the embedding reads
-it as is, and a linear layer re-quantizes it per channel (`QuantWeight.int8_from_float`).
+zero = the weight at q = 8 (the VNNI kernel's form). Q8_0 becomes (int8 values, per-32
+scales) for the embedding; a Q8_0 linear layer, like every type in OWN_BITS_TYPES, keeps its
+bytes (`gguf_weight`).
 The tests hold every unpacking to `gguf.dequantize` on the same bytes.
 
 `gguf_weight` keeps any type kernels.cpu_gguf reads (Q4_0 ... Q6_K, F16, BF16) as the
