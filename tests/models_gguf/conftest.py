@@ -277,3 +277,74 @@ def tiny_model(tmp_path_factory):
         return built[name]
 
     return get
+
+
+# ---------------------------------------------------------------------------- files that cannot run
+# kind -> the reason Duplex must give for it (after "<path>: ")
+BAD_FILES = {
+    "unknown_arch": "unsupported GGUF architecture 'mamba'; supported: llama, mistral, qwen2, "
+                    "qwen3, gemma3, qwen2moe, qwen3moe",
+    "no_quant_path": "tensor blk.0.attn_q.weight has quantization type Q8_1, which Duplex "
+                     "cannot read",
+    "truncated": "not a readable GGUF file (cannot reshape array of size 1088 into shape "
+                 "(32,64))",
+    "bad_magic": "not a readable GGUF file (GGUF magic invalid)",
+    "bad_shape": "tensor blk.0.attn_q.weight has shape [32, 64], the metadata implies [64, 64]",
+}
+_Q8_1_BYTES_PER_32 = 40  # a Q8_1 block: 32 int8 values, fp16 scale and sum
+
+
+def write_bad_file(model: TinyModel, kind: str) -> str:
+    """A GGUF file of the tiny llama model (with the default model's tokenizer, so only the
+    weights are wrong) broken the way `kind` says."""
+    from duplex.engine.config import default_model_path
+
+    tokenizer = default_model_path()
+    tensors = gguf_tensors(model.state, model.config, model.arch)
+    meta = metadata(model.config, model.arch, {})
+    path = model.root / f"{kind}.gguf"
+    if kind in ("truncated", "bad_magic"):
+        data = Path(model.gguf("F32", tokenizer_from=tokenizer, tag="-tok")).read_bytes()
+        path.write_bytes(data[:-4096] if kind == "truncated" else b"GGUX" + data[4:])
+    elif kind == "unknown_arch":
+        write_gguf(path, "mamba", meta, tensors, tokenizer_from=tokenizer)
+    elif kind == "bad_shape":
+        q = tensors["blk.0.attn_q.weight"]
+        write_gguf(path, "llama", meta, {**tensors, "blk.0.attn_q.weight": q[:q.shape[0] // 2]},
+                   tokenizer_from=tokenizer)
+    else:
+        _write_q8_1(path, meta, tensors, tokenizer)
+    return str(path)
+
+
+def _write_q8_1(path: Path, meta: dict, tensors: dict[str, np.ndarray], tokenizer: str) -> None:
+    """blk.0.attn_q.weight in Q8_1, a type `gguf` cannot dequantize (bytes all zero)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in meta.items():
+        _add(writer, f"llama.{key}", value)
+    copy_tokenizer(writer, tokenizer)
+    for name, w in tensors.items():
+        if name == "blk.0.attn_q.weight":
+            raw = np.zeros((w.shape[0], w.shape[1] // 32 * _Q8_1_BYTES_PER_32), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def bad_file(tiny_model):
+    """kind (a BAD_FILES key) -> path of that broken GGUF file, written on first use."""
+    written = {}
+
+    def get(kind: str) -> str:
+        if kind not in written:
+            written[kind] = write_bad_file(tiny_model("llama"), kind)
+        return written[kind]
+
+    return get

@@ -40,9 +40,8 @@ def test_f32_gguf_greedy_equals_transformers(tiny_model, name):
     assert duplex_greedy(model.gguf("F32")) == reference(str(model.hf_dir))
 
 
-@pytest.mark.parametrize("name, qtype", [("llama", "Q8_0"), ("gemma3", "Q4_0"),
-                                         ("mixtral", "Q4_0"), ("qwen2_moe", "F16"),
-                                         ("qwen3_moe", "Q8_0")])
+@pytest.mark.parametrize("name, qtype", [("llama", "Q8_0"), ("mixtral", "Q4_0"),
+                                         ("qwen2_moe", "F16")])
 def test_quantized_gguf_greedy_equals_transformers_on_its_weights(tiny_model, name, qtype):
     model = tiny_model(name)
     assert duplex_greedy(model.gguf(qtype)) == reference(str(model.reference_dir(qtype)))
