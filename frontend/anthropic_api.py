@@ -30,8 +30,8 @@ from duplex.frontend.errors import invalid
 from duplex.frontend.retention import request_retention
 from duplex.frontend.offload import body_size
 from duplex.frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
-                                 resolve_max_tokens, sampling_params, template_kwargs,
-                                 thinking_budget, thinking_variables)
+                                 require_thinking, resolve_max_tokens, sampling_params,
+                                 template_kwargs, thinking_budget, thinking_variables)
 from duplex.frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
                                AnthropicUsage, ContentBlockDelta, ContentBlockStart,
                                ContentBlockStop, CountTokensRequest, CountTokensResponse,
@@ -116,6 +116,8 @@ class AnthropicApi:
     def _job(self, request: web.Request, body: MessagesRequest) -> Job:
         state = self.state
         requested_budget = _thinking_budget(body.thinking)
+        if requested_budget is not None:  # before the prompt: the model decides it
+            require_thinking(state.reasoning, "thinking.budget_tokens")
         prompt_ids, forced = self._encode(body)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
         budget = thinking_budget(state.reasoning, requested_budget, None, max_tokens,

@@ -341,16 +341,20 @@ def thinking_variables(kwargs: dict, template: str | None, effort: str | None) -
     return kwargs
 
 
+def require_thinking(reasoning: ReasoningFormat | None, param: str) -> None:
+    """A 400 naming `param` when the model has no thinking block to budget."""
+    if reasoning is None:
+        raise invalid(f"{param}: this model has no thinking block (the server runs no "
+                      "reasoning parser)", param=param)
+
+
 def thinking_budget(reasoning: ReasoningFormat | None, budget: int | None, effort: str | None,
                     max_tokens: int, param: str = "thinking_budget") -> int | None:
     """The thinking budget of a request, from an explicit budget or a reasoning effort; a
     400 naming `param` for a budget <= 0, > max_tokens, or with no thinking block."""
     if budget is None and effort is None:
         return None
-    named = param if budget is not None else "reasoning_effort"
-    if reasoning is None:
-        raise invalid(f"{named}: this model has no thinking block (the server runs no "
-                      "reasoning parser)", param=named)
+    require_thinking(reasoning, param if budget is not None else "reasoning_effort")
     if budget is None:
         budget = EFFORT_BUDGETS[effort]
         return budget if budget < max_tokens else None  # max_tokens ends it first
