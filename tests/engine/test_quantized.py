@@ -143,3 +143,19 @@ def test_mixed_types_run_with_their_own_bits_and_match_the_dequantized_model(mix
         assert got[req][0] == want[req][0]
         torch.testing.assert_close(torch.tensor(got[req][1]), torch.tensor(want[req][1]),
                                    rtol=0, atol=1e-4)  # fp32 kernels: sums in other orders
+
+
+def test_types_without_a_kernel_are_dequantized_and_said_once(caplog):
+    from duplex.engine.models import gguf_quant
+
+    gguf_quant._said_dequantized.discard("Q3_K")
+    raw = np.zeros((4, 110), dtype=np.uint8)  # Q3_K: 110 bytes per 256 weights
+    with caplog.at_level("INFO", logger="duplex.engine"):
+        for _ in range(2):
+            assert gguf_quant.quantized_linear("Q3_K", raw, 256, lambda r: r, "auto",
+                                               torch.float32) is None
+    said = [r.message for r in caplog.records if "Q3_K" in r.message]
+    assert said == ["GGUF Q3_K weights have no kernel here: dequantized to torch.float32"]
+    weight = gguf_quant.quantized_linear("Q6_K", np.zeros((16, 210), np.uint8), 256,
+                                         lambda r: r, "auto", torch.float32)
+    assert isinstance(weight, GGUFWeight) and weight.type_name == "Q6_K"
