@@ -229,7 +229,10 @@ async def test_a_rank_with_another_configuration_is_refused(model_path):
                 await asyncio.sleep(0.1)
         await supervisor.close()
         await client.close()
-        assert "exited with code 1" in supervisor.status()[0].last_exit
+        status = supervisor.status()[0]
+        # a failure before the first step: the start-up exit code, and no restart loop
+        assert "exited with code 3" in status.last_exit
+        assert (status.state, status.num_restarts) == ("failed", 0)
         _, err = joiner.communicate(timeout=60)
         assert "disagree on the model and engine configuration" in err
     finally:

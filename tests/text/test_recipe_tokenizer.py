@@ -27,7 +27,10 @@ def test_default_model_facts(default_tokenizer):
 
 
 def test_hugging_face_directory(tools_tokenizer, tools_model_dir, tools_recipe):
-    assert load_tokenizer(tools_model_dir) is tools_tokenizer
+    loaded = load_tokenizer(tools_model_dir)
+    # cached per path (the session may have evicted the fixture's copy: other tests load others)
+    assert load_tokenizer(tools_model_dir) is loaded
+    assert loaded.get_vocab() == tools_tokenizer.get_vocab()
     tool_ids = {tools_tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>")}
     # not special in the tokenizer, but markup: control tokens all the same
     assert not any(tools_tokenizer.added_tokens_decoder[i].special for i in tool_ids)
