@@ -10,8 +10,17 @@ A call is *committed* once its body starts with `{"name": "...", "arguments": ` 
 non-blank character: ToolCallStart goes out, and the arguments stream as raw JSON text (holding
 back trailing blanks and one `}`, which may be the closing brace of the outer object). A body
 that never commits is judged whole at `</tool_call>`: a JSON object with "name" (and
-"arguments") in any key order is a call, anything else is plain text, tags included. At
-`finish()` an unterminated committed call is ended; an uncommitted one is plain text.
+"arguments") in any key order is a call, anything else is plain text, tags included.
+
+Where the output ends (`finish()`: end of text, max_tokens, a stop string) inside a call, the
+call was cut, and markup is never text: a committed call ends with its arguments as written
+(a partial closing tag is not part of them; `is_whole_json` tells a cut call from one whose
+tag alone was cut), an uncommitted body that starts a JSON object is dropped, and only an
+unterminated tag followed by prose stays text.
+
+Blank text beside calls is not content: the trailing blanks of the text so far are held
+back, and dropped when a call starts or when the output ends after one (so the newline
+between parallel calls never becomes assistant text); any other text releases them.
 The one-shot `parse_tool_calls` runs the same parser, so streaming and one-shot agree for every
 split of the text.
 """
@@ -69,6 +78,7 @@ class ToolCallParser:
         self._body: str | None = None  # inside <tool_call>: the body so far, else None
         self._call: _OpenCall | None = None
         self._num_calls = 0
+        self._blank = ""               # trailing blanks of the text so far, held back
 
     def push(self, text_delta: str) -> list[Event]:
         events: list[Event] = []
@@ -80,14 +90,17 @@ class ToolCallParser:
     def finish(self) -> list[Event]:
         events: list[Event] = []
         pending, self._pending = self._pending, ""
+        is_cut_call = self._body is not None and _starts_object(self._body + pending)
         if self._body is None:
-            _add_text(events, pending)
-        elif self._call is not None:
-            self._body += pending
+            self._text(events, pending)
+        elif self._call is not None:  # `pending` can only be a partial closing tag
             self._stream_args(events, final=True)
-        else:
-            _add_text(events, OPEN_TAG + self._body + pending)
+        elif not is_cut_call:
+            self._text(events, OPEN_TAG + self._body + pending)
         self._body, self._call = None, None
+        if not (self._num_calls or is_cut_call):
+            _add_text(events, self._blank)
+        self._blank = ""
         return events
 
     def _step(self, events: list[Event]) -> bool:
@@ -97,7 +110,7 @@ class ToolCallParser:
         cut = at if at >= 0 else len(self._pending) - _partial_tag(self._pending, tag)
         chunk, self._pending = self._pending[:cut], self._pending[cut:]
         if self._body is None:
-            _add_text(events, chunk)
+            self._text(events, chunk)
         else:
             self._body += chunk
         if at < 0:
@@ -119,6 +132,7 @@ class ToolCallParser:
                 return
             self._call = _OpenCall(self._num_calls, header.end())
             self._num_calls += 1
+            self._blank = ""
             events.append(ToolCallStart(self._call.index, self._new_id(), name))
         self._stream_args(events, final=False)
 
@@ -129,12 +143,20 @@ class ToolCallParser:
         else:
             call = _whole_call(self._body)
             if call is None:
-                _add_text(events, OPEN_TAG + self._body + CLOSE_TAG)
+                self._text(events, OPEN_TAG + self._body + CLOSE_TAG)
             else:
                 index, self._num_calls = self._num_calls, self._num_calls + 1
+                self._blank = ""
                 events += [ToolCallStart(index, self._new_id(), call[0]),
                            ToolCallArgsDelta(index, call[1]), ToolCallEnd(index)]
         self._body, self._call = None, None
+
+    def _text(self, events: list[Event], text: str) -> None:
+        """Add plain text, holding back its trailing blanks (see the module docstring)."""
+        text = self._blank + text
+        kept = text.rstrip()
+        self._blank = text[len(kept):]
+        _add_text(events, kept)
 
     def _stream_args(self, events: list[Event], final: bool) -> None:
         call = self._call
@@ -162,6 +184,16 @@ def parse_tool_calls(text: str, id_factory: Callable[[], str] = new_call_id
         elif isinstance(event, ToolCallArgsDelta):
             calls[event.index]["function"]["arguments"] += event.json_text
     return "".join(content), calls
+
+
+def is_whole_json(text: str) -> bool:
+    """Whether `text` (a call's arguments) is one whole JSON value: false for the arguments of
+    a call cut short by max_tokens."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def forced_call_prefix(tool_names: list[str], name: str | None) -> str:
@@ -196,6 +228,12 @@ def tools_supported(template: str | None) -> bool:
 def _add_text(events: list[Event], text: str) -> None:
     if text:
         events.append(TextDelta(text))
+
+
+def _starts_object(body: str) -> bool:
+    """Whether an unterminated call body is (the start of) a JSON object: a cut call."""
+    rest = body.lstrip()
+    return not rest or rest[0] == "{"
 
 
 def _partial_tag(text: str, tag: str) -> int:

@@ -1,11 +1,13 @@
-"""Hermes-style tool calls: streaming at any split gives the one-shot answer; garbage is text."""
+"""Hermes-style tool calls: streaming at any split gives the one-shot answer; garbage is text;
+a call cut short is never text with markup; blanks beside calls are not content."""
 import itertools
 import json
 
 import pytest
 
 from duplex.engine.text.tool_parser import (TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallParser,
-                                  ToolCallStart, parse_tool_calls, tools_supported)
+                                  ToolCallStart, is_whole_json, parse_tool_calls,
+                                  tools_supported)
 from recipe_factories import TOOLS_TEMPLATE
 
 
@@ -55,7 +57,7 @@ CASES = {
     "text around calls": (
         'Let me check.\n' + WEATHER + '\n<tool_call>\n{"name": "search", "arguments": {}}\n'
         '</tool_call> done',
-        ("Let me check.\n\n done",
+        ("Let me check. done",
          [call("get_weather", '{"city": "Paris", "n": [1, {"a": "}"}]}'),
           call("search", "{}", 1)])),
     "unicode and escapes": (
@@ -70,7 +72,19 @@ CASES = {
                 ("a<tool_call>not json</tool_call>b", [])),
     "json but not a call": ('<tool_call>{"tool": 1}</tool_call>',
                             ('<tool_call>{"tool": 1}</tool_call>', [])),
-    "unterminated before commit": ('hi <tool_call>{"na', ('hi <tool_call>{"na', [])),
+    "unterminated before commit": ('hi <tool_call>{"na', ("hi", [])),
+    "unterminated tag before prose": ("a <tool_call> is a tag", ("a <tool_call> is a tag", [])),
+    "cut in the closing tag": ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call',
+                               ("", [call("f", '{"a": 1}')])),
+    "cut after the closing tag's first character": (
+        '<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n<', ("", [call("f", '{"a": "x"}')])),
+    "cut before the arguments": ('Sure.\n<tool_call>\n{"name": "f", "arguments": ',
+                                 ("Sure.", [])),
+    "blanks between and after calls": (
+        '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n \n'
+        '<tool_call>{"name": "g", "arguments": {}}</tool_call>\n',
+        ("", [call("f", "{}"), call("g", "{}", 1)])),
+    "blank text without calls": ("Hi.\n\n", ("Hi.\n\n", [])),
     "unterminated after commit": ('<tool_call>{"name": "f", "arguments": {"a": [1, 2',
                                   ("", [call("f", '{"a": [1, 2')])),
     "missing outer brace": ('<tool_call>{"name": "f", "arguments": {"a": 1}\n</tool_call>',
@@ -113,6 +127,15 @@ def test_arguments_stream_before_the_call_ends():
     assert parser.push('ris"}') == [ToolCallArgsDelta(0, 'ris"')]   # `}` may be the outer one
     assert parser.push("}\n</tool_call>") == [ToolCallArgsDelta(0, "}"), ToolCallEnd(0)]
     assert parser.finish() == []
+
+
+def test_a_cut_call_has_no_markup_and_is_not_whole():
+    _, calls = one_shot('<tool_call>\n{"name": "f", "arguments": {"city": "Par')
+    assert calls == [call("f", '{"city": "Par')]
+    assert not is_whole_json(calls[0]["function"]["arguments"])
+    _, calls = one_shot('<tool_call>\n{"name": "f", "arguments": {"city": "Paris"}}\n</tool_c')
+    assert calls == [call("f", '{"city": "Paris"}')]
+    assert is_whole_json(calls[0]["function"]["arguments"])
 
 
 def test_arguments_are_valid_json_text():
