@@ -10,7 +10,10 @@ Owns the mapping from what clients send to what the engine enforces (engine/gram
 * tool calls (tool_parser.ToolFormat says how a call is written): `tool_choice` required /
   named (Anthropic any / tool) must produce calls of offered tools whose arguments match
   their schemas; `auto` lets free text run until the call trigger, after which the call is
-  constrained; `parallel_tool_calls: false` stops after one call.
+  constrained. A named choice means exactly one call; required / auto allow more only with
+  parallel calls on (OpenAI `parallel_tool_calls`, default true; Anthropic
+  `disable_parallel_tool_use`). After the last allowed call the grammar is complete, so
+  the only token left is end of output: a model cannot repeat the call until max_tokens.
 
 Every constraint is parsed by the grammar engine here, off the event loop and within a time
 limit, so a malformed or unsupported schema, regex or grammar is a 400 naming its field
@@ -161,8 +164,9 @@ def for_chat(requested: Requested | None, tools: list[dict] | None, fmt, choice:
                           param="tool_choice")
         return requested  # auto: calls are parsed, not constrained
     functions = [t["function"] for t in tools]
-    if choice not in ("auto", "required"):
+    if choice not in ("auto", "required"):  # named: that tool, once
         functions = [f for f in functions if f["name"] == choice]
+        parallel = False
     tags = [fmt.tag(f["name"], _arguments_schema(f)) for f in functions]
     if requested is not None:
         if choice != "auto":
