@@ -107,10 +107,14 @@ def _add_server_arguments(group) -> None:
                        help="largest n (choices per request)")
     group.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, metavar="B",
                        help="largest request body accepted")
-    group.add_argument("--tool-call-parser", default="hermes",
-                       choices=["hermes", "llama3_json", "mistral", "pythonic"],
+    group.add_argument("--tool-call-parser", default=None,
+                       choices=["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3",
+                                "qwen3_coder"],
                        help="how the model writes tool calls: parsed from its output and, "
-                            "except pythonic, constrained for tool_choice (default: hermes)")
+                            "except pythonic, constrained for tool_choice (default: detected "
+                            "from the chat template: deepseek_v3 for DeepSeek's tool-call "
+                            "tokens, qwen3_coder for Qwen3-Coder's <function=...> calls, "
+                            "else hermes)")
     group.add_argument("--reasoning-parser", default=None,
                        choices=[*REASONING_PARSERS, "none"],
                        help="split the model's thinking block from its answer (reasoning in "

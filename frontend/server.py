@@ -28,7 +28,7 @@ from duplex.engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
 from duplex.engine.stats import KVStats, MoEStats
 from duplex.engine.text.messages import Chat
 from duplex.engine.text.reasoning import check_parser_name
-from duplex.engine.text.tool_formats import TOOL_FORMATS
+from duplex.engine.text.tool_formats import TOOL_FORMATS, detect_tool_format
 from duplex.engine.text.tool_parser import forced_call_prefix, tools_supported
 from duplex.frontend import anthropic_api, openai_api, openapi, ws
 from duplex.frontend.admission import WorkAdmission
@@ -64,7 +64,9 @@ class ServerOptions:
     web_dir: Path | None = WEB_DIR
     allowed_origins: tuple[str, ...] = ()  # CORS; "*": any origin
     chat_template: str | None = None  # --chat-template: replaces the model's own template
-    tool_call_parser: str = "hermes"  # --tool-call-parser (engine/text/tool_formats.py)
+    # --tool-call-parser (engine/text/tool_formats.py): None detects it from the chat template
+    # (deepseek_v3, qwen3_coder) and is hermes otherwise
+    tool_call_parser: str | None = None
     # A client's own chat template decides where control tokens go (it can write a fake
     # system turn): a trust decision, so off unless the operator turns it on.
     allow_request_chat_template: bool = False
@@ -81,7 +83,7 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.max_n <= 128:
             raise ValueError(f"max_n must be in [1, 128], got {self.max_n}")
-        if self.tool_call_parser not in TOOL_FORMATS:
+        if self.tool_call_parser not in (None, *TOOL_FORMATS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_FORMATS)}, "
                              f"got {self.tool_call_parser!r}")
         if self.reasoning_parser not in (None, "none"):
@@ -171,6 +173,9 @@ class AppState:
         self.engine = engine
         self.recipe = recipe
         self.supervisor = supervisor  # frontend.supervisor.Supervisor, None in tests
+        if options.tool_call_parser is None:  # the format the served template writes
+            options = dataclasses.replace(options, tool_call_parser=detect_tool_format(
+                options.chat_template or recipe.template) or "hermes")
         self.options = options
         self.metrics = metrics or Metrics()
         self.work = WorkAdmission(options.max_queued_sequences,
