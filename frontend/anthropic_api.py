@@ -24,7 +24,8 @@ from duplex.engine.messages import FinishReason
 from duplex.engine.text import messages as normalized
 from duplex.engine.text.messages import Chat
 from duplex.engine.text.tool_formats import tool_format
-from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from duplex.engine.text.tool_parser import (ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
+                                            without_cut_call)
 from duplex.frontend import structured
 from duplex.frontend.errors import invalid
 from duplex.frontend.retention import request_retention
@@ -246,11 +247,13 @@ def _tool_input(arguments: str) -> dict:
 
 def _response(msg_id: str, model: str, result: ChoiceResult) -> AnthropicResponse:
     final = result.final
+    calls = without_cut_call(list(result.tool_calls.values()),
+                             final.finish_reason == FinishReason.LENGTH)
     content: list = [ThinkingBlock(thinking=result.reasoning)] if result.reasoning else []
-    if result.text or not (result.tool_calls or result.reasoning):
+    if result.text or not (calls or result.reasoning):
         content.append(TextBlock(text=result.text))
     content += [ToolUseBlock(id=tool_use_id(c.id), name=c.name, input=_tool_input(c.arguments))
-                for c in result.tool_calls.values()]
+                for c in calls]
     return AnthropicResponse(msg_id, model, content, _stop_reason(final),
                              final.stop_sequence, _usage(final.usage))
 

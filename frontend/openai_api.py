@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
 import msgspec
 from aiohttp import web
 
+from duplex.engine.messages import FinishReason
 from duplex.engine.sampling_params import SamplingParams
 from duplex.engine.text import messages as normalized
 from duplex.engine.text.messages import Chat
 from duplex.engine.text.tool_formats import tool_format
-from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
+from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart, without_cut_call
 from duplex.frontend import structured
 from duplex.frontend.errors import invalid
 from duplex.frontend.retention import request_retention
@@ -369,7 +370,8 @@ def _chat_completion(reply: _Reply, results: list[ChoiceResult]) -> ChatCompleti
     choices = []
     for r in results:
         calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                 for c in r.tool_calls.values()]
+                 for c in without_cut_call(list(r.tool_calls.values()),
+                                           r.final.finish_reason == FinishReason.LENGTH)]
         content = r.text if r.text or not calls else None
         logprobs = _chat_logprobs(r.logprobs) if r.logprobs else None
         message = AssistantMessage(content, tool_calls=calls or None,

@@ -26,7 +26,8 @@ from duplex.engine.messages import FinishReason
 from duplex.engine.text.errors import RecipeError
 from duplex.engine.text.messages import Chat
 from duplex.engine.text.tool_formats import tool_format
-from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart
+from duplex.engine.text.tool_parser import (ToolCallArgsDelta, ToolCallStart, is_whole_json,
+                                            without_cut_call)
 from duplex.frontend import structured
 from duplex.frontend.errors import ApiError, invalid
 from duplex.frontend.generation import (EFFORT_BUDGETS, Delta, Job, collect, resolve_max_tokens,
@@ -141,9 +142,10 @@ class ResponsesApi:
             turn = {"role": "assistant", "content": reply.text}
             if reply.reasoning:
                 turn["reasoning_content"] = reply.reasoning
-            if reply.calls:
+            calls = [c for c in reply.calls if reply.call_status(c) == "completed"]
+            if calls:
                 turn["tool_calls"] = [{"id": c["call_id"], "type": "function", "function": {
-                    "name": c["name"], "arguments": c["arguments"]}} for c in reply.calls]
+                    "name": c["name"], "arguments": c["arguments"]}} for c in calls]
             self.store[reply.id] = (messages + [turn], response)
             while len(self.store) > MAX_STORED:
                 self.store.popitem(last=False)
@@ -177,14 +179,14 @@ class ResponsesApi:
                     await emit("error", code=event.finish_reason, message=event.error,
                                param=None)
                     break
+                reply.final = event
                 await _close_reasoning(emit, reply)
                 if text_index is not None:
                     await _close_text(emit, reply, text_index)
                 for call in reply.calls:
                     await _close_call(emit, reply, call)
-                reply.final = event
-                await emit("response.completed", response=self._finish(
-                    reply, messages, reply.body))
+                terminal = "response.incomplete" if reply.is_incomplete else "response.completed"
+                await emit(terminal, response=self._finish(reply, messages, reply.body))
         return await sse.close()
 
 
@@ -344,24 +346,44 @@ class _Reply:
         return 1 if self.reasoning else 0
 
     def add_result(self, text: str, calls, final, reasoning: str = "") -> None:
+        """A whole response: a call cut by max_output_tokens is left out."""
         self.text = text
         self.reasoning = reasoning
         self.calls = [{"call_id": c.id, "name": c.name, "arguments": c.arguments,
-                       "id": "fc_" + uuid.uuid4().hex} for c in calls]
+                       "id": "fc_" + uuid.uuid4().hex}
+                      for c in without_cut_call(calls, final.finish_reason == FinishReason.LENGTH)]
         self.final = final
 
+    @property
+    def is_incomplete(self) -> bool:
+        """The output was cut by max_output_tokens."""
+        return self.final is not None and self.final.finish_reason == FinishReason.LENGTH
+
+    # an item is incomplete when the cut fell inside it: the last one of a cut output
+    def reasoning_status(self) -> str:
+        return "incomplete" if self.is_incomplete and not (self.text or self.calls) \
+            else "completed"
+
+    def message_status(self) -> str:
+        return "incomplete" if self.is_incomplete and not self.calls else "completed"
+
+    def call_status(self, call: dict) -> str:
+        return "incomplete" if self.is_incomplete and not is_whole_json(call["arguments"]) \
+            else "completed"
+
     def output(self) -> list[dict]:
-        out = [_reasoning_item(self.rs_id, self.reasoning, "completed")] if self.reasoning else []
+        out = [_reasoning_item(self.rs_id, self.reasoning, self.reasoning_status())] \
+            if self.reasoning else []
         if self.text or not self.calls:
-            out.append(_message_item(self.msg_id, self.text, "completed"))
-        out += [_call_item(c, "completed") for c in self.calls]
+            out.append(_message_item(self.msg_id, self.text, self.message_status()))
+        out += [_call_item(c, self.call_status(c)) for c in self.calls]
         return out
 
     def response(self, status: str) -> dict:
         body = self.body
         response = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": self.output() if status == "completed" else [],
+            "model": self.model, "output": self.output() if self.final is not None else [],
             "instructions": body.instructions, "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
             "temperature": body.temperature, "top_p": body.top_p,
@@ -384,14 +406,14 @@ class _Reply:
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == \
-        "completed" else []
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status != \
+        "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": content}
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
             "status": status}
 
@@ -417,7 +439,7 @@ async def _close_reasoning(emit: _Emitter, reply: _Reply) -> None:
     await emit("response.content_part.done", item_id=reply.rs_id, output_index=0,
                content_index=0, part={"type": "reasoning_text", "text": reply.reasoning})
     await emit("response.output_item.done", output_index=0,
-               item=_reasoning_item(reply.rs_id, reply.reasoning, "completed"))
+               item=_reasoning_item(reply.rs_id, reply.reasoning, reply.reasoning_status()))
 
 
 def _call_item(call: dict, status: str) -> dict:
@@ -453,7 +475,7 @@ async def _close_text(emit: _Emitter, reply: _Reply, index: int) -> None:
     await emit("response.content_part.done", item_id=reply.msg_id, output_index=index,
                content_index=0, part=part)
     await emit("response.output_item.done", output_index=index,
-               item=_message_item(reply.msg_id, reply.text, "completed"))
+               item=_message_item(reply.msg_id, reply.text, reply.message_status()))
 
 
 async def _tool_event(emit: _Emitter, reply: _Reply, event) -> None:
@@ -475,4 +497,4 @@ async def _close_call(emit: _Emitter, reply: _Reply, call: dict) -> None:
     await emit("response.function_call_arguments.done", item_id=call["id"],
                output_index=call["output_index"], arguments=call["arguments"])
     await emit("response.output_item.done", output_index=call["output_index"],
-               item=_call_item(call, "completed"))
+               item=_call_item(call, reply.call_status(call)))

@@ -196,6 +196,14 @@ def is_whole_json(text: str) -> bool:
     return True
 
 
+def without_cut_call(calls: list, is_cut: bool) -> list:
+    """`calls` (in order, each with `.arguments`) less the last one when the output was cut
+    (`is_cut`: max_tokens) inside it: a whole response never returns a cut call."""
+    if is_cut and calls and not is_whole_json(calls[-1].arguments):
+        return calls[:-1]
+    return calls
+
+
 def forced_call_prefix(tool_names: list[str], name: str | None) -> str:
     """The start of the assistant turn that makes the model call a tool: `name`'s call up to
     its arguments, or, with no name, a call whose name the model writes (one tool: that one).

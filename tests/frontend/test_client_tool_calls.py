@@ -124,3 +124,170 @@ async def test_anthropic_tool_and_any(serve, choice, num_calls):
     assert [(b.type, b.input) for b in message.content] == \
         [("tool_use", {"city": "Paris"}), ("tool_use", {"city": "Oslo"})][:num_calls]
     assert message.stop_reason == "tool_use"
+
+
+# ---------------------------------------------------------------- a call cut by max_tokens
+def _cut(recipe, text: str, marker: str) -> tuple[int, str]:
+    """(max_tokens that cut `text` just after `marker` is written, the text written)."""
+    ids = recipe.encode_reply_start(text)
+    k = next(k for k in range(len(ids) + 1) if marker in recipe.decode(ids[:k]))
+    return k, recipe.decode(ids[:k])
+
+
+def _cut_arguments(recipe) -> tuple[int, str]:
+    """(max_tokens that cut CALL inside the city's name, the arguments written by then)."""
+    max_tokens, written = _cut(recipe, CALL, '"Pa')
+    arguments = written.split('"arguments": ')[1]
+    assert '{"city": "Paris"}'.startswith(arguments) and len(arguments) < 17
+    return max_tokens, arguments
+
+
+async def _openai_stream(clients, **kwargs) -> tuple[str, dict, str]:
+    """(content, {index: [name, arguments]}, finish_reason) of a streamed chat completion."""
+    stream = await clients.openai.chat.completions.create(
+        model="fake-model", messages=ASK, tools=TOOLS, stream=True, **kwargs)
+    content, calls, finish = [], {}, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, ["", ""])
+                call[0] += delta.function.name or ""
+                call[1] += delta.function.arguments or ""
+    return "".join(content), calls, finish
+
+
+async def _anthropic_stream(clients, **kwargs) -> tuple[list, str]:
+    """([(block type, text or input JSON as streamed)], stop_reason) of a streamed message."""
+    stream = await clients.anthropic.messages.create(
+        model="fake-model", messages=ASK, tools=ANTHROPIC_TOOLS, stream=True, **kwargs)
+    blocks, stop_reason = [], None
+    async for event in stream:
+        if event.type == "content_block_start":
+            blocks.append([event.content_block.type, ""])
+        elif event.type == "content_block_delta":
+            delta = event.delta
+            blocks[event.index][1] += delta.text if delta.type == "text_delta" \
+                else delta.partial_json
+        elif event.type == "message_delta":
+            stop_reason = event.delta.stop_reason
+    return [tuple(b) for b in blocks], stop_reason
+
+
+async def _responses_stream(clients, **kwargs) -> list:
+    stream = await clients.openai.responses.create(
+        model="fake-model", input="Weather in Paris?", tools=RESPONSES_TOOLS, stream=True,
+        **kwargs)
+    return [event async for event in stream]
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER,
+                    "description": "Current weather in a city"}]
+
+
+async def test_a_call_cut_mid_arguments_in_openai_chat(serve, recipe):
+    max_tokens, arguments = _cut_arguments(recipe)
+    clients = await serve(CALL)
+    reply = await clients.openai.chat.completions.create(
+        model="fake-model", messages=ASK, tools=TOOLS, max_tokens=max_tokens)
+    message = reply.choices[0].message
+    assert (reply.choices[0].finish_reason, message.content, message.tool_calls) == \
+        ("length", "", None)
+    assert await _openai_stream(clients, max_tokens=max_tokens) == \
+        ("", {0: ["get_weather", arguments]}, "length")
+
+
+async def test_a_call_cut_mid_arguments_in_anthropic(serve, recipe):
+    max_tokens, arguments = _cut_arguments(recipe)
+    clients = await serve(CALL)
+    message = await clients.anthropic.messages.create(
+        model="fake-model", messages=ASK, tools=ANTHROPIC_TOOLS, max_tokens=max_tokens)
+    assert [(b.type, b.text) for b in message.content] == [("text", "")]
+    assert message.stop_reason == "max_tokens"
+    assert await _anthropic_stream(clients, max_tokens=max_tokens) == \
+        ([("tool_use", arguments)], "max_tokens")
+
+
+async def test_a_call_cut_mid_arguments_in_responses(serve, recipe):
+    max_tokens, arguments = _cut_arguments(recipe)
+    clients = await serve(CALL)
+    response = await clients.openai.responses.create(
+        model="fake-model", input="Weather in Paris?", tools=RESPONSES_TOOLS,
+        max_output_tokens=max_tokens)
+    assert (response.status, response.incomplete_details.reason) == \
+        ("incomplete", "max_output_tokens")
+    assert [(item.type, item.status, item.content[0].text) for item in response.output] == \
+        [("message", "incomplete", "")]
+    events = await _responses_stream(clients, max_output_tokens=max_tokens)
+    assert events[-1].type == "response.incomplete"
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    [done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.type, done.status, done.arguments) == \
+        ("function_call", "incomplete", arguments)
+    assert [(i.type, i.status) for i in events[-1].response.output] == \
+        [("function_call", "incomplete")]
+
+
+async def test_a_call_whose_closing_tag_alone_was_cut_is_whole_in_every_api(serve, recipe):
+    max_tokens, written = _cut(recipe, CALL, "</tool")
+    assert written.endswith("</tool") and written != CALL
+    clients = await serve(CALL)
+    reply = await clients.openai.chat.completions.create(
+        model="fake-model", messages=ASK, tools=TOOLS, max_tokens=max_tokens)
+    [call] = reply.choices[0].message.tool_calls
+    assert (reply.choices[0].finish_reason, call.function.arguments) == \
+        ("length", '{"city": "Paris"}')
+    message = await clients.anthropic.messages.create(
+        model="fake-model", messages=ASK, tools=ANTHROPIC_TOOLS, max_tokens=max_tokens)
+    assert [(b.type, b.input) for b in message.content] == [("tool_use", {"city": "Paris"})]
+    assert message.stop_reason == "max_tokens"
+    response = await clients.openai.responses.create(
+        model="fake-model", input="Weather in Paris?", tools=RESPONSES_TOOLS,
+        max_output_tokens=max_tokens)
+    assert response.status == "incomplete"
+    assert [(i.type, i.status, i.arguments) for i in response.output] == \
+        [("function_call", "completed", '{"city": "Paris"}')]
+
+
+async def test_a_truncated_responses_stream_ends_incomplete(serve):
+    clients = await serve("Hello there, my good friend.")
+    events = await _responses_stream(clients, max_output_tokens=3)
+    assert isinstance(events[-1], openai.types.responses.ResponseIncompleteEvent)
+    assert not [e for e in events if e.type == "response.completed"]
+    response = events[-1].response
+    assert (response.status, response.incomplete_details.reason) == \
+        ("incomplete", "max_output_tokens")
+    [done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.type, done.status) == ("message", "incomplete")
+    assert [(i.type, i.status) for i in response.output] == [("message", "incomplete")]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert done.content[0].text == text and text
+
+
+# ---------------------------------------------------------------- blanks between calls
+PARALLEL = "\n" + CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n"
+
+
+async def test_no_blank_text_beside_parallel_calls(serve):
+    clients = await serve(PARALLEL)
+    reply = await clients.openai.chat.completions.create(
+        model="fake-model", messages=ASK, tools=TOOLS, max_tokens=200)
+    message = reply.choices[0].message
+    assert message.content is None and reply.choices[0].finish_reason == "tool_calls"
+    assert [c.function.arguments for c in message.tool_calls] == \
+        ['{"city": "Paris"}', '{"city": "Oslo"}']
+    content, calls, _ = await _openai_stream(clients, max_tokens=200)
+    assert (content, len(calls)) == ("", 2)
+    message = await clients.anthropic.messages.create(
+        model="fake-model", messages=ASK, tools=ANTHROPIC_TOOLS, max_tokens=200)
+    assert [b.type for b in message.content] == ["tool_use", "tool_use"]
+    blocks, stop_reason = await _anthropic_stream(clients, max_tokens=200)
+    assert ([b[0] for b in blocks], stop_reason) == (["tool_use", "tool_use"], "tool_use")
+    response = await clients.openai.responses.create(
+        model="fake-model", input="Weather in Paris?", tools=RESPONSES_TOOLS)
+    assert [i.type for i in response.output] == ["function_call", "function_call"]
+    events = await _responses_stream(clients)
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == \
+        ["function_call", "function_call"]
+    assert events[-1].type == "response.completed"

@@ -165,7 +165,7 @@ async def test_tool_call_non_streaming(make_harness):
                                                  tools=[WEATHER_TOOL])
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Let me check. "
+    assert choice.message.content == "Let me check."  # the blank before the call is not content
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}

@@ -41,7 +41,7 @@ def test_create_stream_and_continue_with_previous_response_id(client):
     events = list(client.responses.create(model="x", input="Describe an animal.",
                                           max_output_tokens=12, temperature=0, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     second = client.responses.create(model="x", input="And another?", max_output_tokens=4,
