@@ -64,6 +64,8 @@ class Job:
     # reads it before the model's text; it is never sent as content
     forced_text: str = ""
     tool_format: str = "hermes"  # engine/text/tool_formats.py: how calls are written and parsed
+    # the request's OpenAI-shaped tools: their schemas type qwen3_coder's parameter values
+    tools: tuple[dict, ...] = ()
     retention: str = "chat"
     cache_salt: str = ""
     parse_reasoning: bool = False  # split the thinking block off (the server's format)
@@ -516,7 +518,8 @@ class _Choice:
         self.sample = sample  # which of the job's n samples this is
         self.index = index  # its place among all choices of the API request
         self.stream = OutputStream.for_params(pipeline.recipe, job.params)
-        self.tools = tool_format(job.tool_format).new_parser() if job.parse_tools else None
+        self.tools = tool_format(job.tool_format).new_parser(list(job.tools)) \
+            if job.parse_tools else None
         self.reasoning_format = pipeline.reasoning if job.parse_reasoning else None
         self.reasoning = None if self.reasoning_format is None else \
             self.reasoning_format.new_parser(_prompt_tail(pipeline.recipe, job.prompt_token_ids))
