@@ -326,7 +326,8 @@ class DeepSeekV3Format:
     tokens, their arguments JSON in a fenced block, several calls in one section:
     `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
     <｜tool▁call▁end｜>\\n<｜tool▁call▁begin｜>...<｜tool▁calls▁end｜>`. Constrained, each call
-    is a section of its own (as SGLang constrains it); the parser takes both."""
+    is a section of its own (as SGLang constrains it); the parser takes both. The markers
+    are read from the text: a tokenizer that marks them special needs them decoded."""
     name = "deepseek_v3"
     trigger = DS_CALLS_BEGIN
     separator = "\n"
