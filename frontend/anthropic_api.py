@@ -62,8 +62,8 @@ class AnthropicApi:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         with self.state.admit():
             body = await read_json(request, MessagesRequest)
-            job = await self.state.cpu.run(body_size(request), self._job, request, body)
-            await structured.check(job.params.constraint, "tool_choice")
+            job, param = await self.state.cpu.run(body_size(request), self._job, request, body)
+            await structured.check(job.params.constraint, param)
             msg_id = f"msg_{request[REQ_ID]}"
             async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
                 if body.stream:
@@ -114,7 +114,8 @@ class AnthropicApi:
         disabled = thinking is not None and thinking.get("type") == "disabled"
         return thinking_variables(kwargs, template, "none" if disabled else None)
 
-    def _job(self, request: web.Request, body: MessagesRequest) -> Job:
+    def _job(self, request: web.Request, body: MessagesRequest) -> tuple[Job, str]:
+        """(the job, the request field its output constraint came from: "" when none)."""
         state = self.state
         requested_budget = _thinking_budget(body.thinking)
         if requested_budget is not None:  # before the prompt: the model decides it
@@ -130,19 +131,21 @@ class AnthropicApi:
         parse_tools = bool(body.tools) and not (body.tool_choice and
                                                 body.tool_choice.type == "none")
         fmt = tool_format(state.options.tool_call_parser)
-        constrained = structured.for_chat(None, [tool_dict(t) for t in body.tools or []],
+        constrained = structured.for_chat(structured.from_anthropic(body.output_config),
+                                          [tool_dict(t) for t in body.tools or []],
                                           fmt, _tool_choice_name(body.tool_choice),
                                           _parallel(body.tool_choice), forced)
         if constrained is not None:
             params = msgspec.structs.replace(params, constraint=constrained.constraint)
-        return Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
-                   forced_text=forced,
-                   params=params, parse_tools=parse_tools, tool_format=fmt.name,
-                   # a forced tool call starts the reply: no thinking block to parse
-                   parse_reasoning=state.reasoning is not None and not forced,
-                   thinking_budget=budget,
-                   retention=request_retention(request, body.retention, bool(body.tools)),
-                   cache_salt=state.keys.tenant_salt(request, body.cache_salt))
+        job = Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
+                  forced_text=forced,
+                  params=params, parse_tools=parse_tools, tool_format=fmt.name,
+                  # a forced tool call starts the reply: no thinking block to parse
+                  parse_reasoning=state.reasoning is not None and not forced,
+                  thinking_budget=budget,
+                  retention=request_retention(request, body.retention, bool(body.tools)),
+                  cache_salt=state.keys.tenant_salt(request, body.cache_salt))
+        return job, constrained.param if constrained else ""
 
 
 # ================================================================ request conversion

@@ -397,6 +397,8 @@ class MessagesRequest(CountTokensRequest, **_KW):
     # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}: the thinking block
     thinking: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # Duplex: variables the template reads
+    # {"format": {"type": "json_schema", "schema": {...}}}: structured output (effort: unused)
+    output_config: dict[str, Any] | None = None
 
 
 class AnthropicUsage(msgspec.Struct):

@@ -3,7 +3,7 @@
 Owns the mapping from what clients send to what the engine enforces (engine/grammar.py):
 
 * OpenAI `response_format`: `json_object`, `json_schema` (strict or not: the schema is
-  enforced either way), `text` (none);
+  enforced either way), `text` (none); Anthropic `output_config.format` (a JSON schema);
 * vLLM's extras, by the names vLLM users know: `guided_json`, `guided_regex`,
   `guided_choice`, `guided_grammar` and `structured_outputs` {json, regex, choice, grammar,
   json_object, structural_tag};
@@ -51,6 +51,23 @@ def from_openai(body) -> Requested | None:
         raise invalid(f"{found[0].param} and {found[1].param} both constrain the output; "
                       "give one", param=found[1].param)
     return found[0] if found else None
+
+
+def from_anthropic(output_config: dict | None) -> Requested | None:
+    """The output constraint of an Anthropic `output_config`: its `format`, a JSON schema
+    (`{"type": "json_schema", "schema": {...}}`, what the SDK's `messages.parse(output_format=
+    ...)` sends); `effort` is a hint this server does not use."""
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise invalid("output_config.format.type must be 'json_schema'",
+                      param="output_config.format.type")
+    if fmt.get("schema") is None:
+        raise invalid("output_config.format.schema is missing: a json_schema format needs one",
+                      param="output_config.format.schema")
+    return Requested(_schema(fmt["schema"], "output_config.format.schema"),
+                     "output_config.format.schema")
 
 
 def _response_format(fmt) -> Requested | None:

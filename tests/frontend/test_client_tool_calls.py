@@ -291,3 +291,58 @@ async def test_no_blank_text_beside_parallel_calls(serve):
     assert [e.item.type for e in events if e.type == "response.output_item.added"] == \
         ["function_call", "function_call"]
     assert events[-1].type == "response.completed"
+
+
+# ---------------------------------------------------------------- Anthropic structured output
+async def test_anthropic_output_format_is_the_openai_grammar(serve):
+    clients = await serve('{"city": "Paris"}')
+    message = await clients.anthropic.messages.parse(
+        model="fake-model", max_tokens=100, messages=ASK, output_format=Weather)
+    assert message.parsed_output == Weather(city="Paris")
+    sent = clients.engine.added[-1].params.constraint
+    await clients.openai.chat.completions.create(
+        model="fake-model", messages=ASK, max_tokens=100, response_format={
+            "type": "json_schema", "json_schema": {"name": "w", "schema": json.loads(sent.spec)}})
+    assert clients.engine.added[-1].params.constraint == sent
+    assert sent.kind == "json_schema"
+    assert json.loads(sent.spec)["properties"] == {"city": {"title": "City", "type": "string"}}
+
+
+async def test_anthropic_output_format_holds_the_model_to_the_schema(serve):
+    """A model that would go on in prose after the object is ended where the schema's value
+    ends."""
+    clients = await serve('{"city": "Paris"} and more')
+    message = await clients.anthropic.messages.create(
+        model="fake-model", max_tokens=100, messages=ASK,
+        output_config={"format": {"type": "json_schema", "schema": WEATHER}})
+    assert [(b.type, b.text) for b in message.content] == [("text", '{"city": "Paris"}')]
+    assert message.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("output_config, param", [
+    ({"format": {"type": "json_schema", "schema": {"type": "nope"}}},
+     "output_config.format.schema"),
+    ({"format": {"type": "json_schema", "schema": "{not json"}}, "output_config.format.schema"),
+    ({"format": {"type": "json_schema"}}, "output_config.format.schema"),
+    ({"format": {"type": "regex", "schema": WEATHER}}, "output_config.format.type"),
+])
+async def test_a_bad_anthropic_output_format_is_a_400_in_anthropic_shape(serve, output_config,
+                                                                        param):
+    clients = await serve("{}")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        await clients.anthropic.messages.create(model="fake-model", max_tokens=10, messages=ASK,
+                                                output_config=output_config)
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert param in e.value.body["error"]["message"]
+    assert clients.engine.added == []
+
+
+async def test_anthropic_output_format_and_a_forced_tool_contradict(serve):
+    clients = await serve("{}")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        await clients.anthropic.messages.create(
+            model="fake-model", max_tokens=10, messages=ASK, tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "any"},
+            output_config={"format": {"type": "json_schema", "schema": WEATHER}})
+    assert "output_config.format.schema" in e.value.body["error"]["message"]
