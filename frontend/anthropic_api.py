@@ -8,7 +8,10 @@ event instead. With a reasoning parser on, the thinking block comes first as a `
 content block (`thinking_delta` events); `thinking: {type: enabled, budget_tokens}` is the
 thinking budget, and `thinking` blocks sent back in history are the turn's reasoning. As in
 Anthropic's API, `input_tokens` counts the prompt tokens not read from the cache and
-`cache_read_input_tokens` those that were (zero included).
+`cache_read_input_tokens` those that were (zero included). `output_config.format` (a JSON
+schema) constrains the answer as OpenAI's `response_format` does (frontend/structured.py).
+A tool call cut by max_tokens is left out of a whole message (stop_reason "max_tokens"); a
+stream, which has started its tool_use block, closes it and ends with "max_tokens".
 """
 from __future__ import annotations
 

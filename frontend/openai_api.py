@@ -4,6 +4,9 @@ Each handler validates the body (protocol structs), tokenizes (recipe), builds a
 formats the pipeline's events as `chat.completion` / `text_completion` objects or SSE
 chunks ending with `data: [DONE]`. Usage always carries `prompt_tokens_details.cached_tokens`.
 A choice that fails mid-stream becomes one `{"error": ...}` chunk, then `[DONE]`.
+Tool calls: `content` is null beside them; a call cut by max_tokens is left out of a whole
+completion (finish_reason "length"), while a stream, which has sent its start, ends it with
+finish_reason "length" (engine/text/tool_parser.py: never markup in the content).
 """
 from __future__ import annotations
 

@@ -9,6 +9,12 @@ on, the thinking block is a `reasoning` output item (`reasoning_text` content, s
 response.reasoning_text.delta) before the message; `reasoning.effort` is a thinking budget,
 and reasoning items sent back in `input` are the next assistant turn's reasoning. What the
 pipeline cannot do (background runs, built-in tools) is a 400 naming the field.
+
+Cut by max_output_tokens, a response is `incomplete` (incomplete_details.reason
+max_output_tokens), a stream ends with `response.incomplete` instead of
+`response.completed`, and the item the cut fell in says `incomplete`; a function call cut
+inside its arguments is left out of a whole response (a stream has announced it: there its
+item ends `incomplete`) and is never stored as a turn.
 """
 from __future__ import annotations
 

@@ -126,6 +126,23 @@ async def test_anthropic_tool_and_any(serve, choice, num_calls):
     assert message.stop_reason == "tool_use"
 
 
+async def test_anthropic_any_cut_in_a_repeated_call_returns_only_whole_calls(serve, recipe):
+    """`any` with parallel calls on lets a small model repeat its call; max_tokens cuts the
+    repeat: the whole message holds the whole call only (no trailing `input: {}`)."""
+    max_tokens, written = _cut(recipe, REPEATING, '</tool_call>\n<tool_call>\n{"name": '
+                               '"get_weather", "arguments": {"city": "Pa')
+    clients = await serve(REPEATING)
+    message = await clients.anthropic.messages.create(
+        model="fake-model", max_tokens=max_tokens, tools=ANTHROPIC_TOOLS, messages=ASK,
+        tool_choice={"type": "any"})
+    assert [(b.type, b.input) for b in message.content] == [("tool_use", {"city": "Paris"})]
+    assert message.stop_reason == "max_tokens"
+    blocks, stop_reason = await _anthropic_stream(clients, max_tokens=max_tokens,
+                                                  tool_choice={"type": "any"})
+    assert blocks == [("tool_use", '{"city": "Paris"}'),
+                      ("tool_use", written.rsplit('"arguments": ', 1)[1])]
+    assert stop_reason == "max_tokens"
+
 # ---------------------------------------------------------------- a call cut by max_tokens
 def _cut(recipe, text: str, marker: str) -> tuple[int, str]:
     """(max_tokens that cut `text` just after `marker` is written, the text written)."""
