@@ -22,7 +22,6 @@ import pydantic
 import pytest
 from steered_support import recipe_grammars, start_server, tools_recipe
 
-from duplex.engine.sampling_params import Constraint
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
            "required": ["city"], "additionalProperties": False}
