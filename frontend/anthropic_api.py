@@ -143,6 +143,7 @@ class AnthropicApi:
         job = Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                   forced_text=forced,
                   params=params, parse_tools=parse_tools, tool_format=fmt.name,
+                  tools=tuple(tool_dict(t) for t in body.tools or []),
                   # a forced tool call starts the reply: no thinking block to parse
                   parse_reasoning=state.reasoning is not None and not forced,
                   thinking_budget=budget,

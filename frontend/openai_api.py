@@ -116,7 +116,7 @@ class OpenAIApi:
         job = Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
                   forced_text=forced,
                   params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
-                  tool_format=fmt.name,
+                  tool_format=fmt.name, tools=tuple(tools or ()),
                   # a forced tool call starts the reply: no thinking block to parse
                   parse_reasoning=state.reasoning is not None and not forced,
                   thinking_budget=budget,

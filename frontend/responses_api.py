@@ -138,6 +138,7 @@ class ResponsesApi:
             params = msgspec.structs.replace(params, constraint=constrained.constraint)
         job = Job(req_id=f"resp_{request[REQ_ID]}", prompt_token_ids=prompt_ids, params=params,
                   parse_tools=bool(tools) and body.tool_choice != "none", tool_format=fmt.name,
+                  tools=tuple(tools or ()),
                   parse_reasoning=state.reasoning is not None, thinking_budget=budget,
                   cache_salt=state.keys.tenant_salt(request, None))
         return job, constrained

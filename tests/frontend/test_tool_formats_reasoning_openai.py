@@ -99,3 +99,15 @@ async def test_qwen3_coder_calls_after_thinking(serve, recipes):
     assert reasoning == message.reasoning_content
     assert calls == {0: ("get_weather", '{"city": "Paris", "days": 3}')}
     assert len(pieces) > 1
+
+
+async def test_qwen3_coder_types_values_by_the_requests_schema(serve, recipes):
+    """The request's tools reach the parser: a string parameter that reads as a number stays
+    a string, an integer one becomes a number."""
+    reply_text = QWEN_REPLY.replace("\nParis\n", "\n1984\n")
+    _, sdk = await serve(recipes["qwen3"], lambda prompt, output: reply_text,
+                         tool_call_parser="qwen3_coder")
+    reply = await sdk.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS,
+                                              max_tokens=200)
+    [call] = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "1984", "days": 3}
