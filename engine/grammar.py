@@ -24,6 +24,19 @@ token at SmolLM2's 49k vocabulary against ~33 us for llguidance (median over a J
 walk, `docs/BENCHMARKS.md`), compiles a schema in ~15 ms, rolls a matcher back by token
 count (`rollback(n)`), and parses schemas, regexes and EBNF without a tokenizer, which is
 how the frontend refuses a bad one with a 400 before it reaches a worker.
+
+After a thinking block (`Constraint.thinking`, set by the frontend where the request's output
+is parsed for reasoning) the constraint holds for the answer only: the grammar compiled is a
+structural tag whose first element is the block as free text up to its first `</think>`, then
+a few blanks, then the constraint (`thinking_tag`). Why a structural tag and not a matcher
+that stays off until the marker: the grammar walks the same bytes the reasoning parser reads,
+so a `</think>` spelled by sub-tokens, or sharing a token with the text after it, ends the
+block for both, where a token-id trigger would miss it; and the tokens a request brings (a
+thinking-budget continuation's output ends with the closing text the frontend wrote, a resume
+holds anything so far) are replayed through the one matcher like any others, so the block
+ends wherever those tokens end it. A marker the grammar engine reads as a special token (no
+text) is matched as that token instead. The control-byte bans below hold outside the block
+only (`_Block`): tabs in the thinking are the model's business.
 """
 from __future__ import annotations
 
@@ -43,6 +56,7 @@ import torch
 
 from duplex.engine.sampling_params import Constraint
 from duplex.engine.stats import GrammarStats
+from duplex.engine.text.reasoning import END, START
 
 log = logging.getLogger("duplex.grammar")
 
@@ -65,7 +79,8 @@ class TokenMask(NamedTuple):
 
 
 def constraint_key(constraint: Constraint) -> str:
-    return hashlib.sha256(f"{constraint.kind}\0{constraint.spec}".encode()).hexdigest()
+    text = f"{constraint.kind}\0{constraint.spec}\0{constraint.thinking}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def parse(constraint: Constraint):
@@ -100,6 +115,44 @@ def _parse(xgr, constraint: Constraint):
     return xgr.Grammar.from_structural_tag(spec)
 
 
+# Between `</think>` and a constrained answer (the models write "\n\n"; bounded, or a small
+# model can pad forever)
+BLANKS = {"type": "regex", "pattern": "[ \\n]{0,4}"}
+
+
+def thinking_tag(constraint: Constraint, special: dict[str, int]) -> str:
+    """The structural tag of a constraint that starts after a thinking block: the block as free
+    text up to its first `</think>` (opened by `<think>` unless the prompt opened it; optional
+    for "may_open"), up to four blanks, then the constraint. `special`: the markers the grammar
+    engine reads only as special tokens (marker -> id), matched as those tokens."""
+    import xgrammar as xgr
+
+    content = ({"type": "any_tokens", "exclude_tokens": [special[END]]} if END in special
+               else {"type": "any_text"})
+    block = {"type": "tag", "begin": "" if constraint.thinking == "open" else
+             _marker(START, special), "content": content, "end": _marker(END, special)}
+    block = {"type": "sequence", "elements": [block, BLANKS]}
+    if constraint.thinking == "may_open":
+        block = {"type": "optional", "content": block}
+    answer = _answer_format(xgr, msgspec.structs.replace(constraint, thinking=""))
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "sequence", "elements": [block, answer]}})
+
+
+def _marker(text: str, special: dict[str, int]):
+    return {"type": "token", "token": special[text]} if text in special else text
+
+
+def _answer_format(xgr, constraint: Constraint) -> dict:
+    """The constraint as one element of a structural tag: a tag's own format, else the
+    grammar it parses to (as EBNF, so a JSON schema keeps its compact whitespace)."""
+    if constraint.kind == "structural_tag":
+        return json.loads(constraint.spec)["format"]
+    if constraint.kind == "choice":
+        return json.loads(choice_tag(json.loads(constraint.spec)))["format"]
+    return {"type": "grammar", "grammar": str(_parse(xgr, constraint))}
+
+
 def choice_tag(choices: list) -> str:
     """A structural tag whose output is exactly one of `choices` (non-empty strings)."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
@@ -123,11 +176,65 @@ JSON_KINDS = ("json_object", "json_schema")
 TAG_KINDS = ("structural_tag",)
 
 
+_BEFORE, _INSIDE, _AFTER = "before", "inside", "after"
+
+
+class _Block:
+    """Where an output stands with its thinking block (before it may open, inside, after),
+    read from the bytes of its accepted tokens the way the grammar reads them."""
+
+    def __init__(self, thinking: str, token_bytes: Callable[[int], bytes]) -> None:
+        self.state = _INSIDE if thinking == "open" else _BEFORE
+        self._token_bytes = token_bytes
+        self._tail = b""  # bytes not yet known to hold no marker
+
+    def push(self, token_id: int) -> None:
+        if self.state == _AFTER:
+            return
+        self._tail += self._token_bytes(token_id)
+        while self.state != _AFTER and self._step():
+            pass
+
+    def _step(self) -> bool:
+        """Move past a marker in the tail; True when the state changed."""
+        if self.state == _BEFORE:
+            head = self._tail.lstrip()
+            if head.startswith(START.encode()):
+                self.state, self._tail = _INSIDE, head[len(START):]
+                return True
+            if not START.encode().startswith(head):
+                self.state = _AFTER  # the answer began without a block
+            return self.state == _AFTER
+        at = self._tail.find(END.encode())
+        if at >= 0:
+            self.state, self._tail = _AFTER, b""
+            return True
+        self._tail = self._tail[-(len(END) - 1):]
+        return False
+
+
 class _Matcher:
-    def __init__(self, matcher, banned: torch.Tensor | None) -> None:
+    def __init__(self, matcher, banned: torch.Tensor | None, block: _Block | None) -> None:
         self.matcher = matcher
-        self.banned = banned  # [vocab] bool: tokens masked out on top of the grammar
+        self._banned = banned  # [vocab] bool: tokens masked out on top of the grammar
+        self.block = block  # the thinking block before the constrained answer, if any
         self.num_accepted = 0  # leading output tokens the matcher has consumed
+
+    @property
+    def banned(self) -> torch.Tensor | None:
+        """The ban now: none inside a thinking block (its text is free). Drafts are masked
+        with the state after the last accepted token."""
+        if self.block is not None and self.block.state == _INSIDE:
+            return None
+        return self._banned
+
+    def accept(self, token_id: int) -> bool:
+        if not self.matcher.accept_token(token_id):
+            return False
+        if self.block is not None:
+            self.block.push(token_id)
+        self.num_accepted += 1
+        return True
 
 
 class Grammars:
@@ -148,6 +255,8 @@ class Grammars:
         self._lock = threading.Lock()  # compile times: appended in the compile thread
         self._compiler = None
         self._control_ids: torch.Tensor | None = None  # [vocab] bool, see JSON_KINDS
+        self._decoded_vocab: list[bytes] = []  # token id -> its bytes, as the grammar reads it
+        self._special_markers: dict[int, str] = {}  # think markers the grammar has no text for
         self._tag_control_ids: torch.Tensor | None = None  # the same but "\n", TAG_KINDS
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiled: collections.OrderedDict[str, Future] = collections.OrderedDict()
@@ -199,10 +308,7 @@ class Grammars:
                 self._compiled.pop(constraint_key(req.params.constraint), None)
                 failed.append((req, _first_line(error)))
                 continue
-            kind = req.params.constraint.kind
-            banned = self._control_ids if kind in JSON_KINDS else \
-                self._tag_control_ids if kind in TAG_KINDS else None
-            self._matchers[req_id] = _Matcher(self._new_matcher(future.result()), banned)
+            self._matchers[req_id] = self._matcher(req.params.constraint, future.result())
             if self.sync(req):
                 ready.append(req)
             else:
@@ -216,11 +322,29 @@ class Grammars:
     def is_waiting(self, req_id: str) -> bool:
         return req_id in self._waiting
 
+    def _matcher(self, constraint: Constraint, compiled) -> _Matcher:
+        # after a thinking block the answer is held to the structural tag's ban ("\n" allowed:
+        # the blanks after `</think>`; the JSON grammar itself allows no newline)
+        kind = "structural_tag" if constraint.thinking else constraint.kind
+        banned = self._control_ids if kind in JSON_KINDS else \
+            self._tag_control_ids if kind in TAG_KINDS else None
+        block = _Block(constraint.thinking, self._token_bytes) if constraint.thinking else None
+        return _Matcher(self._new_matcher(compiled), banned, block)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        marker = self._special_markers.get(token_id)
+        if marker is not None:
+            return marker.encode()
+        return self._decoded_vocab[token_id] if token_id < len(self._decoded_vocab) else b""
+
     def _compile(self, constraint: Constraint):
         start = time.perf_counter()
         compiler = self._get_compiler()
         kind, spec = constraint.kind, constraint.spec
-        if kind == "json_object":
+        if constraint.thinking:
+            markers = {text: token_id for token_id, text in self._special_markers.items()}
+            compiled = compiler.compile_structural_tag(thinking_tag(constraint, markers))
+        elif kind == "json_object":
             compiled = compiler.compile_json_schema(JSON_OBJECT, any_whitespace=False,
                                                     strict_mode=False)
         elif kind == "json_schema":
@@ -242,14 +366,17 @@ class Grammars:
         if self._compiler is None:
             import xgrammar as xgr
 
+            tokenizer = self._tokenizer()
             info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer(), vocab_size=self.vocab_size,
+                tokenizer, vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self._control_ids = _tokens_with(info, set(range(0x20)), self.vocab_size,
                                              self.stop_token_ids)
             self._tag_control_ids = _tokens_with(info, set(range(0x20)) - {0x0A},
                                                  self.vocab_size, self.stop_token_ids)
+            self._decoded_vocab = info.decoded_vocab
+            self._special_markers = _special_markers(tokenizer, info)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
     def _new_matcher(self, compiled):
@@ -266,9 +393,8 @@ class Grammars:
         state = self._matchers[req.req_id]
         tokens = req.output_token_ids
         while state.num_accepted < len(tokens):
-            if not state.matcher.accept_token(tokens[state.num_accepted]):
+            if not state.accept(tokens[state.num_accepted]):
                 return False
-            state.num_accepted += 1
         return True
 
     def is_terminated(self, req) -> bool:
@@ -374,6 +500,14 @@ def _bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     import xgrammar as xgr
 
     return xgr.allocate_token_bitmask(num_rows, vocab_size)
+
+
+def _special_markers(tokenizer, info) -> dict[int, str]:
+    """The think markers that are one token the grammar engine reads as special (no text):
+    token id -> marker."""
+    vocab = tokenizer.get_vocab()
+    special = set(info.special_token_ids)
+    return {vocab[m]: m for m in (START, END) if vocab.get(m) in special}
 
 
 def _tokens_with(info, banned_bytes: set[int], vocab_size: int,

@@ -12,6 +12,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's own limit)
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar",
                     "structural_tag")
+# Constraint.thinking: where the constraint starts relative to a thinking block
+THINKING_STARTS = ("", "open", "may_open")
 
 
 class Constraint(msgspec.Struct, frozen=True, omit_defaults=True, array_like=True):
@@ -20,13 +22,21 @@ class Constraint(msgspec.Struct, frozen=True, omit_defaults=True, array_like=Tru
     kind: json_object (any JSON object), json_schema (spec: the schema's JSON text), regex
     (spec: the pattern), choice (spec: a JSON list of strings), grammar (spec: GBNF/EBNF
     text), structural_tag (spec: an xgrammar structural-tag JSON, e.g. free text with
-    triggered tool calls)."""
+    triggered tool calls).
+
+    thinking: where the constraint starts. "" (default): at the first output token; "open":
+    the output starts inside a thinking block, the constraint holds after its `</think>`;
+    "may_open": the output may first write a whole block (`<think>` ... `</think>`). The
+    thinking itself is free (engine/grammar.py, `thinking_tag`)."""
     kind: str
     spec: str = ""
+    thinking: str = ""
 
     def __post_init__(self) -> None:
         _check(self.kind in CONSTRAINT_KINDS, "constraint.kind",
                f"must be one of {', '.join(CONSTRAINT_KINDS)}", self.kind)
+        _check(self.thinking in THINKING_STARTS, "constraint.thinking",
+               f"must be one of {', '.join(map(repr, THINKING_STARTS))}", self.thinking)
 
 
 # Every generated character is checked against each stop string: bound their number and size.

@@ -521,8 +521,11 @@ class _Choice:
         self.tools = tool_format(job.tool_format).new_parser(list(job.tools)) \
             if job.parse_tools else None
         self.reasoning_format = pipeline.reasoning if job.parse_reasoning else None
+        prompt_tail = "" if self.reasoning_format is None else \
+            _prompt_tail(pipeline.recipe, job.prompt_token_ids)
         self.reasoning = None if self.reasoning_format is None else \
-            self.reasoning_format.new_parser(_prompt_tail(pipeline.recipe, job.prompt_token_ids))
+            self.reasoning_format.new_parser(prompt_tail)
+        self.params = self._after_thinking(job.params, prompt_tail)
         self.output_ids: list[int] = []
         self.num_reasoning_tokens = 0
         self.num_cuts = 0
@@ -541,8 +544,17 @@ class _Choice:
         self.queue_s = 0.0
         self.deadline = 0.0
 
+    def _after_thinking(self, params: SamplingParams, prompt_tail: str) -> SamplingParams:
+        """params whose output constraint (if any) holds after the thinking block, where the
+        output is parsed for reasoning: the answer is constrained, the thinking is not."""
+        if params.constraint is None or self.reasoning_format is None:
+            return params
+        start = self.reasoning_format.constraint_start(prompt_tail)
+        constraint = msgspec.structs.replace(params.constraint, thinking=start)
+        return msgspec.structs.replace(params, constraint=constraint)
+
     def add_request(self) -> AddRequest:
-        job, params = self.job, self.job.params
+        job, params = self.job, self.params
         req_id = job.req_id if job.n == 1 else f"{job.req_id}-{self.sample}"
         if self.sample and params.seed is not None:  # n samples of one seed: vary it
             params = msgspec.structs.replace(params, seed=(params.seed + self.sample) % 2**63)

@@ -97,6 +97,16 @@ class ReasoningFormat:
             return None
         return start > end
 
+    def constraint_start(self, prompt_tail: str = "") -> str:
+        """Where an output constraint starts (`Constraint.thinking`), as `new_parser` reads the
+        block: "open" after the block the output starts in, "may_open" after a block the
+        output may write first (qwen3), "" at once where the prompt closed the block
+        (`enable_thinking: false`: the template wrote an empty one)."""
+        opened = self.opens_in_prompt(prompt_tail)
+        if opened is False:
+            return ""
+        return "open" if opened or self.name == "deepseek_r1" else "may_open"
+
     def new_parser(self, prompt_tail: str = "") -> ReasoningParser:
         """The parser of one output stream after a prompt ending in `prompt_tail` (its last
         tokens decoded with special tokens kept)."""
