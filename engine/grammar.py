@@ -213,6 +213,24 @@ class _Block:
         return False
 
 
+class _Vocab:
+    """The bytes of each token as the grammar engine reads them, and the think markers it
+    reads only as special tokens (no text): those are matched, and read, as their ids."""
+
+    def __init__(self, info, tokenizer) -> None:
+        self._decoded = info.decoded_vocab  # token id -> bytes
+        ids = tokenizer.get_vocab()
+        special = set(info.special_token_ids)
+        self.special_markers = {m: ids[m] for m in (START, END) if ids.get(m) in special}
+        self._marker_of = {token_id: m for m, token_id in self.special_markers.items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        marker = self._marker_of.get(token_id)
+        if marker is not None:
+            return marker.encode()
+        return self._decoded[token_id] if token_id < len(self._decoded) else b""
+
+
 class _Matcher:
     def __init__(self, matcher, banned: torch.Tensor | None, block: _Block | None) -> None:
         self.matcher = matcher
@@ -255,8 +273,7 @@ class Grammars:
         self._lock = threading.Lock()  # compile times: appended in the compile thread
         self._compiler = None
         self._control_ids: torch.Tensor | None = None  # [vocab] bool, see JSON_KINDS
-        self._decoded_vocab: list[bytes] = []  # token id -> its bytes, as the grammar reads it
-        self._special_markers: dict[int, str] = {}  # think markers the grammar has no text for
+        self._vocab: _Vocab | None = None  # the tokens' bytes, as the grammar reads them
         self._tag_control_ids: torch.Tensor | None = None  # the same but "\n", TAG_KINDS
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiled: collections.OrderedDict[str, Future] = collections.OrderedDict()
@@ -328,22 +345,17 @@ class Grammars:
         kind = "structural_tag" if constraint.thinking else constraint.kind
         banned = self._control_ids if kind in JSON_KINDS else \
             self._tag_control_ids if kind in TAG_KINDS else None
-        block = _Block(constraint.thinking, self._token_bytes) if constraint.thinking else None
+        block = _Block(constraint.thinking, self._vocab.token_bytes) \
+            if constraint.thinking else None
         return _Matcher(self._new_matcher(compiled), banned, block)
-
-    def _token_bytes(self, token_id: int) -> bytes:
-        marker = self._special_markers.get(token_id)
-        if marker is not None:
-            return marker.encode()
-        return self._decoded_vocab[token_id] if token_id < len(self._decoded_vocab) else b""
 
     def _compile(self, constraint: Constraint):
         start = time.perf_counter()
         compiler = self._get_compiler()
         kind, spec = constraint.kind, constraint.spec
         if constraint.thinking:
-            markers = {text: token_id for token_id, text in self._special_markers.items()}
-            compiled = compiler.compile_structural_tag(thinking_tag(constraint, markers))
+            compiled = compiler.compile_structural_tag(
+                thinking_tag(constraint, self._vocab.special_markers))
         elif kind == "json_object":
             compiled = compiler.compile_json_schema(JSON_OBJECT, any_whitespace=False,
                                                     strict_mode=False)
@@ -374,8 +386,7 @@ class Grammars:
                                              self.stop_token_ids)
             self._tag_control_ids = _tokens_with(info, set(range(0x20)) - {0x0A},
                                                  self.vocab_size, self.stop_token_ids)
-            self._decoded_vocab = info.decoded_vocab
-            self._special_markers = _special_markers(tokenizer, info)
+            self._vocab = _Vocab(info, tokenizer)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
@@ -500,14 +511,6 @@ def _bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     import xgrammar as xgr
 
     return xgr.allocate_token_bitmask(num_rows, vocab_size)
-
-
-def _special_markers(tokenizer, info) -> dict[int, str]:
-    """The think markers that are one token the grammar engine reads as special (no text):
-    token id -> marker."""
-    vocab = tokenizer.get_vocab()
-    special = set(info.special_token_ids)
-    return {vocab[m]: m for m in (START, END) if vocab.get(m) in special}
 
 
 def _tokens_with(info, banned_bytes: set[int], vocab_size: int,

@@ -8,6 +8,9 @@ grammar refuses the scripted token the output ends (end of output, when the gram
 it). So a script that repeats a tool call shows what the constraint lets through; a script
 the grammar can neither take nor end is a test error, never a silent pass. max_tokens cuts
 the output as the engine does (finish reason length).
+With `sees_output` the script is `script(prompt_text, output_text)`: `output_text` is what
+the request's output already holds (a thinking-budget continuation brings the thinking so far
+and the closing marker, which the grammar replays as the engine's does).
 
 The recipe is real: a tiny byte-level BPE tokenizer (tests/structured/conftest.py, trained
 here, no hub) with SmolLM2's Hermes tool-calling template (frontend/templates/), so prompts,
@@ -43,22 +46,25 @@ def recipe_grammars(recipe: Recipe) -> Grammars:
 
 
 class SteeredEngine(FakeEngineClient):
-    def __init__(self, recipe: Recipe, script, grammars: Grammars) -> None:
+    def __init__(self, recipe: Recipe, script, grammars: Grammars,
+                 sees_output: bool = False) -> None:
         super().__init__(max_model_len=4096)
         self.recipe, self.script, self.grammars = recipe, script, grammars
+        self.sees_output = sees_output
         self.eos = recipe.eos_token_ids[0]
 
     async def _deltas(self, msg: AddRequest):
-        prompt = self.recipe.decode(msg.prompt_token_ids, skip_special_tokens=False)
-        wanted = self.recipe.encode_reply_start(self.script(prompt)) + [self.eos]
-        req = types.SimpleNamespace(req_id=msg.req_id, params=msg.params, output_token_ids=[])
+        num_brought = len(msg.output_token_ids)
+        wanted = self.recipe.encode_reply_start(self._script(msg)) + [self.eos]
+        req = types.SimpleNamespace(req_id=msg.req_id, params=msg.params,
+                                    output_token_ids=list(msg.output_token_ids))
         if msg.params.constraint is not None:
             self.grammars.submit(req)
             ready, failed = self.grammars.take_ready()
             assert ready == [req] and not failed, failed
         try:
-            for i in range(msg.params.max_tokens):
-                token_id = self._next(req, wanted[i])
+            for i in range(num_brought, msg.params.max_tokens):
+                token_id = self._next(req, wanted[i - num_brought])
                 if token_id == self.eos:
                     yield self._delta(msg, [], FinishReason.STOP)
                     return
@@ -67,6 +73,13 @@ class SteeredEngine(FakeEngineClient):
                 yield self._delta(msg, [token_id], FinishReason.LENGTH if is_last else None)
         finally:
             self.grammars.free(req.req_id)
+
+    def _script(self, msg: AddRequest) -> str:
+        prompt = self.recipe.decode(msg.prompt_token_ids, skip_special_tokens=False)
+        if not self.sees_output:
+            return self.script(prompt)
+        return self.script(prompt, self.recipe.decode(msg.output_token_ids,
+                                                      skip_special_tokens=False))
 
     def _next(self, req, token_id: int) -> int:
         """The scripted token where the grammar takes it, else end of output."""
@@ -87,9 +100,10 @@ class SteeredEngine(FakeEngineClient):
 
 
 async def start_server(recipe: Recipe, script, grammars: Grammars, started: list,
+                       sees_output: bool = False,
                        **options) -> tuple[SteeredEngine, TestClient]:
     """(the engine, a started TestClient) of the real app over SteeredEngine."""
-    engine = SteeredEngine(recipe, script, grammars)
+    engine = SteeredEngine(recipe, script, grammars, sees_output)
     state = AppState(engine, recipe, ServerOptions(**options))
     client = TestClient(TestServer(build_app(state), host="127.0.0.1"))
     await client.start_server()
