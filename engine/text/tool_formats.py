@@ -21,7 +21,10 @@ at its `</parameter>` (its type comes from the tool's schema, `new_parser(tools)
 needs all of its text to be typed). The others stream text until their start marker, then
 hold the rest and parse it whole at the end: nothing marks where one of their calls ends
 while it is written (a JSON or Python value is only known whole once it closes), so the call
-events come at once, after the last token. A held tail that is not a call is sent as text.
+events come at once, after the last token. A held tail that is not a call is sent as text;
+one the output ended inside (max_tokens) is a cut call, never text with markup, as Hermes'
+is: left out when it ended before its arguments began, else a call whose arguments are as
+written (not whole JSON: a whole response leaves it out, tool_parser.without_cut_call).
 `detect_tool_format` names the format a chat template writes, where only one fits.
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ import re
 from typing import Callable
 
 from duplex.engine.text.tool_parser import (HermesFormat, TextDelta, ToolCallArgsDelta, ToolCallEnd,
-                                     ToolCallParser, ToolCallStart, _partial_tag, new_call_id)
+                                     ToolCallParser, ToolCallStart, _final_args, _json_string,
+                                     _partial_tag, new_call_id)
 
 _DECODER = json.JSONDecoder()
 
@@ -64,6 +68,8 @@ class _HeldCallParser:
         return [TextDelta(out)] if out else []
 
     def finish(self) -> list:
+        """The held text's calls (an empty list: a call cut before its arguments, dropped),
+        or the text itself when it is not calls."""
         if self._held is None:
             return [TextDelta(self._pending)] if self._pending else []
         calls = self._parse(self._held)
@@ -78,23 +84,53 @@ class _HeldCallParser:
 
 def _json_calls(text: str, args_keys: tuple[str, ...], separators: str) -> list | None:
     """Consecutive JSON objects {"name": ..., <args key>: {...}} separated by `separators`
-    characters and blanks -> [(name, arguments JSON)], or None if the text is not that."""
+    characters and blanks -> [(name, arguments JSON)], or None if the text is not that.
+    Where the text ends inside an object (a cut call), that call is left out, or kept with
+    its arguments as written once they began (`_cut_call`); `text` is what follows a call
+    marker, so an empty one is a call cut before it began."""
     calls, pos = [], 0
-    while pos < len(text):
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
+            pos += 1
+        if pos == len(text):  # no call at all: a marker the output ended after, cut
+            return calls
         try:
             value, pos = _DECODER.raw_decode(text, pos)
         except ValueError:
-            return None
-        items = value if isinstance(value, list) else [value]
-        for item in items:
+            return _cut_call(calls, text[pos:], args_keys)
+        for item in value if isinstance(value, list) else [value]:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return None
             args = next((item[k] for k in args_keys if k in item), {})
             calls.append((item["name"], args if isinstance(args, str)
                           else json.dumps(args, ensure_ascii=False)))
-        while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
-            pos += 1
-    return calls or None
+
+
+def _cut_call(calls: list, rest: str, args_keys: tuple[str, ...]) -> list | None:
+    """`calls` and the call `rest` was cut in (it starts a call's JSON object but never
+    closes): with its arguments as written when its name and arguments began, else none;
+    None when `rest` is not the start of a call (the text is not calls)."""
+    keys = "|".join(re.escape(k) for k in args_keys)
+    header = re.match(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:' + keys +
+                      r')"\s*:\s*(?=\S)', rest)
+    name = _json_string(header[1]) if header else None
+    if name is not None:
+        return calls + [(name, _final_args(rest[header.end():]))]
+    return calls if _HEADER_PREFIX.fullmatch(rest) else None
+
+
+def _prefixes(pieces: list[str]) -> re.Pattern:
+    """A pattern matching every prefix of the concatenation of `pieces` (regexes)."""
+    pattern = ""
+    for piece in reversed(pieces):
+        pattern = piece + (f"(?:{pattern})?" if pattern else "")
+    return re.compile(pattern)
+
+
+# every start of a call object up to its arguments: `{"name": "f", "parameters": `
+_HEADER_PREFIX = _prefixes([r"\{\s*", '"', "n", "a", "m", "e", r'"\s*', r":\s*",
+                            r'"(?:[^"\\]|\\.)*', r'"\s*', r",\s*", r'"[a-z]*', r'"\s*',
+                            r":\s*"])
 
 
 class Llama3JsonFormat:
@@ -131,8 +167,9 @@ class MistralFormat:
 
     @staticmethod
     def new_parser(tools: list[dict] | None = None) -> _HeldCallParser:
+        # the array's brackets and commas read as separators: a cut array keeps its whole calls
         return _HeldCallParser(("[TOOL_CALLS]", '[{"name"'), lambda text: _json_calls(
-            text.replace("[TOOL_CALLS]", ""), ("arguments", "parameters"), ""))
+            text.replace("[TOOL_CALLS]", ""), ("arguments", "parameters"), "[,]"))
 
 
 _PYTHONIC_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\(")

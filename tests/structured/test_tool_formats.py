@@ -87,3 +87,68 @@ def test_a_required_call_is_valid_in_each_constrained_format(engine, tiny_model,
             [(n, json.loads(a)) for n, a in streamed.values()]
     finally:
         api.close_app()
+
+
+def _events(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """(text, [(name, arguments as written)]): cut calls' arguments need not be JSON."""
+    parser = TOOL_FORMATS[name].new_parser()
+    events = [e for p in pieces for e in parser.push(p)] + parser.finish()
+    calls: dict[int, list[str]] = {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            calls[e.index] = [e.name, ""]
+        elif isinstance(e, ToolCallArgsDelta):
+            calls[e.index][1] += e.json_text
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), \
+        [tuple(c) for c in calls.values()]
+
+
+TIME, OSLO = ("get_time", '{"timezone": "UTC"}'), \
+    ("get_weather", '{"city": "Oslo", "unit": "celsius"}')
+CUT_CASES = {
+    "llama3_json": [
+        ('{"name": "get_time", "parameters": {"timezone": "UTC"}}; {"name": "get_weather", '
+         '"parameters": {"city": "Os', ("", [TIME, ("get_weather", '{"city": "Os')])),
+        ('{"name": "get_time", "parameters": {"timezone": "UTC"}}; {"name": "get_wea',
+         ("", [TIME])),
+        ('{"name": "get_time", "parameters": {"timezone": "UTC"}', ("", [TIME])),
+        ('Hi. {"name": "get_time", "param', ("Hi. ", [])),
+        ('<|python_tag|>', ("", [])),
+        ('A {"name" is a key}', ('A {"name" is a key}', [])),
+    ],
+    "mistral": [
+        ('Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"timezone": "UTC"}}, '
+         '{"name": "get_weather", "arguments": {"city": "Os',
+         ("Sure.", [TIME, ("get_weather", '{"city": "Os')])),
+        ('Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"timezone": "UTC"}}, {"na',
+         ("Sure.", [TIME])),
+        ('Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"timezone": "UTC"}}',
+         ("Sure.", [TIME])),
+        ("Sure.[TOOL_CALLS][", ("Sure.", [])),
+        ("Sure.[TOOL_CALLS] is a token", ("Sure.[TOOL_CALLS] is a token", [])),
+    ],
+}
+
+
+@pytest.mark.parametrize("name,case", [(n, c) for n, cases in CUT_CASES.items()
+                                       for c in cases])
+def test_a_cut_call_is_never_text_with_markup(name, case):
+    text, expected = case
+    assert _events(name, [text]) == expected
+    for cut in range(len(text) + 1):
+        assert _events(name, [text[:cut], text[cut:]]) == expected
+
+
+@pytest.mark.parametrize("name", ["llama3_json", "mistral"])
+def test_every_cut_of_a_sample_keeps_whole_calls_and_no_markup(name):
+    """From its whole start marker on (a partial marker at the end stays text, as Hermes' does)."""
+    sample = SAMPLES[name]
+    marker = '{"name"' if name == "llama3_json" else "[TOOL_CALLS]"
+    start = sample.find(marker)
+    whole = [TIME, OSLO]
+    for cut in range(start + len(marker), len(sample) + 1):
+        text, calls = _events(name, [sample[:cut]])
+        assert text == sample[:start], cut
+        for written, expected in zip(calls, whole):  # all but a cut last one are whole
+            assert written == expected or (written is calls[-1] and written[0] == expected[0]
+                                           and expected[1].startswith(written[1])), cut
