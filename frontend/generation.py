@@ -17,6 +17,11 @@ block, its engine stream is closed and the request continues as a new one whose 
 already holds the tokens so far plus the block's closing text (`AddRequest.output_token_ids`,
 the same path a resumed stream takes): the engine closes the block, the answer follows, and
 the prompt and the tokens so far are prefix-cache hits.
+
+Where a job's output is parsed for reasoning, its output constraint (JSON schema, regex,
+grammar, tool calls) holds for the answer only: `Constraint.thinking` says where the block
+starts as the parser reads it, and the worker's grammar begins after `</think>`
+(engine/grammar.py), so a budget cut's closing text leads into the constrained answer.
 """
 from __future__ import annotations
 
