@@ -4,6 +4,11 @@
     w = dequant(type_id, raw, k)             -> fp32 [N, k]
     y = linear(type_id, raw, k, x)           x [M, k] fp32 -> [M, N] fp32, for a few rows
 
+`linear` on a block type (Q4_0 ... Q6_K) quantizes x to int8 with one scale per 32 inputs,
+as llama.cpp and the VNNI kernel do, and sums weights and activations in integers
+(`quantize_x` is that step alone, which the tests hold the kernel to); F16/BF16/F32 rows
+are dotted in fp32.
+
 The C library is portable (no AVX512 needed). Without a C compiler (or DUPLEX_GGUF_C=0) the
 same functions run on the `gguf` package's numpy dequantizers, which are also the reference
 the tests hold the C code to.
@@ -65,12 +70,32 @@ def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Te
     if not available():
         return x @ reference_dequant(type_id, raw, k).T
     out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
-    rc = _load().gg_linear(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k, x.data_ptr(),
-                           x.stride(0), x.shape[0], out.data_ptr(), raw.shape[0],
-                           torch.get_num_threads())
+    if TYPES[type_id][1] == 1:  # F16 / BF16 / F32: fp32 dots
+        rc = _load().gg_linear(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
+                               x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
+                               raw.shape[0], torch.get_num_threads())
+    else:
+        xq, dx, xs = quantize_x(x)
+        rc = _load().gg_linear_q8(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
+                                  xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), x.shape[0],
+                                  out.data_ptr(), raw.shape[0], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"gg_linear refused {TYPES[type_id][0]} [{raw.shape[0]}, {k}]")
     return out
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x `[M, k]` fp32 -> xq int8 `[M, k]` = round(x / dx), dx fp32 `[M, k/32]` = max|x| / 127
+    over each 32, xs int32 `[M, k/16]` = sums of xq over each 16 (the C library's)."""
+    m, k = x.shape
+    assert k % 32 == 0 and x.stride(1) == 1, f"x [M, 32j] with contiguous rows, got {tuple(x.shape)}"
+    xq = torch.empty(m, k, dtype=torch.int8)
+    dx = torch.empty(m, k // 32, dtype=torch.float32)
+    xs = torch.empty(m, k // 16, dtype=torch.int32)
+    if _load().gg_quantize_x(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), dx.data_ptr(),
+                             xs.data_ptr()) != 0:
+        raise RuntimeError(f"gg_quantize_x refused x {tuple(x.shape)}")
+    return xq, dx, xs
 
 
 def reference_dequant(type_id: int, raw: torch.Tensor, k: int) -> torch.Tensor:
@@ -101,4 +126,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_dequant.restype = lib.gg_linear.restype = ctypes.c_int
     lib.gg_dequant.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, ctypes.c_int]
     lib.gg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
+    lib.gg_quantize_x.restype = lib.gg_linear_q8.restype = ctypes.c_int
+    lib.gg_quantize_x.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+    lib.gg_linear_q8.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P, _P, _I, _P, _I,
+                                 ctypes.c_int]
     return lib

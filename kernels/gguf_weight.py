@@ -17,6 +17,9 @@ activations would add their rounding to every prompt token. The dense bf16 copy 
 used to keep for this (2 bytes a weight beside the ~0.6 of the file) is opt-in:
 DUPLEX_DENSE_WEIGHTS=1 keeps one per weight and logs what it costs.
 
+A GGUF token embedding is a `GGUFWeight` too (`lookup(ids)` dequantizes only the rows asked
+for), and a tied output head is the same object: the table's bytes are held once.
+
 Inside `quant.prompt_step()` every M takes the tiled path, so a prompt's numbers do not
 depend on how much of it came from the prefix cache.
 """
@@ -34,6 +37,7 @@ log = logging.getLogger("duplex.kernels")
 
 GEMV_ROWS = 8  # the row kernel's limit: from here the tiled GEMM is faster (measured)
 TILE_BYTES = 1 << 20  # fp32 rows dequantized at a time: about an L2 cache
+MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
 _BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
          "Q5_K": 5}
 _dense_bytes = 0  # what the opt-in dense copies hold, all weights together (logged)
@@ -67,6 +71,7 @@ class GGUFWeight(QuantWeight):
         self._vnni: cpu_qgemv.Packed | None = None
         self._vnni_pointers = None
         self._dtype = torch.float32
+        self.dtype = torch.float32  # what lookup() returns (the model's dtype when an embedding)
 
     # ------------------------------------------------------------------ construction
     def can_cat(self, weights: list) -> bool:
@@ -105,6 +110,11 @@ class GGUFWeight(QuantWeight):
     # ------------------------------------------------------------------ use
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return cpu_gguf.dequant(self.type_id, self.raw, self.shape[1]).to(dtype)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows: ids `[T]` -> `[T, K]` in self.dtype, from those rows' bytes only."""
+        rows = self.raw.index_select(0, ids.reshape(-1).to(torch.long))
+        return cpu_gguf.dequant(self.type_id, rows, self.shape[1]).to(self.dtype)
 
     def vnni_layout(self) -> cpu_qgemv.Packed | None:
         if self._packed is None:
@@ -149,7 +159,13 @@ class GGUFWeight(QuantWeight):
 
     def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[M, K]` fp32 -> `[M, N]`: a tile of output rows is dequantized to fp32 (about
-        TILE_BYTES, so it stays in cache) and multiplied by torch's GEMM."""
+        TILE_BYTES, so it stays in cache) and multiplied by torch's GEMM. Fewer than MIN_ROWS
+        rows are padded with zeros: torch takes another kernel for a few rows, whose sums
+        differ in the last bits, and a prompt's numbers must not depend on how many of its
+        tokens came from the prefix cache (int8 activations after it would magnify them)."""
+        m = rows.shape[0]
+        if m < MIN_ROWS:
+            return self._tiled(torch.cat([rows, rows.new_zeros(MIN_ROWS - m, rows.shape[1])]))[:m]
         n, k = self.shape
         step = max(16, TILE_BYTES // (4 * k))
         if step >= n:

@@ -254,7 +254,8 @@ def concat_weights(weights: list) -> torch.Tensor | QuantWeight:
 
 
 def embedding(input_ids: torch.Tensor, table: torch.Tensor | QuantEmbedding) -> torch.Tensor:
-    """Rows of an embedding table `[vocab, hidden]`, dequantized if it is quantized."""
-    if isinstance(table, QuantEmbedding):
+    """Rows of an embedding table `[vocab, hidden]`, dequantized if it is quantized (a
+    QuantEmbedding or a GGUF file's own blocks, kernels.gguf_weight)."""
+    if not isinstance(table, torch.Tensor):
         return table.lookup(input_ids)
     return torch.nn.functional.embedding(input_ids, table)

@@ -97,7 +97,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
-        h = F.embedding(input_ids, self.embed) * self.embed_scale  # [T, hidden]
+        h = ops.embedding(input_ids, self.embed) * self.embed_scale  # [T, hidden]
         residual = None
         for i, (layer, window) in enumerate(zip(self.layers, self.layer_windows)):
             cos_sin = self.cos_sin if window is None else self.local_cos_sin

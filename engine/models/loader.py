@@ -161,7 +161,7 @@ def _gguf_tensor(t, name: str, args: ModelArgs, dtype: torch.dtype, quant: str):
     """One GGUF tensor as the model will hold it: quantized or dequantized to `dtype`."""
     from gguf import dequantize
 
-    from duplex.engine.models.gguf_quant import quantized_linear
+    from duplex.engine.models.gguf_quant import OWN_BITS_TYPES, gguf_weight, quantized_linear
 
     type_name = t.tensor_type.name
     shape = _shape(t)
@@ -170,8 +170,13 @@ def _gguf_tensor(t, name: str, args: ModelArgs, dtype: torch.dtype, quant: str):
         weight = quantized_linear(type_name, t.data, shape[-1], permute, quant, dtype)
         if weight is not None:
             return weight
-    if quant != "none" and name == "model.embed_tokens.weight" and type_name == "Q8_0":
-        return QuantEmbedding(*unpack_q8_0(t.data, shape[-1]), dtype=dtype)
+    if name == "model.embed_tokens.weight":
+        if quant == "auto" and type_name in OWN_BITS_TYPES:  # rows dequantized when looked up
+            table = gguf_weight(type_name, t.data, shape[-1], lambda rows: rows)
+            table.dtype = dtype
+            return table
+        if quant != "none" and type_name == "Q8_0":
+            return QuantEmbedding(*unpack_q8_0(t.data, shape[-1]), dtype=dtype)
     array = permute(dequantize(t.data, t.tensor_type).reshape(shape))
     tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
     tensor = tensor - gguf_file.norm_offset(name, args)
@@ -183,7 +188,10 @@ def _gguf_tensor(t, name: str, args: ModelArgs, dtype: torch.dtype, quant: str):
 
 
 def _tied_head(embed, quant: str) -> QuantWeight:
-    """The output head of a tied-embedding model, quantized like the file's embedding."""
+    """The output head of a tied-embedding model: a GGUF table's own blocks (the same
+    object: one copy of the bytes), else quantized like the file's embedding."""
+    if isinstance(embed, QuantWeight):
+        return embed
     table = embed.dequantize() if isinstance(embed, QuantEmbedding) else embed.float()
     return quantize_float(table, "int8" if quant == "auto" else quant, quant == "auto")
 

@@ -15,7 +15,7 @@ from duplex.engine.core import EngineCore
 from duplex.kernels import gguf_weight, quant
 from duplex.engine.sampling_params import SamplingParams
 from duplex.kernels.gguf_weight import GGUFWeight
-from duplex.kernels.quant import FusedWeight, QuantEmbedding, QuantWeight
+from duplex.kernels.quant import FusedWeight, QuantWeight
 from tests.engine.conftest import make_core, run_engine
 
 # stated in README.md ("Weight precision"); measured by `duplex bench quality`
@@ -43,8 +43,11 @@ def test_auto_keeps_the_files_bits(default_model):
     assert isinstance(layer.attn.qkv_weight, GGUFWeight) and layer.attn.qkv_weight.bits == 4
     assert layer.attn.qkv_weight.type_name == "Q4_1" and layer.attn.qkv_weight.dense is None
     assert isinstance(layer.mlp.down_weight, QuantWeight)
-    assert isinstance(core.model.embed, QuantEmbedding)  # Q8_0 rows, dequantized on lookup
-    assert isinstance(core.model.lm_head, QuantWeight) and core.model.lm_head.bits == 8
+    # the Q8_0 table's own blocks, rows dequantized on lookup, and the tied head is that
+    # same object: the table's bytes are held once
+    assert isinstance(core.model.embed, GGUFWeight) and core.model.embed.type_name == "Q8_0"
+    assert core.model.lm_head is core.model.embed and core.model.embed.dense is None
+    assert core.model.embed.dtype == torch.float32
     assert core.dtype == torch.float32  # activations stay fp32; the KV cache is bf16
     assert core.kv_dtype == core.runner.kv.dtype == torch.bfloat16
 
@@ -141,8 +144,11 @@ def test_mixed_types_run_with_their_own_bits_and_match_the_dequantized_model(mix
     got, want = run_engine(auto, prompts, params), run_engine(exact, prompts, params)
     for req in want:
         assert got[req][0] == want[req][0]
-        torch.testing.assert_close(torch.tensor(got[req][1]), torch.tensor(want[req][1]),
-                                   rtol=0, atol=1e-4)  # fp32 kernels: sums in other orders
+        logprobs, reference = torch.tensor(got[req][1]), torch.tensor(want[req][1])
+        # the prompt step: fp32 tiles, sums in other orders; decode steps: the row kernel's
+        # int8 activations (about 1 % of each dot product)
+        torch.testing.assert_close(logprobs[0], reference[0], rtol=0, atol=1e-4)
+        torch.testing.assert_close(logprobs[1:], reference[1:], rtol=0, atol=5e-2)
 
 
 def test_types_without_a_kernel_are_dequantized_and_said_once(caplog):

@@ -1,7 +1,8 @@
 """kernels.cpu_gguf / kernels.gguf_weight: every GGUF type the engine runs with its own bits,
-against the `gguf` package's numpy dequantizer on the same bytes and an fp32 matmul, at
-decode row counts (the row kernel) and prompt row counts (the tiled GEMM); and fused
-projections whose parts have different types (quant.FusedWeight)."""
+against the `gguf` package's numpy dequantizer on the same bytes and an fp64 matmul, at
+decode row counts (the row kernel: block types on int8 activations, so the reference takes
+x rounded the same way, written here in torch) and prompt row counts (the tiled GEMM, fp32
+x); and fused projections whose parts have different types (quant.FusedWeight)."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,9 +36,29 @@ def raw_rows(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
-def reference(type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Tensor:
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` as the row kernel sees it: int8 q = round(x * 127 / max|x|) (fp32, half to
+    even) with the scale max|x| / 127, per 32 inputs; fp64 `[M, K]` q * scale."""
+    q, scale = int8_blocks(x)
+    return (q.double() * scale.double()).reshape(x.shape)
+
+
+def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0)
+    return (blocks * inv).round(), amax / 127
+
+
+def on_int8_rows(type_name: str, m: int) -> bool:
+    """Whether a decode step of m rows takes the row kernel on int8 activations."""
+    return cpu_gguf.TYPES[cpu_gguf.TYPE_IDS[type_name]][1] > 1 and m <= gguf_weight.GEMV_ROWS
+
+
+def reference(type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor,
+              int8_x: bool = False) -> torch.Tensor:
     w = cpu_gguf.reference_dequant(cpu_gguf.TYPE_IDS[type_name], raw, k)
-    return x.double() @ w.double().T
+    return (int8_rounded(x) if int8_x else x.double()) @ w.double().T
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -62,7 +83,23 @@ def test_linear_matches_dequantized_fp32(type_name, m, monkeypatch):
     x = torch.randn(m, k)
     out = ops.linear(x, w)
     assert out.shape == (m, n) and out.dtype == torch.float32 and w.dense is None
-    assert_close(out, reference(type_name, raw, k, x))
+    assert_close(out, reference(type_name, raw, k, x, on_int8_rows(type_name, m)))
+
+
+def test_int8_activations():
+    """The C library's rounding is the reference's (round half to even, a zero block stays
+    zero), and what it costs against fp32 inputs is int8's rounding, about 0.5 %."""
+    x = torch.randn(3, 256) * torch.logspace(-3, 2, 256)
+    x[1, 32:64] = 0
+    xq, dx, xs = cpu_gguf.quantize_x(x)
+    q, scale = int8_blocks(x)
+    assert torch.equal(xq.reshape(3, -1, 32).float(), q) and torch.equal(dx, scale[..., 0])
+    assert torch.equal(xs, xq.reshape(3, -1, 16).sum(-1, dtype=torch.int32))
+    raw = raw_rows("Q4_K", 64, 256)
+    x = torch.randn(2, 256)
+    full = reference("Q4_K", raw, 256, x)
+    err = (cpu_gguf.linear(cpu_gguf.TYPE_IDS["Q4_K"], raw, 256, x).double() - full).norm()
+    assert err / full.norm() < 2e-2
 
 
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q6_K"])
@@ -75,6 +112,17 @@ def test_prompt_step_takes_the_tiled_path_at_any_row_count(type_name):
         one = ops.linear(x, w)
     assert torch.equal(one, w._tiled(x))
     assert_close(one, reference(type_name, raw, k, x))
+
+
+def test_a_prompt_rows_numbers_do_not_depend_on_the_rows_beside_it():
+    """The tiled path (every prompt step) gives each row the same bits whether it comes alone,
+    as a prefix-cache hit's few new tokens, or inside a long prompt."""
+    k = 576
+    w = GGUFWeight(cpu_gguf.TYPE_IDS["Q4_1"], raw_rows("Q4_1", 1536, k), k, with_dense=False)
+    x = torch.randn(300, k)
+    full = w._tiled(x)
+    for start, end in ((0, 1), (16, 21), (3, 9), (7, 71), (3, 300)):
+        assert torch.equal(w._tiled(x[start:end].contiguous()), full[start:end]), (start, end)
 
 
 def test_bias_out_dtype_and_leading_dims():
@@ -128,7 +176,8 @@ def test_mixed_types_in_one_fused_projection(m):
     out = ops.linear(x, fused, bias)
     assert out.shape == (m, 152)
     gguf_parts = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()]).double()
-    assert_close(out[:, :128], x.double() @ gguf_parts.T + bias[:128].double())
+    xr = int8_rounded(x) if on_int8_rows("Q4_K", m) else x.double()
+    assert_close(out[:, :128], xr @ gguf_parts.T + bias[:128].double())
     # the int4 part is its own kernel's (bf16 activations where torch's kernel runs)
     assert torch.equal(out[:, 128:144], int4.linear(x) + bias[128:144])
     assert_close(out[:, 144:], x.double() @ dense.double().T + bias[144:].double())
