@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from frontend_fakes import FakeEngineClient, FakeRecipe
+from reasoning_support import reasoning_recipes
 
 from duplex.frontend.server import AppState, ServerOptions, build_app
 
@@ -44,3 +45,9 @@ async def make_harness():
 @pytest.fixture
 async def harness(make_harness) -> Harness:
     return await make_harness()
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory):
+    """The R1-Distill and Qwen3 reasoning recipes (reasoning_support.py), by name."""
+    return reasoning_recipes(tmp_path_factory)

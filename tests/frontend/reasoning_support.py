@@ -9,6 +9,10 @@ continuation differently from a fresh request.
 """
 from __future__ import annotations
 
+import contextlib
+
+import anthropic
+import openai
 from aiohttp.test_utils import TestClient, TestServer
 from frontend_fakes import FakeEngineClient
 
@@ -45,3 +49,29 @@ async def start_server(recipe: Recipe, script, started: list, **options):
     await client.start_server()
     started.append(client)
     return state, client
+
+
+def openai_sdk(client: TestClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
+
+
+def anthropic_sdk(client: TestClient) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=str(client.make_url("")), api_key="none",
+                                    max_retries=0)
+
+
+@contextlib.asynccontextmanager
+async def sdk_servers(sdk):
+    """make(recipe, script, **options) -> (the app's state, sdk(its TestClient)); every server
+    made is closed on exit."""
+    started: list = []
+
+    async def make(recipe, script, **options):
+        state, client = await start_server(recipe, script, started, **options)
+        return state, sdk(client)
+
+    try:
+        yield make
+    finally:
+        for client in started:
+            await client.close()

@@ -5,26 +5,13 @@ from __future__ import annotations
 
 import openai
 import pytest
-from reasoning_support import reasoning_recipes, start_server
-
-
-@pytest.fixture(scope="module")
-def recipes(tmp_path_factory):
-    return reasoning_recipes(tmp_path_factory)
+from reasoning_support import sdk_servers, openai_sdk
 
 
 @pytest.fixture
 async def serve():
-    started: list = []
-
-    async def make(recipe, script, **options):
-        state, client = await start_server(recipe, script, started, **options)
-        return state, openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none",
-                                         max_retries=0)
-
-    yield make
-    for client in started:
-        await client.close()
+    async with sdk_servers(openai_sdk) as make:
+        yield make
 
 
 def r1_answer(prompt: str, output: str) -> str:

@@ -6,14 +6,9 @@ import json
 
 import jsonschema
 import pytest
-from reasoning_support import reasoning_recipes, start_server
+from reasoning_support import start_server
 
 from duplex.frontend.protocol import ws_json_schema
-
-
-@pytest.fixture(scope="module")
-def recipes(tmp_path_factory):
-    return reasoning_recipes(tmp_path_factory)
 
 
 @pytest.fixture

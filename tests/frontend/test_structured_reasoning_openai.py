@@ -10,7 +10,6 @@ import json
 
 import openai
 import pytest
-from reasoning_support import reasoning_recipes
 from steered_support import recipe_grammars, start_server
 
 ASK = [{"role": "user", "content": "Which city?"}]
@@ -21,11 +20,6 @@ THINKING = "They ask {which} city; not JSON yet."
 ANSWER = '{"city": "Paris"}'
 R1_REPLY = THINKING + "\n</think>\n\n" + ANSWER + " and more text"
 QWEN_REPLY = "<think>\n" + R1_REPLY
-
-
-@pytest.fixture(scope="module")
-def recipes(tmp_path_factory):
-    return reasoning_recipes(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

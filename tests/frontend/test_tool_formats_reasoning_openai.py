@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
-from reasoning_support import reasoning_recipes, start_server
+from reasoning_support import sdk_servers, openai_sdk
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -25,23 +24,10 @@ QWEN_REPLY = ("<think>\nA call: <tool_call> with <function=get_weather>.\n</thin
               "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
 
 
-@pytest.fixture(scope="module")
-def recipes(tmp_path_factory):
-    return reasoning_recipes(tmp_path_factory)
-
-
 @pytest.fixture
 async def serve():
-    started: list = []
-
-    async def make(recipe, script, **options):
-        state, client = await start_server(recipe, script, started, **options)
-        return state, openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none",
-                                         max_retries=0)
-
-    yield make
-    for client in started:
-        await client.close()
+    async with sdk_servers(openai_sdk) as make:
+        yield make
 
 
 async def streamed(sdk) -> tuple[str, str, dict, list[str], str]:
