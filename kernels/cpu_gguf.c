@@ -33,8 +33,11 @@
  *
  *                (Q6_K has a scale per 16: each half of the 32 has its own a and c). With
  *                AVX2 the integer sums are vpmaddubsw/vpmaddwd, 32 products an instruction,
- *                read straight from the nibbles for Q4_0/Q4_1/Q4_K/Q8_0; the other types are
+ *                read straight from the blocks for Q4_0/Q4_1/Q8_0; the other types are
  *                expanded to bytes first. Without AVX2 the same sums run as plain C.
+ *
+ * One unpacking of every block type (expand_block: bytes q and factors a, c) serves both
+ * the int8 dots and the dequantizer (w = a q + c).
  */
 #include <math.h>
 #include <stdint.h>
@@ -95,67 +98,66 @@ static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
     }
 }
 
-static void block32(int type, const uint8_t *b, float *y) {
+/* A 32-weight sub-block as w = a[h] q + c[h] over its halves h (16 weights each). */
+typedef struct { float a[2], c[2]; } factors;
+
+/* Expand one ggml block (32 or 256 weights) into q [bs] bytes (unsigned; Q8_0's are its
+ * int8 values) and one `factors` per 32. */
+static void expand_block(int type, const uint8_t *b, uint8_t *q, factors *f) {
+    if (type == GG_Q4_K || type == GG_Q5_K) {
+        int five = type == GG_Q5_K;
+        float d = f16_at(b), dmin = f16_at(b + 2);
+        const uint8_t *qh = b + 16, *ql = five ? b + 48 : b + 16;
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(j, b + 4, &sc, &mn);
+            f[j].a[0] = f[j].a[1] = d * (float)sc;
+            f[j].c[0] = f[j].c[1] = -dmin * (float)mn;
+            const uint8_t *p = ql + 32 * (j / 2);
+            int shift = (j & 1) * 4;
+            for (int i = 0; i < 32; i++)
+                q[32 * j + i] = (uint8_t)(((p[i] >> shift) & 0x0F) |
+                                          (five ? ((qh[i] >> j) & 1) << 4 : 0));
+        }
+        return;
+    }
+    if (type == GG_Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        float d = f16_at(b + 208);
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++) {
+                const uint8_t *p = ql + 64 * h + 32 * (s & 1);
+                int shift = (s >> 1) * 4, sb = 4 * h + s;
+                for (int i = 0; i < 32; i++)
+                    q[32 * sb + i] = (uint8_t)(((p[i] >> shift) & 0x0F) |
+                                               (((qh[32 * h + i] >> (2 * s)) & 3) << 4));
+                for (int half = 0; half < 2; half++) {
+                    f[sb].a[half] = d * (float)scales[2 * sb + half];
+                    f[sb].c[half] = -32.0f * f[sb].a[half];
+                }
+            }
+        return;
+    }
     float d = f16_at(b), m = 0.0f;
     const uint8_t *qs;
     uint32_t qh = 0;
     switch (type) {
-    case GG_Q8_0:
-        for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
-        return;
+    case GG_Q8_0: memcpy(q, b + 2, 32); m = 0.0f; break;
     case GG_Q4_0: qs = b + 2; m = -8.0f * d; break;
     case GG_Q4_1: qs = b + 4; m = f16_at(b + 2); break;
     case GG_Q5_0: memcpy(&qh, b + 2, 4); qs = b + 6; m = -16.0f * d; break;
     default: /* Q5_1 */ m = f16_at(b + 2); memcpy(&qh, b + 4, 4); qs = b + 8; break;
     }
-    if (type == GG_Q4_0 || type == GG_Q4_1) {  /* no fifth bit: the loop vectorizes */
-        for (int j = 0; j < 16; j++) {
-            y[j] = d * (float)(qs[j] & 0x0F) + m;
-            y[j + 16] = d * (float)(qs[j] >> 4) + m;
-        }
-        return;
-    }
+    f->a[0] = f->a[1] = d;
+    f->c[0] = f->c[1] = m;
+    if (type == GG_Q8_0) return;
     for (int j = 0; j < 16; j++) {
-        int lo = (qs[j] & 0x0F) | (int)(((qh >> j) & 1) << 4);
-        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
-        y[j] = d * (float)lo + m;
-        y[j + 16] = d * (float)hi + m;
+        q[j] = (uint8_t)((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
+        q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
     }
 }
 
-static void block_q4_q5_k(int five, const uint8_t *b, float *y) {
-    float d = f16_at(b), dmin = f16_at(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *ql = five ? b + 48 : b + 16;
-    for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        scale_min_k4(j, scales, &sc, &mn);
-        float ds = d * (float)sc, dm = dmin * (float)mn;
-        const uint8_t *q = ql + 32 * (j / 2);
-        int shift = (j & 1) * 4;
-        for (int i = 0; i < 32; i++) {
-            int v = (q[i] >> shift) & 0x0F;
-            if (five) v |= ((qh[i] >> j) & 1) << 4;
-            y[32 * j + i] = ds * (float)v - dm;
-        }
-    }
-}
-
-static void block_q6_k(const uint8_t *b, float *y) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *scales = (const int8_t *)(b + 192);
-    float d = f16_at(b + 208);
-    for (int h = 0; h < 2; h++) {
-        for (int s = 0; s < 4; s++) {  /* sub-block of 32: 4h + s */
-            const uint8_t *q = ql + 64 * h + 32 * (s & 1);
-            int shift = (s >> 1) * 4;
-            for (int i = 0; i < 32; i++) {
-                int v = ((q[i] >> shift) & 0x0F) | (((qh[32 * h + i] >> (2 * s)) & 3) << 4);
-                int e = 128 * h + 32 * s + i;
-                y[e] = d * (float)scales[e / 16] * (float)(v - 32);
-            }
-        }
-    }
-}
 
 static int block_size(int type) {
     switch (type) {
@@ -174,20 +176,30 @@ static int block_bytes(int type) {
     return type >= 0 && type <= 30 ? bytes[type] : 0;
 }
 
-/* One row of k weights -> y [k] fp32. */
+/* One row of k weights -> y [k] fp32: each block expanded to bytes and factors (as the
+ * int8 dots read it), then w = a q + c (Q6_K: a (q - 32), gguf's order of operations). */
 static void dequant_row(int type, const uint8_t *row, int64_t k, float *y) {
     int64_t i;
     switch (type) {
     case GG_F32: memcpy(y, row, (size_t)k * 4); return;
     case GG_F16: for (i = 0; i < k; i++) y[i] = f16_at(row + 2 * i); return;
     case GG_BF16: for (i = 0; i < k; i++) y[i] = bf16_at(row + 2 * i); return;
-    case GG_Q4_K: case GG_Q5_K:
-        for (i = 0; i < k / 256; i++) block_q4_q5_k(type == GG_Q5_K, row + i * block_bytes(type),
-                                                    y + 256 * i);
-        return;
-    case GG_Q6_K: for (i = 0; i < k / 256; i++) block_q6_k(row + 210 * i, y + 256 * i); return;
-    default:
-        for (i = 0; i < k / 32; i++) block32(type, row + i * block_bytes(type), y + 32 * i);
+    }
+    uint8_t q[256];
+    factors f[8];
+    int bs = block_size(type), bb = block_bytes(type);
+    for (i = 0; i < k / bs; i++) {
+        expand_block(type, row + i * bb, q, f);
+        for (int h = 0; h < bs / 16; h++) {  /* halves of 16: the loops vectorize */
+            float a = f[h / 2].a[h & 1], c = f[h / 2].c[h & 1], *out = y + i * bs + 16 * h;
+            const uint8_t *p = q + 16 * h;
+            if (type == GG_Q6_K)
+                for (int j = 0; j < 16; j++) out[j] = a * (float)(p[j] - 32);
+            else if (type == GG_Q8_0)
+                for (int j = 0; j < 16; j++) out[j] = a * (float)(int8_t)p[j];
+            else
+                for (int j = 0; j < 16; j++) out[j] = a * (float)p[j] + c;
+        }
     }
 }
 
@@ -265,66 +277,6 @@ int gg_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *xq,
     for (int64_t i = 0; i < m; i++)
         quantize_row(x + i * ldx, k, xq + i * k, dx + i * (k / 32), xs + i * (k / 16));
     return 0;
-}
-
-/* A 32-weight sub-block as w = a[h] q + c[h] over its halves h (16 weights each). */
-typedef struct { float a[2], c[2]; } factors;
-
-/* Expand one ggml block (32 or 256 weights) into q [bs] bytes (unsigned; Q8_0's are its
- * int8 values) and one `factors` per 32. */
-static void expand_block(int type, const uint8_t *b, uint8_t *q, factors *f) {
-    if (type == GG_Q4_K || type == GG_Q5_K) {
-        int five = type == GG_Q5_K;
-        float d = f16_at(b), dmin = f16_at(b + 2);
-        const uint8_t *qh = b + 16, *ql = five ? b + 48 : b + 16;
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(j, b + 4, &sc, &mn);
-            f[j].a[0] = f[j].a[1] = d * (float)sc;
-            f[j].c[0] = f[j].c[1] = -dmin * (float)mn;
-            const uint8_t *p = ql + 32 * (j / 2);
-            int shift = (j & 1) * 4;
-            for (int i = 0; i < 32; i++)
-                q[32 * j + i] = (uint8_t)(((p[i] >> shift) & 0x0F) |
-                                          (five ? ((qh[i] >> j) & 1) << 4 : 0));
-        }
-        return;
-    }
-    if (type == GG_Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        float d = f16_at(b + 208);
-        for (int h = 0; h < 2; h++)
-            for (int s = 0; s < 4; s++) {
-                const uint8_t *p = ql + 64 * h + 32 * (s & 1);
-                int shift = (s >> 1) * 4, sb = 4 * h + s;
-                for (int i = 0; i < 32; i++)
-                    q[32 * sb + i] = (uint8_t)(((p[i] >> shift) & 0x0F) |
-                                               (((qh[32 * h + i] >> (2 * s)) & 3) << 4));
-                for (int half = 0; half < 2; half++) {
-                    f[sb].a[half] = d * (float)scales[2 * sb + half];
-                    f[sb].c[half] = -32.0f * f[sb].a[half];
-                }
-            }
-        return;
-    }
-    float d = f16_at(b), m = 0.0f;
-    const uint8_t *qs;
-    uint32_t qh = 0;
-    switch (type) {
-    case GG_Q8_0: memcpy(q, b + 2, 32); m = 0.0f; break;
-    case GG_Q4_0: qs = b + 2; m = -8.0f * d; break;
-    case GG_Q4_1: qs = b + 4; m = f16_at(b + 2); break;
-    case GG_Q5_0: memcpy(&qh, b + 2, 4); qs = b + 6; m = -16.0f * d; break;
-    default: /* Q5_1 */ m = f16_at(b + 2); memcpy(&qh, b + 4, 4); qs = b + 8; break;
-    }
-    f->a[0] = f->a[1] = d;
-    f->c[0] = f->c[1] = m;
-    if (type == GG_Q8_0) return;
-    for (int j = 0; j < 16; j++) {
-        q[j] = (uint8_t)((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
-        q[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
-    }
 }
 
 #if defined(__AVX2__)
