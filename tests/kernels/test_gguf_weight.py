@@ -46,7 +46,9 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, 0)
+    # 127 / amax as C divides (a Python number over a tensor is a reciprocal times 127 in
+    # torch, one ulp off at times)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
     return (blocks * inv).round(), amax / 127
 
 
