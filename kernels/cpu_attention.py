@@ -13,11 +13,11 @@ exact float32 mode or under batch invariance. fp32 caches, no soft cap, head_dim
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
+from duplex.kernels import switches
 from duplex.kernels.cpu_fused import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -28,7 +28,7 @@ _ENTRY = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attenti
 
 def available() -> bool:
     """Whether the kernel runs here (DUPLEX_CPU_ATTENTION=0 turns it off, for comparisons)."""
-    return os.environ.get("DUPLEX_CPU_ATTENTION", "1") != "0" and _load() is not False
+    return not switches.is_off("DUPLEX_CPU_ATTENTION") and _load() is not False
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, soft_cap: float | None) -> bool:

@@ -14,12 +14,12 @@ layout without biases, fp32 or bf16 caches, full attention. The model decides wh
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from duplex.kernels import switches
 from duplex.kernels.cpu_fused import load_library
 from duplex.kernels.cpu_qgemv import Packed
 
@@ -65,7 +65,7 @@ class LayerWeights:
 
 
 def available() -> bool:
-    return os.environ.get("DUPLEX_FUSED_DECODE", "1") != "0" and _load() is not False
+    return not switches.is_off("DUPLEX_FUSED_DECODE") and _load() is not False
 
 
 class DecodeStack:

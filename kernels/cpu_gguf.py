@@ -16,12 +16,12 @@ the tests hold the C code to.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from duplex.kernels import switches
 from duplex.kernels.cpu_fused import load_library
 
 # ggml type id -> (name, weights per block, bytes per block)
@@ -43,7 +43,7 @@ def row_bytes(type_id: int, k: int) -> int:
 
 
 def available() -> bool:
-    return os.environ.get("DUPLEX_GGUF_C", "1") != "0" and _load() is not False
+    return not switches.is_off("DUPLEX_GGUF_C") and _load() is not False
 
 
 def dequant(type_id: int, raw: torch.Tensor, k: int, out: torch.Tensor | None = None

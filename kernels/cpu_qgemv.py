@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from duplex.kernels import memory
+from duplex.kernels import memory, switches
 from duplex.kernels.cpu_fused import load_library
 
 log = logging.getLogger("duplex.kernels")
@@ -67,7 +66,7 @@ class Packed:
 
 def available() -> bool:
     """Whether the kernel runs here (DUPLEX_QGEMV=0 turns it off, for comparisons)."""
-    return os.environ.get("DUPLEX_QGEMV", "1") != "0" and _load() is not False
+    return not switches.is_off("DUPLEX_QGEMV") and _load() is not False
 
 
 def fits(n: int, k: int) -> bool:

@@ -26,11 +26,10 @@ depend on how much of it came from the prefix cache.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from duplex.kernels import cpu_gguf, cpu_qgemv, memory, quant
+from duplex.kernels import cpu_gguf, cpu_qgemv, memory, quant, switches
 from duplex.kernels.quant import QuantWeight
 
 log = logging.getLogger("duplex.kernels")
@@ -45,7 +44,7 @@ _dense_bytes = 0  # what the opt-in dense copies hold, all weights together (log
 
 def dense_by_default() -> bool:
     """DUPLEX_DENSE_WEIGHTS=1: every GGUF weight also keeps a bf16 copy for big batches."""
-    return os.environ.get("DUPLEX_DENSE_WEIGHTS", "0") == "1"
+    return switches.value("DUPLEX_DENSE_WEIGHTS") == "1"
 
 
 class GGUFWeight(QuantWeight):

@@ -34,11 +34,10 @@ packing is per output row block, so it cannot be concatenated afterwards.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from duplex.kernels import cpu_qgemv, memory
+from duplex.kernels import cpu_qgemv, memory, switches
 from duplex.kernels.cpu_fused import cpu_flags
 
 INT4_GROUP = 32  # GGUF's block size; also what the int4 CPU kernel supports (32..256)
@@ -52,8 +51,8 @@ def vnni_rows() -> int:
     bf16 GEMM wins from ~16 rows, so 12; without (AMD Zen 5, avx512_bf16) the VNNI kernel is
     faster through 64 (the decode step at 16 rows 0.57x, at 64 0.92x the bf16 one's).
     DUPLEX_VNNI_ROWS sets it, for comparisons."""
-    if os.environ.get("DUPLEX_VNNI_ROWS"):
-        return int(os.environ["DUPLEX_VNNI_ROWS"])
+    if switches.value("DUPLEX_VNNI_ROWS"):
+        return int(switches.value("DUPLEX_VNNI_ROWS"))
     return 12 if b" amx_bf16" in cpu_flags() else 64
 
 
@@ -299,7 +298,7 @@ class FusedWeight(QuantWeight):
 def prepack_dense(w: torch.Tensor) -> torch.Tensor:
     """A bf16 `[N, K]` weight in oneDNN's blocked layout for `dense_linear` (an mkldnn
     tensor), or `w` itself where torch has no oneDNN or `DUPLEX_ONEDNN_PACK=0`."""
-    if os.environ.get("DUPLEX_ONEDNN_PACK", "1") == "0" or not torch.backends.mkldnn.is_available():
+    if switches.is_off("DUPLEX_ONEDNN_PACK") or not torch.backends.mkldnn.is_available():
         return w
     try:
         return torch.ops.mkldnn._reorder_linear_weight(w, 64)  # 64: the batch it is tuned for

@@ -12,12 +12,11 @@ Qwen2 and Qwen3 (engine/models/qwen.py) and Gemma 3 (engine/models/gemma3.py) bu
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from duplex.engine.models.args import ModelArgs
-from duplex.kernels import cpu_decode, cpu_fused, ops, quant
+from duplex.kernels import cpu_decode, cpu_fused, ops, quant, switches
 from duplex.kernels.batch_invariant import is_batch_invariant
 from duplex.kernels.quant import QuantWeight
 from duplex.kernels.attention import AttentionPlan, plan_attention
@@ -250,7 +249,7 @@ class LlamaForCausalLM:
             self._stream_rows = stream_rows(self) or False
         if not self._stream_rows or h.dtype != torch.float32 or ops.runs_triton(h) \
                 or not cpu_fused.is_enabled() or is_batch_invariant() \
-                or os.environ.get("DUPLEX_BF16_STREAM", "1") == "0":
+                or switches.is_off("DUPLEX_BF16_STREAM"):
             return None
         return torch.bfloat16 if quant.in_prompt_step() or h.shape[0] >= self._stream_rows \
             else None

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 from tokenizers import AddedToken, Tokenizer
 
+from duplex.kernels import switches
+
 # Tokens that close a turn in common chat formats; one counts as an end token of a model when it
 # is one of the tokenizer's added tokens and its chat template writes it.
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
@@ -74,13 +76,13 @@ def _load_gguf(path: str):
 def _gguf_cache_dir(path: str) -> Path | None:
     """Where the converted tokenizer of a GGUF file is kept, keyed by the file's identity and
     the transformers version; None when caching is off (DUPLEX_TOKENIZER_CACHE=0)."""
-    if os.environ.get("DUPLEX_TOKENIZER_CACHE", "1") == "0":
+    if switches.is_off("DUPLEX_TOKENIZER_CACHE"):
         return None
     import transformers
 
     stat = os.stat(path)
     key = f"{_CACHE_LAYOUT}|{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    root = Path(os.environ.get("DUPLEX_CACHE_DIR") or Path.home() / ".cache" / "duplex")
+    root = Path(switches.value("DUPLEX_CACHE_DIR") or Path.home() / ".cache" / "duplex")
     return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 

@@ -1,0 +1,90 @@
+"""The DUPLEX_* environment switches of the engine's code paths, read here and nowhere else.
+
+Two kinds, neither a serve setting (a serve setting is a flag and a config field):
+
+    developer    turn one kernel or fast path off, or retune it, to compare it with its
+                 fallback (the defaults are the measured best; docs/BENCHMARKS.md)
+    environment  where this machine keeps Duplex's own cache files, like HF_HOME: one
+                 value per machine, shared by every command and the offline API
+
+`duplex serve --print-config` lists each with its value and where it came from. A served worker
+takes its server's values from its config (engine.config.WorkerConfig.switches, applied with
+`apply` before the kernels load), not from its own environment. `kernels` imports nothing of
+ours, so this table sits here and the engine and the tokenizer read it too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    name: str  # the environment variable
+    default: str  # "" where the default is worked out where it is read
+    kind: str  # "developer" | "environment"
+    help: str
+
+
+SWITCHES = (
+    Switch("DUPLEX_QGEMV", "1", "developer",
+           "0: the int4 VNNI row kernel off (kernels/cpu_qgemv.py)"),
+    Switch("DUPLEX_CPU_ATTENTION", "1", "developer",
+           "0: the C decode attention off (kernels/cpu_attention.py)"),
+    Switch("DUPLEX_FUSED_DECODE", "1", "developer",
+           "0: the fused batch-1 decode layer off (kernels/cpu_decode.py)"),
+    Switch("DUPLEX_GGUF_C", "1", "developer",
+           "0: the C GGUF row kernels off, torch dequantizes (kernels/cpu_gguf.py)"),
+    Switch("DUPLEX_ONEDNN_PACK", "1", "developer",
+           "0: bf16 dense copies stay plain, not oneDNN-blocked (kernels/quant.py)"),
+    Switch("DUPLEX_VNNI_ROWS", "", "developer",
+           "most rows the VNNI kernel takes before the bf16 copy (empty: 12 with AMX, else 64)"),
+    Switch("DUPLEX_DENSE_WEIGHTS", "0", "developer",
+           "1: every GGUF weight also keeps a bf16 copy, to measure what one costs "
+           "(kernels/gguf_weight.py)"),
+    Switch("DUPLEX_BF16_STREAM", "1", "developer",
+           "0: layers pass fp32 between fused kernels (bitwise the same results; "
+           "engine/models/llama.py)"),
+    Switch("DUPLEX_TOKENIZER_CACHE", "1", "environment",
+           "0: a GGUF file's converted tokenizer is not cached (engine/text/tokenizer.py)"),
+    Switch("DUPLEX_CACHE_DIR", "", "environment",
+           "root of Duplex's cache files (empty: ~/.cache/duplex)"),
+)
+_BY_NAME = {s.name: s for s in SWITCHES}
+_applied: dict[str, str] = {}  # a served worker's values from its config
+
+
+def value(name: str) -> str:
+    """The switch's value: applied by a served worker's config, else the environment's, else
+    its default."""
+    if name in _applied:
+        return _applied[name]
+    return os.environ.get(name, _BY_NAME[name].default)
+
+
+def is_off(name: str) -> bool:
+    """Whether an on-by-default switch is turned off (set to 0)."""
+    return value(name) == "0"
+
+
+def source(name: str) -> str:
+    if name in _applied:
+        return "config"
+    return "env" if name in os.environ else "default"
+
+
+def current() -> tuple[tuple[str, str], ...]:
+    """Every switch's value now, as the (name, value) pairs a worker's config carries."""
+    return tuple((s.name, value(s.name)) for s in SWITCHES)
+
+
+def apply(values: Iterable[tuple[str, str]]) -> None:
+    """Take these values over the environment's (a served worker: its server's switches).
+    Call it before the kernels load: some are read once, at import."""
+    values = dict(values)
+    unknown = sorted(set(values) - set(_BY_NAME))
+    if unknown:
+        raise ValueError(f"unknown switches: {', '.join(unknown)} (known: "
+                         f"{', '.join(_BY_NAME)})")
+    _applied.update(values)
