@@ -19,6 +19,7 @@ from duplex.engine.messages import AddRequest, FinishReason, RequestDelta, Token
 from duplex.engine.sampling_params import SamplingParams
 from duplex.engine.text.messages import Chat
 from duplex.engine.text.output import OutputStream
+from duplex.engine.text.reasoning import template_variables
 
 
 @dataclasses.dataclass
@@ -65,6 +66,23 @@ class _Tracker:
                              self.num_cached, self.stop_reason)
 
 
+# variables the renderer sets itself: never a chat_template_kwargs key (as the server's
+# frontend/generation.py template_kwargs)
+_RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents",
+                               "strftime_now", "raise_exception"})
+
+
+def _template_kwargs(kwargs: dict | None, template: str | None) -> dict:
+    """`kwargs` where the template reads every key; else a ValueError naming the key."""
+    readable = template_variables(template) - _RENDER_VARIABLES if template else frozenset()
+    for key in kwargs or {}:
+        if key not in readable:
+            raise ValueError(f"chat_template_kwargs.{key}: the chat template reads no "
+                             f"variable {key!r}" + (f" (it reads {', '.join(sorted(readable))})"
+                                                    if readable else ""))
+    return dict(kwargs or {})
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
                  tokenizer: bool = True, progress: bool = True, **engine_kwargs) -> None:
@@ -90,13 +108,20 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             tools: list[dict] | None = None, use_tqdm: bool = False,
+             chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`chat_template` replaces the model's; `chat_template_kwargs` are variables the
+        template reads (e.g. enable_thinking), each key checked as the server checks it."""
         if self.recipe is None:
             raise ValueError("LLM.chat needs the tokenizer (LLM(tokenizer=True))")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        variables = _template_kwargs(chat_template_kwargs,
+                                     chat_template or self.recipe.template)
         # user dicts: validated here, once (engine/text/messages.py)
-        token_lists = [self.recipe.encode_chat(Chat.from_dicts(c, tools))
+        token_lists = [self.recipe.encode_chat(Chat.from_dicts(c, tools),
+                                               template=chat_template, variables=variables)
                        for c in conversations]
         return self._run(token_lists, params, use_tqdm)
 

@@ -1,5 +1,6 @@
 """The offline API on the default model: its text is the recipe's decode of its token ids,
-stop strings cut it as a whole-text cut would, and chats are encoded by the recipe."""
+stop strings cut it as a whole-text cut would, and chats are encoded by the recipe, with
+the variables of `chat_template_kwargs` where the template reads them."""
 from __future__ import annotations
 
 import pytest
@@ -51,3 +52,31 @@ def test_chat_is_encoded_by_the_recipe(llm):
     out = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert out.prompt_token_ids == llm.recipe.encode_chat(Chat.from_dicts(chat))
     assert out.text == llm.recipe.decode(out.token_ids)
+
+
+# the default template with a variable of its own, as a model's `enable_thinking`
+PERSONA_TEMPLATE = ("{{ '<|im_start|>system\\n' + persona + '<|im_end|>\\n' }}"
+                    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+                    " + '<|im_end|>\\n' }}{% endfor %}{{ '<|im_start|>assistant\\n' }}")
+
+
+def test_chat_template_kwargs_are_the_template_variables(llm):
+    chat = [{"role": "user", "content": "Say hi"}]
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    out = llm.chat(chat, params, chat_template=PERSONA_TEMPLATE,
+                   chat_template_kwargs={"persona": "You are a pirate."})[0]
+    assert llm.recipe.decode(out.prompt_token_ids, skip_special_tokens=False) == (
+        "<|im_start|>system\nYou are a pirate.<|im_end|>\n<|im_start|>user\nSay hi<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert len(out.token_ids) == 2
+
+
+@pytest.mark.parametrize("template, reads", [(None, ""),
+                                             (PERSONA_TEMPLATE, " (it reads persona)")])
+def test_a_key_the_template_does_not_read_is_refused_by_name(llm, template, reads):
+    chat = [{"role": "user", "content": "Say hi"}]
+    with pytest.raises(ValueError) as e:
+        llm.chat(chat, SamplingParams(max_tokens=2), chat_template=template,
+                 chat_template_kwargs={"enable_thinking": False})
+    assert str(e.value) == ("chat_template_kwargs.enable_thinking: the chat template reads no "
+                            "variable 'enable_thinking'" + reads)
