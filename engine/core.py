@@ -46,7 +46,7 @@ from duplex.engine.messages import AddRequest, FinishReason, RequestDelta, Worke
 from duplex.engine.model_runner import Feed, ModelRunner
 from duplex.engine.models import build_model, load
 from duplex.engine.platform import Platform, place, resolve
-from duplex.engine.request import PENDING, Request, Status
+from duplex.engine.request import PENDING, Request, Status, Stop
 from duplex.engine.sampler import Draws, Sampler, take_rows
 from duplex.engine.scheduler import Scheduler, SchedulerOutput
 from duplex.engine.spec import Speculator
@@ -241,15 +241,26 @@ class EngineCore:
         """End these requests (unknown ids are skipped); each one's final delta, finish
         "abort" with `error` (why: engine.deadlines, a shutdown), leads the next step's."""
         for req_id in req_ids:
-            req = self.requests.pop(req_id, None)
+            req = self.requests.get(req_id)
             if req is None:
                 continue
             self._counters["aborted"] += 1
-            self.grammar.free(req_id)
-            self.scheduler.remove(req)
-            if self.spec is not None:
-                self.spec.free(req)
-            self._pending_deltas.append(_delta(req, [], [], FinishReason.ABORT, error=error))
+            self.finish(req, FinishReason.ABORT)
+            self._pending_deltas.append(_delta(req, [], [], error=error))
+
+    def finish(self, req: Request, reason: FinishReason, stop_token: int | None = None) -> None:
+        """End req, whatever ended it (a stop, its length, an abort, an error): the one way
+        out. Its grammar, drafter state, queue place and KV blocks are released once each,
+        then the request takes its finish reason. Only finished requests that were not
+        aborted count their cached prompt tokens."""
+        self.requests.pop(req.req_id, None)
+        self.grammar.free(req.req_id)
+        if self.spec is not None:
+            self.spec.free(req)
+        self.scheduler.remove(req)  # its queue place and KV blocks
+        req.finish(reason, stop_token)
+        if reason != FinishReason.ABORT:
+            self._counters["cached"] += max(0, req.num_cached_tokens)
 
     def has_request(self, req_id: str) -> bool:
         """Whether req_id runs here (added, neither finished nor aborted yet)."""
@@ -378,38 +389,33 @@ class EngineCore:
             if req.status is Status.FINISHED:  # aborted, or ended while this step flew
                 continue
             out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
-            delta = None if out is None else self._append(req, out)
+            appended = None if out is None else self._append(req, out)
             if req.spec_token_ids:
                 # verified: rejected drafts' KV is no longer computed (their slots are
                 # overwritten later); blocks that held only those slots are freed
                 req.rollback()
                 self.kv.trim(req)
             self.kv.publish(req)
-            if delta is None:
+            if appended is None:
                 continue
-            deltas.append(delta)
-            if delta.finish_reason:
-                self._finish(req)
+            num, stop = appended
+            if stop is not None:
+                self.finish(req, *stop)
+            deltas.append(_token_delta(req, out, num))
         return deltas
 
-    def _append(self, req: Request, out: _Sampled) -> RequestDelta:
-        """Append the step's tokens in order; a stop (EOS, stop token, length) on one of
-        them ends the request there and drops the rest."""
-        num, finished = 0, False
-        while num < len(out.token_ids) and not finished:
+    def _append(self, req: Request, out: _Sampled) -> tuple[int, Stop | None]:
+        """Append the step's tokens in order; a stop (EOS, stop token, length, the grammar)
+        on one of them ends the request there and drops the rest. (tokens kept, stop)"""
+        num, stop = 0, None
+        while num < len(out.token_ids) and stop is None:
             index = req.add_token(out.token_ids[num])  # a placeholder's, or a new one
             num += 1
-            finished = req.check_stop(self.max_model_len, index) or \
-                _grammar_ended(self.grammar, req)
-        mask = [i < out.num_accepted for i in range(num)]
-        req.record_drafts(out.num_proposed, sum(mask))
+            stop = req.check_stop(self.max_model_len, index) or \
+                _grammar_stop(self.grammar, req)
+        req.record_drafts(out.num_proposed, min(out.num_accepted, num))
         self._counters["generated"] += num
-        is_rejected = finished and req.finish_reason == FinishReason.ERROR
-        error = "the grammar rejected a token" if is_rejected else ""
-        return _delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
-                           req.finish_reason if finished else None, error=error,
-                           num_draft_proposed=out.num_proposed, num_draft_accepted=sum(mask),
-                           accepted_draft_mask=mask if out.num_proposed else [])
+        return num, stop
 
     def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
         """Requests whose grammar finished compiling join the scheduler; a grammar that
@@ -419,17 +425,8 @@ class EngineCore:
             self.scheduler.add(req)
             self.kv.start_loads(req)
         for req, error in failed:
-            self.requests.pop(req.req_id, None)
-            req.finish_reason = FinishReason.ERROR
-            deltas.append(_delta(req, [], [], FinishReason.ERROR, error=f"grammar: {error}"))
-
-    def _finish(self, req: Request) -> None:
-        self.grammar.free(req.req_id)
-        if self.spec is not None:
-            self.spec.free(req)
-        self.scheduler.remove(req)
-        self.requests.pop(req.req_id, None)
-        self._counters["cached"] += max(0, req.num_cached_tokens)
+            self.finish(req, FinishReason.ERROR)
+            deltas.append(_delta(req, [], [], error=f"grammar: {error}"))
 
     def _load_draft_model(self, path: str):
         loaded = load(resolve_model_path(path), self.dtype, progress=False, quant=self.quant)
@@ -492,9 +489,10 @@ class _Sampled(NamedTuple):
     num_accepted: int  # of which accepted (they lead token_ids)
 
 
-def _delta(req: Request, token_ids, logprobs, finish_reason, error="", **spec) -> RequestDelta:
+def _delta(req: Request, token_ids, logprobs, error="", **spec) -> RequestDelta:
+    """req's delta with these new tokens; a finished request's carries its finish reason."""
     return RequestDelta(
-        req.req_id, token_ids, logprobs, finish_reason, req.stop_reason,
+        req.req_id, token_ids, logprobs, req.finish_reason, req.stop_reason,
         num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=max(0, req.num_cached_tokens),
         cached_tokens_by_tier=req.cached_tokens_by_tier, error=error,
@@ -502,18 +500,27 @@ def _delta(req: Request, token_ids, logprobs, finish_reason, error="", **spec) -
         **spec)
 
 
-def _grammar_ended(grammar: Grammars, req: Request) -> bool:
+def _token_delta(req: Request, out: _Sampled, num: int) -> RequestDelta:
+    """The delta of the first num of a step's tokens (those before a stop)."""
+    num_accepted = min(out.num_accepted, num)
+    rejected = req.finish_reason == FinishReason.ERROR
+    return _delta(req, out.token_ids[:num], [lp for lp in out.logprobs[:num] if lp],
+                  error="the grammar rejected a token" if rejected else "",
+                  num_draft_proposed=out.num_proposed, num_draft_accepted=num_accepted,
+                  accepted_draft_mask=[i < num_accepted for i in range(num)]
+                  if out.num_proposed else [])
+
+
+def _grammar_stop(grammar: Grammars, req: Request) -> Stop | None:
     """A constrained request ends when its grammar is complete (a stop token, or a
     grammar that allows nothing more); a token it rejects ends it with an error."""
     if not grammar.has(req):
-        return False
+        return None
     if not grammar.sync(req):
-        req.finish_reason = FinishReason.ERROR
-        return True
+        return Stop(FinishReason.ERROR)
     if grammar.is_terminated(req):
-        req.finish_reason = req.finish_reason or FinishReason.STOP
-        return True
-    return False
+        return Stop(FinishReason.STOP)
+    return None
 
 
 def _needs_host_tokens(requests) -> bool:

@@ -9,6 +9,8 @@ no other module assigns them): `advance` after a step computed tokens, `restore_
 for a prefix-cache or tier hit, `set_drafts` / `keep_drafts` for
 speculation's draft tokens, `rollback` when verification rejected drafts, `preempt` when
 the scheduler takes the request's KV away, `start_running` / `finish` for the status.
+`check_stop` only says whether a token ends the request (a `Stop`); `finish` is the one
+place its finish reason is set, whatever ended it (a stop, a length, an abort, an error).
 
 Overlapped scheduling (engine/core.py) gives a request tokens before their ids are known:
 `add_token(PENDING)` appends a placeholder for a token a step in flight is drawing on the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +38,12 @@ class Status(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+class Stop(NamedTuple):
+    """Why a request ends: the finish reason, and the stop token that ended it, if any."""
+    reason: FinishReason
+    stop_token: int | None = None
 
 
 class Request:
@@ -168,10 +177,11 @@ class Request:
         self.status = Status.PREEMPTED
         self.num_preemptions += 1
 
-    def finish(self) -> None:
-        """Done (its last token, an abort): placeholders after its last token are dropped,
-        the tokens a step in flight computed past the end."""
+    def finish(self, reason: FinishReason, stop_token: int | None = None) -> None:
+        """Done, for `reason` (its last token, an abort, an error): placeholders after its
+        last token are dropped, the tokens a step in flight computed past the end."""
         self.status = Status.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_token
         if self.num_pending:
             del self.output_token_ids[-self.num_pending:]
             self.num_pending = 0
@@ -198,24 +208,21 @@ class Request:
         self.output_token_ids.append(token_id)
         return self.num_output_tokens - 1
 
-    def check_stop(self, max_model_len: int, index: int | None = None) -> bool:
-        """Set finish_reason from output token `index` (default: the last); True if the
-        request is done there."""
+    def check_stop(self, max_model_len: int, index: int | None = None) -> Stop | None:
+        """Whether output token `index` (default: the last) ends the request, and why;
+        None if it goes on (`finish` ends it)."""
         index = self.num_output_tokens - 1 if index is None else index
         token_id = self.output_token_ids[index]
         num_out = index + 1
         params = self.params
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.finish_reason = FinishReason.STOP
-                return True
+                return Stop(FinishReason.STOP)
             if token_id in params.stop_token_ids:
-                self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
-                return True
+                return Stop(FinishReason.STOP, token_id)
         if num_out >= self.max_tokens or self.num_prompt_tokens + num_out >= max_model_len:
-            self.finish_reason = FinishReason.LENGTH
-            return True
-        return False
+            return Stop(FinishReason.LENGTH)
+        return None
 
 
 PENDING = -1  # the id of a placeholder token (engine.core: overlapped scheduling)

@@ -64,13 +64,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
-        """Take req out of the queues and release its blocks (finish or abort)."""
+        """Take req out of the queues and release its blocks (EngineCore.finish)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        req.finish()
 
     @property
     def has_unfinished(self) -> bool:

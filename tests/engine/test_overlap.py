@@ -233,8 +233,10 @@ def test_placeholders_land_in_order_and_a_finish_drops_the_rest():
     req.add_token(PENDING)
     assert (req.num_pending, req.num_tokens, req.output_token_ids) == (2, 6, [5, -1, -1])
     assert req.add_token(9) == 1 and req.output_token_ids == [5, 9, -1]
-    assert req.check_stop(64, index=1) and req.finish_reason == FinishReason.STOP
-    req.finish()
+    stop = req.check_stop(64, index=1)
+    assert stop == (FinishReason.STOP, None) and req.finish_reason is None
+    req.finish(*stop)
+    assert req.finish_reason == FinishReason.STOP
     assert req.output_token_ids == [5, 9] and req.num_pending == 0
 
 
