@@ -1,7 +1,7 @@
 """Admission by work: how many sequences and prompt tokens the frontend holds, and who runs next.
 
 `WorkAdmission` owns two things (the request count and draining stay with
-`server.Admission`):
+`app_state.Admission`):
 
 * The work bound. Every API request reserves its sequences (prompts x n) and prompt tokens
   (each prompt once: its n samples share the prefix) until its last choice ends. A request

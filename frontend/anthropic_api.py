@@ -1,14 +1,16 @@
 """Anthropic-compatible HTTP API: POST /v1/messages and /v1/messages/count_tokens.
 
 Anthropic messages (system, text / tool_use / tool_result blocks) are converted to the
-OpenAI-shaped dicts the recipe renders; the pipeline's events become content blocks, or the
+normalized chat, and the request to an `Order` for the intake (frontend/intake.py); the
+pipeline's events become content blocks, or the
 SSE sequence message_start, ping, (content_block_start, content_block_delta*,
 content_block_stop)*, message_delta, message_stop; a failed request ends with one `error`
 event instead. With a reasoning parser on, the thinking block comes first as a `thinking`
 content block (`thinking_delta` events); `thinking: {type: enabled, budget_tokens}` is the
 thinking budget, and `thinking` blocks sent back in history are the turn's reasoning. As in
 Anthropic's API, `input_tokens` counts the prompt tokens not read from the cache and
-`cache_read_input_tokens` those that were (zero included). `output_config.format` (a JSON
+`cache_read_input_tokens` those that were (zero included), the same counts in a stream's
+message_start (sent with the first output) as in its message_delta. `output_config.format` (a JSON
 schema) constrains the answer as OpenAI's `response_format` does (frontend/structured.py).
 A tool call cut by max_tokens is left out of a whole message (stop_reason "max_tokens"); a
 stream, which has started its tool_use block, closes it and ends with "max_tokens".
@@ -16,36 +18,34 @@ stream, which has started its tool_use block, closes it and ends with "max_token
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from typing import TYPE_CHECKING, AsyncIterator
 
-import msgspec
 from aiohttp import web
 
 from duplex.engine.messages import FinishReason
 from duplex.engine.text import messages as normalized
 from duplex.engine.text.messages import Chat
-from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import (ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
                                             without_cut_call)
 from duplex.frontend import structured
 from duplex.frontend.errors import invalid
-from duplex.frontend.retention import request_retention
+from duplex.frontend.generation import ChoiceResult, Delta, Event, Usage, collect
+from duplex.frontend.intake import ChatPrompt, Order
 from duplex.frontend.offload import body_size
-from duplex.frontend.generation import (ChoiceResult, Delta, Event, Job, Usage, collect,
-                                 require_thinking, resolve_max_tokens, sampling_params,
-                                 template_kwargs, thinking_budget, thinking_variables)
 from duplex.frontend.protocol import (AnthropicMessage, AnthropicResponse, AnthropicTool,
-                               AnthropicUsage, ContentBlockDelta, ContentBlockStart,
-                               ContentBlockStop, CountTokensRequest, CountTokensResponse,
-                               InputJsonDelta, MessageDelta, MessagesRequest, MessageStart,
-                               MessageStop, Ping, RedactedThinkingBlock, SseStream, StopInfo,
-                               TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
-                               ToolResultBlock, ToolUseBlock, REQ_ID, json_response, read_json)
+                                      AnthropicUsage, ContentBlockDelta, ContentBlockStart,
+                                      ContentBlockStop, CountTokensRequest, CountTokensResponse,
+                                      InputJsonDelta, MessageDelta, MessagesRequest,
+                                      MessageStart, MessageStop, Ping, RedactedThinkingBlock,
+                                      SseStream, StopInfo, TextBlock, TextDelta, ThinkingBlock,
+                                      ThinkingDelta, ToolResultBlock, ToolUseBlock, REQ_ID,
+                                      json_response, read_json)
 
 if TYPE_CHECKING:
-    from duplex.frontend.server import AppState
+    from duplex.frontend.app_state import AppState
 
 log = logging.getLogger("duplex.anthropic")
 
@@ -57,20 +57,21 @@ _STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens
 class AnthropicApi:
     def __init__(self, state: AppState) -> None:
         self.state = state
+        self.intake = state.intake
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/messages", self.messages),
                 web.post("/v1/messages/count_tokens", self.count_tokens)]
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        with self.state.admit():
+        with self.intake.admit():
             body = await read_json(request, MessagesRequest)
-            job, param = await self.state.cpu.run(body_size(request), self._job, request, body)
-            await structured.check(job.params.constraint, param)
+            started = await self.intake.start(request, body_size(request), self._order,
+                                              request, body)
             msg_id = f"msg_{request[REQ_ID]}"
-            async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
+            async with contextlib.aclosing(started.events) as events:
                 if body.stream:
-                    return await _stream(request, msg_id, self.state.model_name, job, events)
+                    return await _stream(request, msg_id, self.state.model_name, events)
                 [result] = await collect(events, 1)
             if result.final.failed:
                 raise result.final.api_error()
@@ -78,78 +79,53 @@ class AnthropicApi:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await read_json(request, CountTokensRequest)
-        ids, _ = await self.state.cpu.run(body_size(request), self._encode, body)
+        ids = await self.intake.prompt_ids(body_size(request), self._order, request, body)
         return json_response(CountTokensResponse(len(ids)))
 
-    def _encode(self, body: CountTokensRequest) -> tuple[list[int], str]:
-        """(prompt ids, the forced start of the reply: a tool call for tool_choice any/tool)."""
-        self.state.check_model(body.model)
-        tools = [tool_dict(t) for t in body.tools] if body.tools else None
+    def _order(self, request: web.Request, body: CountTokensRequest) -> Order:
+        """The intake's order of a request (count_tokens: its prompt part)."""
+        tools = tuple(tool_dict(t) for t in body.tools or [])
         messages = chat_messages(body)
         prefill = bool(body.messages) and body.messages[-1].role == "assistant"
         content = messages[-1]["content"] if prefill else ""
         if content != content.rstrip():
             raise invalid("final assistant content cannot end with trailing whitespace",
                           param=f"messages[{len(body.messages) - 1}].content")
-        ids = self.state.encode_chat(Chat(messages, tools), continue_final_message=prefill,
-                                     variables=self._variables(body))
-        choice = body.tool_choice
-        if not tools or choice is None or choice.type not in ("any", "tool"):
-            return ids, ""
-        names = [t["function"]["name"] for t in tools]
-        if choice.type == "tool" and choice.name not in names:
-            raise invalid(f"tool_choice names {choice.name!r}, which is not in tools",
-                          param="tool_choice")
-        if prefill:
-            raise invalid("an assistant prefill cannot be combined with tool_choice "
-                          f"{choice.type!r}", param="tool_choice")
-        if self.state.options.tool_call_parser != "hermes":
-            return ids, ""  # the grammar alone makes the call (frontend/structured.py)
-        return self.state.force_tool_call(ids, names,
-                                          choice.name if choice.type == "tool" else None)
-
-    def _variables(self, body: CountTokensRequest) -> dict:
-        """The request's chat template variables; thinking disabled switches a template's
-        `enable_thinking` off."""
-        template = self.state.options.chat_template or self.state.recipe.template
-        kwargs = template_kwargs(getattr(body, "chat_template_kwargs", None), template)
+        _check_tool_choice(body.tool_choice, tools, prefill)
         thinking = getattr(body, "thinking", None)
         disabled = thinking is not None and thinking.get("type") == "disabled"
-        return thinking_variables(kwargs, template, "none" if disabled else None)
+        prompt = ChatPrompt(Chat(messages, list(tools) or None), continue_final_message=prefill,
+                            template_kwargs=getattr(body, "chat_template_kwargs", None),
+                            effort="none" if disabled else None)
+        order = Order(req_id=f"msg_{request[REQ_ID]}", model=body.model, prompt=prompt,
+                      sampling={}, tools=tools, tool_choice=_tool_choice_name(body.tool_choice),
+                      parallel_tool_calls=_parallel(body.tool_choice), prefill_tool_call=True)
+        return _with_generation(order, body) if isinstance(body, MessagesRequest) else order
 
-    def _job(self, request: web.Request, body: MessagesRequest) -> tuple[Job, str]:
-        """(the job, the request field its output constraint came from: "" when none)."""
-        state = self.state
-        requested_budget = _thinking_budget(body.thinking)
-        if requested_budget is not None:  # before the prompt: the model decides it
-            require_thinking(state.reasoning, "thinking.budget_tokens")
-        prompt_ids, forced = self._encode(body)
-        max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len)
-        budget = thinking_budget(state.reasoning, requested_budget, None, max_tokens,
-                                 param="thinking.budget_tokens")
-        params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
-                                 top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
-                                 ignore_eos=body.ignore_eos, speculate=body.speculate,
-                                 stop_token_ids=[] if body.ignore_eos else state.stop_token_ids)
-        parse_tools = bool(body.tools) and not (body.tool_choice and
-                                                body.tool_choice.type == "none")
-        fmt = tool_format(state.options.tool_call_parser)
-        constrained = structured.for_chat(structured.from_anthropic(body.output_config),
-                                          [tool_dict(t) for t in body.tools or []],
-                                          fmt, _tool_choice_name(body.tool_choice),
-                                          _parallel(body.tool_choice), forced)
-        if constrained is not None:
-            params = msgspec.structs.replace(params, constraint=constrained.constraint)
-        job = Job(req_id=f"msg_{request[REQ_ID]}", prompt_token_ids=prompt_ids,
-                  forced_text=forced,
-                  params=params, parse_tools=parse_tools, tool_format=fmt.name,
-                  tools=tuple(tool_dict(t) for t in body.tools or []),
-                  # a forced tool call starts the reply: no thinking block to parse
-                  parse_reasoning=state.reasoning is not None and not forced,
-                  thinking_budget=budget,
-                  retention=request_retention(request, body.retention, bool(body.tools)),
-                  cache_salt=state.keys.tenant_salt(request, body.cache_salt))
-        return job, constrained.param if constrained else ""
+
+def _with_generation(order: Order, body: MessagesRequest) -> Order:
+    """The order of /v1/messages: count_tokens' plus what generation needs."""
+    sampling = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    stop=body.stop_sequences, ignore_eos=body.ignore_eos,
+                    speculate=body.speculate)
+    return dataclasses.replace(
+        order, sampling=sampling, max_tokens=body.max_tokens,
+        output_format=structured.from_anthropic(body.output_config),
+        thinking_budget=_thinking_budget(body.thinking), thinking_param="thinking.budget_tokens",
+        retention=body.retention, cache_salt=body.cache_salt)
+
+
+def _check_tool_choice(choice, tools: tuple[dict, ...], prefill: bool) -> None:
+    """tool_choice any / tool: the named tool exists, and no assistant prefill beside it."""
+    if not tools or choice is None or choice.type not in ("any", "tool"):
+        return
+    names = [t["function"]["name"] for t in tools]
+    if choice.type == "tool" and choice.name not in names:
+        raise invalid(f"tool_choice names {choice.name!r}, which is not in tools",
+                      param="tool_choice")
+    if prefill:
+        raise invalid("an assistant prefill cannot be combined with tool_choice "
+                      f"{choice.type!r}", param="tool_choice")
 
 
 # ================================================================ request conversion
@@ -278,6 +254,7 @@ class _Blocks:
     def __init__(self, sse: SseStream) -> None:
         self.sse = sse
         self.num_blocks = 0
+        self.num_events = 0  # pipeline events seen: the first one starts the message
         self.open_text: int | None = None
         self.open_thinking: int | None = None
         self.tool_blocks: dict[int, int] = {}  # tool call index -> block index
@@ -331,16 +308,17 @@ class _Blocks:
         await self.sse.send(event, event=event.__struct_config__.tag)
 
 
-async def _stream(request: web.Request, msg_id: str, model: str, job: Job,
+async def _stream(request: web.Request, msg_id: str, model: str,
                   events: AsyncIterator[Event]) -> web.StreamResponse:
+    """message_start goes out with the first event, whose usage already counts the prompt's
+    cached tokens: it and message_delta report the one usage (`_usage`)."""
     sse = await SseStream.open(request, {"X-Request-Id": request[REQ_ID]})
     blocks = _Blocks(sse)
-    start_usage = AnthropicUsage(len(job.prompt_token_ids), 0, 0, 0)
     with contextlib.suppress(ConnectionResetError):  # client gone: the caller aborts
-        await sse.send(MessageStart(AnthropicResponse(msg_id, model, [], None, None, start_usage)),
-                       event="message_start")
-        await sse.send(Ping(), event="ping")
         async for event in events:
+            if blocks.num_events == 0:
+                await _start(sse, msg_id, model, event.usage)
+            blocks.num_events += 1
             if isinstance(event, Delta):
                 if event.reasoning:
                     await blocks.thinking(event.reasoning)
@@ -358,3 +336,9 @@ async def _stream(request: web.Request, msg_id: str, model: str, job: Job,
                                             _usage(event.usage)), event="message_delta")
                 await sse.send(MessageStop(), event="message_stop")
     return await sse.close()
+
+
+async def _start(sse: SseStream, msg_id: str, model: str, usage: Usage) -> None:
+    await sse.send(MessageStart(AnthropicResponse(msg_id, model, [], None, None, _usage(usage))),
+                   event="message_start")
+    await sse.send(Ping(), event="ping")

@@ -1,4 +1,4 @@
-"""The one per-request pipeline every API shares (OpenAI, Anthropic, WebSocket).
+"""The one per-request pipeline every API shares (the intake, frontend/intake.py, submits to it).
 
     AddRequest ─▶ engine deltas ─▶ OutputStream (detokenize, stop strings)
                ─▶ reasoning parser (thinking | answer) ─▶ tool calls (answer only) ─▶ Delta*, Final
@@ -116,6 +116,9 @@ class Delta:
     num_draft_accepted: int = 0
     accepted_mask: list[bool] = dataclasses.field(default_factory=list)
     reasoning: str = ""  # thinking text (the answer is `text`)
+    # the choice's usage so far (prompt and cached tokens known from the first delta on): the
+    # one count every API reports, at the start of a stream as at its end
+    usage: Usage | None = None
 
 
 @dataclasses.dataclass
@@ -216,18 +219,17 @@ def sampling_params(**fields) -> SamplingParams:
         raise from_sampling_error(e) from None
 
 
-def params_from_fields(fields: SamplingFields, max_tokens: int, stop_token_ids: list[int],
-                       logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the sampling fields the OpenAI APIs and the WebSocket share."""
-    return sampling_params(
-        max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
-        top_k=fields.top_k, min_p=fields.min_p, seed=fields.seed, stop=fields.stop,
+def sampling_fields(fields: SamplingFields, logprobs: int | None = None) -> dict:
+    """The `sampling_params` fields the OpenAI APIs and the WebSocket share (max_tokens and
+    stop_token_ids aside: the intake adds them)."""
+    return dict(
+        temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
+        min_p=fields.min_p, seed=fields.seed, stop=fields.stop,
         presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
         repetition_penalty=fields.repetition_penalty, min_tokens=fields.min_tokens,
         ignore_eos=fields.ignore_eos, skip_special_tokens=fields.skip_special_tokens,
         include_stop_str_in_output=fields.include_stop_str_in_output, logprobs=logprobs,
-        speculate=fields.speculate,
-        stop_token_ids=[] if fields.ignore_eos else stop_token_ids)
+        speculate=fields.speculate)
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
@@ -608,7 +610,8 @@ class _Choice:
         text = self._push_text(close_ids, False)
         reasoning, text = self._parse_reasoning([], text, False)
         text, tool_events = self._parse_tools(text, False)
-        event = Delta(self.index, text, list(close_ids), [], tool_events, reasoning=reasoning)
+        event = Delta(self.index, text, list(close_ids), [], tool_events, reasoning=reasoning,
+                      usage=self._usage())
         return msgspec.structs.replace(msg, req_id=f"{msg.req_id}~think",
                                        output_token_ids=list(self.output_ids)), event
 
@@ -688,7 +691,7 @@ class _Choice:
         logprobs = [self.pipeline.token_info(lp) for lp in delta.logprobs]
         return Delta(self.index, text, list(delta.new_token_ids), logprobs, tool_events,
                      delta.num_draft_proposed, delta.num_draft_accepted,
-                     list(delta.accepted_draft_mask), reasoning)
+                     list(delta.accepted_draft_mask), reasoning, self._usage())
 
 
     def _usage(self) -> Usage:

@@ -1,50 +1,47 @@
 """OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /tokenize.
 
-Each handler validates the body (protocol structs), tokenizes (recipe), builds a `Job` and
+Each handler decodes the body (protocol structs), turns it into an `Order` for the intake
+(frontend/intake.py: render, tokenize, constraints, retention, admission, submit) and
 formats the pipeline's events as `chat.completion` / `text_completion` objects or SSE
 chunks ending with `data: [DONE]`. Usage always carries `prompt_tokens_details.cached_tokens`.
 A choice that fails mid-stream becomes one `{"error": ...}` chunk, then `[DONE]`.
 Tool calls: `content` is null beside them; a call cut by max_tokens is left out of a whole
 completion (finish_reason "length"), while a stream, which has sent its start, ends it with
 finish_reason "length" (engine/text/tool_parser.py: never markup in the content).
+A completion prompt is the caller's whole text: its control tokens' text parses as those
+tokens; a chat's messages never do (frontend/intake.py).
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, AsyncIterator, NamedTuple
+from typing import TYPE_CHECKING, AsyncIterator
 
-import msgspec
 from aiohttp import web
 
 from duplex.engine.messages import FinishReason
-from duplex.engine.sampling_params import SamplingParams
-from duplex.engine.text import messages as normalized
 from duplex.engine.text.messages import Chat
-from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import ToolCallArgsDelta, ToolCallStart, without_cut_call
 from duplex.frontend import structured
 from duplex.frontend.errors import invalid
-from duplex.frontend.retention import request_retention
+from duplex.frontend.generation import (ChoiceResult, Delta, Event, Final, TokenInfo, collect,
+                                        sampling_fields, total_usage)
+from duplex.frontend.intake import ChatPrompt, Order, Prompt
 from duplex.frontend.offload import body_size
-from duplex.frontend.generation import (ChoiceResult, Delta, Event, Final, Job, TokenInfo,
-                                 check_n, collect, params_from_fields, resolve_max_tokens,
-                                 template_kwargs, thinking_budget, thinking_variables,
-                                 total_usage)
+from duplex.frontend.openai_messages import chat_messages, tool_dict  # noqa: F401 - API names
 from duplex.frontend.protocol import (AssistantMessage, ChatChoice, ChatCompletion,
-                               ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
-                               ChoiceLogprobs, ChunkChoice, ChunkDelta, Completion,
-                               CompletionChoice, CompletionLogprobs, CompletionRequest,
-                               CompletionTokensDetails, CompletionUsage, DeltaFunction,
-                               DeltaToolCall, DraftStats,
-                               FunctionCall, ModelCard, ModelList, NamedToolChoice,
-                               PromptTokensDetails,
-                               SseStream, TokenizeRequest, TokenizeResponse, TokenLogprobInfo,
-                               Tool, ToolCall, TopLogprob, REQ_ID, json_response, read_json)
-from duplex.frontend.responses_api import ResponsesApi
+                                      ChatCompletionChunk, ChatCompletionRequest,
+                                      ChoiceLogprobs, ChunkChoice, ChunkDelta, Completion,
+                                      CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                      CompletionTokensDetails, CompletionUsage, DeltaFunction,
+                                      DeltaToolCall, DraftStats, FunctionCall, ModelCard,
+                                      ModelList, NamedToolChoice, PromptTokensDetails,
+                                      SseStream, TokenizeRequest, TokenizeResponse,
+                                      TokenLogprobInfo, ToolCall, TopLogprob, REQ_ID,
+                                      json_response, read_json)
 
 if TYPE_CHECKING:
-    from duplex.frontend.server import AppState
+    from duplex.frontend.app_state import AppState
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 
@@ -52,94 +49,65 @@ MAX_PROMPTS = 32  # prompts in one /v1/completions request
 class OpenAIApi:
     def __init__(self, state: AppState) -> None:
         self.state = state
+        self.intake = state.intake
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/chat/completions", self.chat_completions),
                 web.post("/v1/completions", self.completions),
                 web.get("/v1/models", self.models),
                 web.get("/v1/models/{model_id}", self.model),
-                web.post("/tokenize", self.tokenize),
-                *ResponsesApi(self.state).routes()]
+                web.post("/tokenize", self.tokenize)]
 
     # ------------------------------------------------------------ chat
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        with self.state.admit():
+        with self.intake.admit():
             body = await read_json(request, ChatCompletionRequest)
-            job, param = await self.state.cpu.run(body_size(request, body.chat_template),
-                                                  self._chat_job, request, body)
-            await structured.check(job.params.constraint, param)
+            started = await self.intake.start(request, body_size(request, body.chat_template),
+                                              self._chat_order, request, body)
             reply = _Reply(f"chatcmpl-{request[REQ_ID]}", self.state.model_name, body.n)
-            async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
+            async with contextlib.aclosing(started.events) as events:
                 if body.stream:
                     include_usage = bool(body.stream_options and body.stream_options.include_usage)
                     return await _stream_chat(request, reply, events, include_usage)
-                results = await collect(events, job.n)
+                results = await collect(events, body.n)
             return json_response(_chat_completion(reply, results))
 
-    def _chat_job(self, request: web.Request, body: ChatCompletionRequest) -> tuple[Job, str]:
-        """The job, and the field its output constraint (if any) came from."""
-        state = self.state
-        state.check_model(body.model)
-        check_n(body.n, state.options.max_n)
-        tools = [tool_dict(t) for t in body.tools] if body.tools else None
+    def _chat_order(self, request: web.Request, body: ChatCompletionRequest) -> Order:
+        tools = tuple(tool_dict(t) for t in body.tools) if body.tools else ()
         _check_tool_choice(body)
-        template = body.chat_template or state.options.chat_template or state.recipe.template
-        variables = thinking_variables(template_kwargs(body.chat_template_kwargs, template),
-                                       template, body.reasoning_effort)
-        prompt_ids = state.encode_chat(Chat(chat_messages(body.messages), tools),
-                                       body.add_generation_prompt, body.chat_template,
-                                       continue_final_message=body.continue_final_message,
-                                       variables=variables)
+        choice = _tool_choice_name(body.tool_choice)
+        if body.continue_final_message and tools and choice not in ("none", "auto") \
+                and self.state.options.tool_call_parser == "hermes":
+            raise invalid("continue_final_message cannot be combined with a required or "
+                          "named tool_choice", param="tool_choice")
+        prompt = ChatPrompt(Chat(chat_messages(body.messages), list(tools) or None),
+                            body.add_generation_prompt, body.chat_template,
+                            body.continue_final_message, body.chat_template_kwargs,
+                            body.reasoning_effort)
         requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                             if body.max_completion_tokens is not None
                             else (body.max_tokens, "max_tokens"))
-        forced = ""
-        choice = body.tool_choice
-        fmt = tool_format(state.options.tool_call_parser)
-        if tools and fmt.name == "hermes" and (choice == "required" or
-                                               isinstance(choice, NamedToolChoice)):
-            if body.continue_final_message:
-                raise invalid("continue_final_message cannot be combined with a required or "
-                              "named tool_choice", param="tool_choice")
-            prompt_ids, forced = state.force_tool_call(
-                prompt_ids, [t["function"]["name"] for t in tools],
-                None if choice == "required" else choice.function.name, body.chat_template)
-        max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, param)
-        budget = thinking_budget(state.reasoning, body.thinking_budget, body.reasoning_effort,
-                                 max_tokens)
-        params = params_from_fields(body, max_tokens, state.stop_token_ids,
-                                    logprobs=_chat_logprobs_count(body))
-        constrained = structured.for_chat(structured.from_openai(body), tools, fmt,
-                                          _tool_choice_name(choice), body.parallel_tool_calls,
-                                          forced)
-        params = with_constraint(params, constrained, body.logit_bias, state)
-        job = Job(req_id=f"chatcmpl-{request[REQ_ID]}", prompt_token_ids=prompt_ids,
-                  forced_text=forced,
-                  params=params, n=body.n, parse_tools=bool(tools) and body.tool_choice != "none",
-                  tool_format=fmt.name, tools=tuple(tools or ()),
-                  # a forced tool call starts the reply: no thinking block to parse
-                  parse_reasoning=state.reasoning is not None and not forced,
-                  thinking_budget=budget,
-                  retention=request_retention(request, body.retention, bool(tools)),
-                  cache_salt=state.keys.tenant_salt(request, body.cache_salt))
-        return job, constrained.param if constrained else ""
+        return Order(
+            req_id=f"chatcmpl-{request[REQ_ID]}", model=body.model, prompt=prompt,
+            sampling=sampling_fields(body, _chat_logprobs_count(body)), max_tokens=requested,
+            max_tokens_param=param, n=body.n, output_format=structured.from_openai(body),
+            logit_bias=body.logit_bias, tools=tools, tool_choice=choice,
+            parallel_tool_calls=body.parallel_tool_calls, prefill_tool_call=True,
+            thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort,
+            retention=body.retention, cache_salt=body.cache_salt)
 
     # ------------------------------------------------------------ completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        with self.state.admit():
+        with self.intake.admit():
             body = await read_json(request, CompletionRequest)
-            prompts = await self.state.cpu.run(body_size(request), self._completion_prompts,
-                                               body)
-            constrained = structured.from_openai(body)
-            jobs = [self._completion_job(request, body, p.token_ids, k, constrained)
-                    for k, p in enumerate(prompts)]
-            if constrained:
-                await structured.check(constrained.constraint, constrained.param)
+            started = await self.intake.start(request, body_size(request),
+                                              self._completion_order, request, body)
+            prompts = started.prompts
             reply = _Reply(f"cmpl-{request[REQ_ID]}", self.state.model_name,
-                           len(jobs) * body.n)
+                           len(prompts) * body.n)
             echoes = [prompts[i // body.n].text if body.echo else ""
                       for i in range(reply.num_choices)]
-            async with contextlib.aclosing(self.state.pipeline.run(jobs)) as events:
+            async with contextlib.aclosing(started.events) as events:
                 if body.stream:
                     include_usage = bool(body.stream_options and body.stream_options.include_usage)
                     return await _stream_completion(request, reply, events, include_usage,
@@ -147,10 +115,7 @@ class OpenAIApi:
                 results = await collect(events, reply.num_choices)
             return json_response(self._completion(reply, body, results, prompts, echoes))
 
-    def _completion_prompts(self, body: CompletionRequest) -> list[_Prompt]:
-        state = self.state
-        state.check_model(body.model)
-        check_n(body.n, state.options.max_n)
+    def _completion_order(self, request: web.Request, body: CompletionRequest) -> Order:
         if body.suffix is not None:
             raise invalid("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -158,31 +123,14 @@ class OpenAIApi:
         prompts = _split_prompts(body.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise invalid(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-        out = []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                out.append(_Prompt(state.encode_prompt(prompt), prompt))
-            else:
-                state.check_token_ids(prompt, "prompt")
-                out.append(_Prompt(prompt, state.recipe.decode(prompt) if body.echo else ""))
-        return out
-
-    def _completion_job(self, request: web.Request, body: CompletionRequest,
-                        prompt_ids: list[int], k: int,
-                        constrained: structured.Requested | None) -> Job:
-        state = self.state
-        max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), state.max_model_len,
-                                        default=16)
-        params = params_from_fields(body, max_tokens, state.stop_token_ids,
-                                    logprobs=body.logprobs)
-        params = with_constraint(params, constrained, body.logit_bias, state)
-        return Job(req_id=f"cmpl-{request[REQ_ID]}-{k}", prompt_token_ids=prompt_ids,
-                   params=params, n=body.n,
-                   retention=request_retention(request, body.retention, False),
-                   cache_salt=state.keys.tenant_salt(request, body.cache_salt))
+        return Order(req_id=f"cmpl-{request[REQ_ID]}", model=body.model, prompt=prompts,
+                     sampling=sampling_fields(body, body.logprobs), max_tokens=body.max_tokens,
+                     default_max_tokens=16, n=body.n, output_format=structured.from_openai(body),
+                     logit_bias=body.logit_bias, retention=body.retention,
+                     cache_salt=body.cache_salt, echo=body.echo)
 
     def _completion(self, reply: _Reply, body: CompletionRequest, results: list[ChoiceResult],
-                    prompts: list[_Prompt], echoes: list[str]) -> Completion:
+                    prompts: list[Prompt], echoes: list[str]) -> Completion:
         finals = _finals_or_raise(results)
         choices = []
         for r in results:
@@ -215,69 +163,23 @@ class OpenAIApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request, TokenizeRequest)
-        ids = await self.state.cpu.run(body_size(request), self._tokenize, body)
+        ids = await self.intake.prompt_ids(body_size(request), _tokenize_order, body)
         return json_response(TokenizeResponse(ids, len(ids)))
 
-    def _tokenize(self, body: TokenizeRequest) -> list[int]:
-        if (body.messages is None) == (body.prompt is None):
-            raise invalid("give exactly one of 'messages' or 'prompt'", param="messages")
-        if body.prompt is not None:
-            ids = self.state.encode_prompt(body.prompt)
-        else:
-            tools = [tool_dict(t) for t in body.tools] if body.tools else None
-            ids = self.state.encode_chat(Chat(chat_messages(body.messages), tools),
-                                         body.add_generation_prompt)
-        return ids
+
+def _tokenize_order(body: TokenizeRequest) -> Order:
+    """/tokenize: the prompt ids a chat or a completion prompt would get."""
+    if (body.messages is None) == (body.prompt is None):
+        raise invalid("give exactly one of 'messages' or 'prompt'", param="messages")
+    if body.prompt is not None:
+        prompt: ChatPrompt | list = [body.prompt]
+    else:
+        tools = [tool_dict(t) for t in body.tools] if body.tools else None
+        prompt = ChatPrompt(Chat(chat_messages(body.messages), tools), body.add_generation_prompt)
+    return Order(req_id="tokenize", model=None, prompt=prompt, sampling={})
 
 
 # ================================================================ request conversion
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages -> normalized messages (engine/text/messages.py), straight from the
-    decoded structs: what their types do not say is checked here, once."""
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-
-
-def _message(m: ChatMessage, where: str) -> dict:
-    content = _content_text(m.content, f"{where}.content")
-    if content is None and not (m.role == "assistant" and m.tool_calls):
-        raise invalid(f"{where}.content is required for role {m.role!r}",
-                      param=f"{where}.content")
-    if m.tool_calls and m.role != "assistant":
-        raise invalid(f"{where}.tool_calls is only allowed on assistant messages",
-                      param=f"{where}.tool_calls")
-    calls = [normalized.tool_call(c.function.name, c.function.arguments, c.id)
-             for c in m.tool_calls or []]
-    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-    if reasoning is not None and m.role != "assistant":
-        raise invalid(f"{where}.reasoning_content is only allowed on assistant messages",
-                      param=f"{where}.reasoning_content")
-    return normalized.message(m.role, content, name=m.name or None, tool_calls=calls,
-                              tool_call_id=m.tool_call_id, reasoning=reasoning)
-
-
-def _content_text(content, where: str) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    texts = []
-    for i, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise invalid(f"{where}[{i}]: only text content parts are supported, got "
-                          f"{part.type!r}", param=f"{where}[{i}].type")
-        texts.append(part.text)
-    return "\n".join(texts)
-
-
-def tool_dict(tool: Tool) -> dict:
-    """An OpenAI tool -> a normalized tool (parameters default to an empty object)."""
-    fn = tool.function
-    function: dict = {"name": fn.name}
-    if fn.description is not None:
-        function["description"] = fn.description
-    function["parameters"] = fn.parameters if fn.parameters is not None else {
-        "type": "object", "properties": {}}
-    return normalized.tool(function)
-
-
 def _check_tool_choice(body: ChatCompletionRequest) -> None:
     choice = body.tool_choice
     if choice is None or isinstance(choice, str):
@@ -295,21 +197,6 @@ def _tool_choice_name(choice) -> str | None:
     if isinstance(choice, NamedToolChoice):
         return choice.function.name
     return choice or "auto"
-
-
-def with_constraint(params, constrained: structured.Requested | None,
-                    bias: dict[str, float] | None, state) -> SamplingParams:
-    """params with the request's output constraint and logit bias."""
-    changes: dict = {}
-    if constrained is not None:
-        if params.min_tokens:  # the grammar may be complete before min_tokens
-            raise invalid("min_tokens cannot be combined with a constrained output "
-                          f"({constrained.param})", param="min_tokens")
-        changes["constraint"] = constrained.constraint
-    if bias:
-        changes["logit_bias"] = structured.logit_bias(bias)
-        state.check_token_ids(list(changes["logit_bias"]), "logit_bias")
-    return msgspec.structs.replace(params, **changes) if changes else params
 
 
 def _chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
@@ -332,11 +219,6 @@ def _split_prompts(prompt) -> list[str | list[int]]:
         return list(prompt)
     raise invalid("prompt must be a string, a list of strings, a list of token ids or a "
                   "list of non-empty token-id lists", param="prompt")
-
-
-class _Prompt(NamedTuple):
-    token_ids: list[int]
-    text: str  # as given, or decoded from token ids (for echo)
 
 
 # ================================================================ response formatting

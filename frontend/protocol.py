@@ -492,6 +492,7 @@ class WsChat(SamplingFields, tag="chat", tag_field="type", **_KW):
     """Client -> server: start a chat request; `id` is the client's name for it."""
     id: str
     messages: list[ChatMessage]
+    model: str | None = None  # None: the served model; another name is an error frame
     chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     thinking_budget: Int | None = None  # tokens of thinking before the engine closes it

@@ -8,7 +8,10 @@ constraint machinery as chat completions (frontend/structured.py). With a reason
 on, the thinking block is a `reasoning` output item (`reasoning_text` content, streamed as
 response.reasoning_text.delta) before the message; `reasoning.effort` is a thinking budget,
 and reasoning items sent back in `input` are the next assistant turn's reasoning. What the
-pipeline cannot do (background runs, built-in tools) is a 400 naming the field.
+pipeline cannot do (background runs, built-in tools) is a 400 naming the field. The
+request becomes an `Order` for the intake (frontend/intake.py) like every API's: rendered
+off the loop when big, retention from x-duplex-retention or `retention` (agent with tools),
+`cache_salt` as in chat completions.
 
 Cut by max_output_tokens, a response is `incomplete` (incomplete_details.reason
 max_output_tokens), a stream ends with `response.incomplete` instead of
@@ -23,7 +26,7 @@ import contextlib
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -31,18 +34,17 @@ from aiohttp import web
 from duplex.engine.messages import FinishReason
 from duplex.engine.text.errors import RecipeError
 from duplex.engine.text.messages import Chat
-from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import (ToolCallArgsDelta, ToolCallStart, is_whole_json,
                                             without_cut_call)
 from duplex.frontend import structured
 from duplex.frontend.errors import ApiError, invalid
-from duplex.frontend.generation import (EFFORT_BUDGETS, Delta, Job, collect, resolve_max_tokens,
-                                        sampling_params, template_kwargs, thinking_budget,
-                                        thinking_variables)
+from duplex.frontend.generation import EFFORT_BUDGETS, Delta, collect
+from duplex.frontend.intake import ChatPrompt, Order
+from duplex.frontend.offload import body_size
 from duplex.frontend.protocol import REQ_ID, SseStream, json_response, read_json
 
 if TYPE_CHECKING:
-    from duplex.frontend.server import AppState
+    from duplex.frontend.app_state import AppState
 
 MAX_STORED = 1024  # finished responses kept for previous_response_id (LRU)
 
@@ -65,11 +67,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # Duplex: variables the template reads
+    retention: Literal["chat", "agent"] | None = None  # Duplex; None: header, else tools decide
+    cache_salt: str | None = None  # Duplex: splits the KV cache further
 
 
 class ResponsesApi:
     def __init__(self, state: AppState) -> None:
         self.state = state
+        self.intake = state.intake
         self.store: collections.OrderedDict[str, tuple[list[dict], dict]] = \
             collections.OrderedDict()
 
@@ -85,15 +90,13 @@ class ResponsesApi:
         return json_response(entry[1])
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        with self.state.admit():
+        with self.intake.admit():
             body = await read_json(request, ResponsesRequest)
-            _refuse_unsupported(body)
-            messages = self._messages(body)
-            job, constrained = self._job(request, body, messages)
-            if constrained is not None:
-                await structured.check(constrained.constraint, constrained.param)
+            started = await self.intake.start(request, body_size(request), self._order,
+                                              request, body)
+            messages = started.order.prompt.chat.messages  # the conversation it continues
             reply = _Reply(f"resp_{request[REQ_ID]}", self.state.model_name, body)
-            async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
+            async with contextlib.aclosing(started.events) as events:
                 if body.stream:
                     return await self._stream(request, reply, events, messages)
                 [result] = await collect(events, 1)
@@ -103,7 +106,7 @@ class ResponsesApi:
                              result.reasoning)
             return json_response(self._finish(reply, messages, body))
 
-    # ------------------------------------------------------------ request -> job
+    # ------------------------------------------------------------ request -> order
     def _messages(self, body: ResponsesRequest) -> list[dict]:
         history: list[dict] = []
         if body.previous_response_id is not None:
@@ -116,32 +119,19 @@ class ResponsesApi:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         return system + history + _input_messages(body.input)
 
-    def _job(self, request: web.Request, body: ResponsesRequest, messages: list[dict]):
-        state = self.state
-        state.check_model(body.model)
-        tools = [_chat_tool(t, i) for i, t in enumerate(body.tools or [])] or None
-        effort = _effort(body.reasoning, state.reasoning is not None)
-        template = state.options.chat_template or state.recipe.template
-        variables = thinking_variables(template_kwargs(body.chat_template_kwargs, template),
-                                       template, effort)
-        prompt_ids = state.encode_chat(_chat(messages, tools), variables=variables)
-        max_tokens = resolve_max_tokens(body.max_output_tokens, len(prompt_ids),
-                                        state.max_model_len, "max_output_tokens")
-        budget = thinking_budget(state.reasoning, None, effort, max_tokens)
-        params = sampling_params(max_tokens=max_tokens, temperature=body.temperature,
-                                 top_p=body.top_p, stop_token_ids=state.stop_token_ids)
-        fmt = tool_format(state.options.tool_call_parser)
-        constrained = structured.for_chat(_text_format(body.text), tools, fmt,
-                                          _tool_choice(body.tool_choice, tools),
-                                          body.parallel_tool_calls)
-        if constrained is not None:
-            params = msgspec.structs.replace(params, constraint=constrained.constraint)
-        job = Job(req_id=f"resp_{request[REQ_ID]}", prompt_token_ids=prompt_ids, params=params,
-                  parse_tools=bool(tools) and body.tool_choice != "none", tool_format=fmt.name,
-                  tools=tuple(tools or ()),
-                  parse_reasoning=state.reasoning is not None, thinking_budget=budget,
-                  cache_salt=state.keys.tenant_salt(request, None))
-        return job, constrained
+    def _order(self, request: web.Request, body: ResponsesRequest) -> Order:
+        _refuse_unsupported(body)
+        tools = tuple(_chat_tool(t, i) for i, t in enumerate(body.tools or []))
+        effort = _effort(body.reasoning, self.state.reasoning is not None)
+        prompt = ChatPrompt(_chat(self._messages(body), list(tools) or None),
+                            template_kwargs=body.chat_template_kwargs, effort=effort)
+        return Order(req_id=f"resp_{request[REQ_ID]}", model=body.model, prompt=prompt,
+                     sampling=dict(temperature=body.temperature, top_p=body.top_p),
+                     max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens",
+                     output_format=_text_format(body.text), tools=tools,
+                     tool_choice=_tool_choice(body.tool_choice, list(tools) or None),
+                     parallel_tool_calls=body.parallel_tool_calls, reasoning_effort=effort,
+                     retention=body.retention, cache_salt=body.cache_salt)
 
     def _finish(self, reply: _Reply, messages: list[dict], body: ResponsesRequest) -> dict:
         response = reply.response("completed")
@@ -153,7 +143,7 @@ class ResponsesApi:
             if calls:
                 turn["tool_calls"] = [{"id": c["call_id"], "type": "function", "function": {
                     "name": c["name"], "arguments": c["arguments"]}} for c in calls]
-            self.store[reply.id] = (messages + [turn], response)
+            self.store[reply.id] = ([*messages, turn], response)
             while len(self.store) > MAX_STORED:
                 self.store.popitem(last=False)
         return response

@@ -5,8 +5,10 @@ Server frames: `delta` per engine step (`text` the answer, `reasoning` the think
 a reasoning parser is on), then exactly one terminal frame per request,
 `done` (finish reason, usage with cached tokens by tier, timings) or `error` (code,
 message; code "cancelled" after a cancel). Each request runs in its own task; cancelling
-it, or closing the socket, closes its pipeline and so aborts it on the worker. Frame
-types are the msgspec structs in `protocol` (`ws_json_schema()` describes them).
+it, or closing the socket, closes its pipeline and so aborts it on the worker. A chat frame
+becomes an `Order` for the intake (frontend/intake.py) like every API's request: the same
+model check (a wrong `model` is an invalid_request error frame), rendering, retention and
+admission. Frame types are the msgspec structs in `protocol` (`ws_json_schema()` describes them).
 """
 from __future__ import annotations
 
@@ -23,20 +25,22 @@ from duplex.engine.text.messages import Chat
 from duplex.frontend.auth import WS_PROTOCOL
 from duplex.frontend.body_limits import check_depth
 from duplex.frontend.errors import ApiError
-from duplex.frontend.generation import (Delta, Final, Job, params_from_fields, resolve_max_tokens,
-                                        template_kwargs, thinking_budget, thinking_variables)
-from duplex.frontend.openai_api import chat_messages
-from duplex.frontend.retention import request_retention
+from duplex.frontend.generation import Delta, Final, sampling_fields
+from duplex.frontend.intake import ChatPrompt, Order
+from duplex.frontend.openai_messages import chat_messages
 from duplex.frontend.protocol import (WsCancel, WsChat, WsClientFrame, WsDelta, WsDone, WsError,
-                               WsPing, WsPong, WsTimings, WsUsage, REQ_ID, decode_json, encode)
+                                      WsPing, WsPong, WsTimings, WsUsage, REQ_ID, decode_json,
+                                      encode)
 
 if TYPE_CHECKING:
-    from duplex.frontend.server import AppState
+    from duplex.frontend.app_state import AppState
 
 log = logging.getLogger("duplex.ws")
 
 HEARTBEAT_S = 30.0
 MAX_REQUESTS_PER_SOCKET = 64
+# error kinds the frame protocol words its own way (docs/websocket.md lists every code)
+_CODES = {"not_found": "invalid_request"}  # a model this server does not serve
 
 
 class WebSocketApi:
@@ -142,16 +146,17 @@ class _Session:
     # ------------------------------------------------------------ one request
     async def _run(self, frame: WsChat, req_id: str, size: int) -> None:
         try:
-            with self.state.admit():
-                job = await self.state.cpu.run(size, self._job, frame, req_id)
-                async with contextlib.aclosing(self.state.pipeline.run(job)) as events:
+            with self.state.intake.admit():
+                started = await self.state.intake.start(self.request, size, _order, frame,
+                                                        req_id)
+                async with contextlib.aclosing(started.events) as events:
                     async for event in events:
                         if isinstance(event, Final):  # terminal: a cancel can no longer race
                             self._forget(frame.id)
                         await self.send(self._frame(frame.id, event))
         except ApiError as e:
             self._forget(frame.id)
-            await self.send(WsError(frame.id, e.kind, e.message))
+            await self.send(WsError(frame.id, _CODES.get(e.kind, e.kind), e.message))
         except Exception:  # noqa: BLE001 - a bug ends this request, not the socket
             log.exception("websocket request failed req_id=%s", req_id)
             self._forget(frame.id)
@@ -161,21 +166,6 @@ class _Session:
         """Drop the calling task's entry (not a newer request that reuses the id)."""
         if self.tasks.get(client_id) is asyncio.current_task():
             del self.tasks[client_id]
-
-    def _job(self, frame: WsChat, req_id: str) -> Job:
-        state = self.state
-        template = state.options.chat_template or state.recipe.template
-        variables = thinking_variables(template_kwargs(frame.chat_template_kwargs, template),
-                                       template, frame.reasoning_effort)
-        prompt_ids = state.encode_chat(Chat(chat_messages(frame.messages)), variables=variables)
-        max_tokens = resolve_max_tokens(frame.max_tokens, len(prompt_ids), state.max_model_len)
-        budget = thinking_budget(state.reasoning, frame.thinking_budget, frame.reasoning_effort,
-                                 max_tokens)
-        params = params_from_fields(frame, max_tokens, state.stop_token_ids)
-        return Job(req_id=req_id, prompt_token_ids=prompt_ids, params=params,
-                   parse_reasoning=state.reasoning is not None, thinking_budget=budget,
-                   retention=request_retention(self.request, frame.retention, False),
-                   cache_salt=state.keys.tenant_salt(self.request, frame.cache_salt))
 
     def _frame(self, client_id: str, event: Delta | Final):
         if isinstance(event, Delta):
@@ -192,6 +182,16 @@ class _Session:
                               usage.reasoning_tokens),
                       WsTimings(timings.ttft_s, timings.tokens_per_s, timings.e2e_s),
                       batch_invariant=bool(info and info.batch_invariant))
+
+
+def _order(frame: WsChat, req_id: str) -> Order:
+    """The intake's order of a chat frame (retention and tenant from the upgrade request)."""
+    prompt = ChatPrompt(Chat(chat_messages(frame.messages)),
+                        template_kwargs=frame.chat_template_kwargs, effort=frame.reasoning_effort)
+    return Order(req_id=req_id, model=frame.model, prompt=prompt, sampling=sampling_fields(frame),
+                 max_tokens=frame.max_tokens, thinking_budget=frame.thinking_budget,
+                 reasoning_effort=frame.reasoning_effort, retention=frame.retention,
+                 cache_salt=frame.cache_salt)
 
 
 def _client_id(text: str) -> str | None:

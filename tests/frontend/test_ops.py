@@ -145,7 +145,7 @@ def test_server_options_are_validated():
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
-    assert AppState(FakeEngineClient(), FakeRecipe()).model_name == "fake-model"
+    assert AppState(FakeEngineClient(), FakeRecipe(), ServerOptions()).model_name == "fake-model"
 
 
 def _refs(node):
