@@ -193,8 +193,8 @@ class EngineCore:
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
                                           self.eos_token_ids, blocking=config.ep.is_on)
         self.requests: dict[str, Request] = {}
-        self.overlap = resolve_overlap(config, self.platform)  # step n+1 before n's tokens
         self._in_flight: _Flight | None = None
+        self.overlap = resolve_overlap(config, self.platform)  # step n+1 before n's tokens
         self._pending_deltas: list[RequestDelta] = []
         self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0,
                               requests=0, aborted=0)
@@ -274,35 +274,75 @@ class EngineCore:
             self.grammar.num_waiting > 0 or self._in_flight is not None
 
     # ------------------------------------------------------------------ one step
+    @property
+    def overlap(self) -> bool:
+        """Overlapped scheduling (resolve_overlap); never on with speculation."""
+        return self._step == self._step_overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        """Choose the step function of this engine's mode: speculation, overlapped or plain
+        (set at construction; a benchmark may switch between steps, none in flight)."""
+        assert self._in_flight is None, "switch modes with no step in flight"
+        self._step = self._step_spec if self.spec is not None else \
+            self._step_overlap if on else self._step_plain
+
     def step(self) -> list[RequestDelta]:
         # fused CPU RMSNorm / SiLU round unlike torch: for quantized weights only, never in
         # the exact float32 mode (kernels.cpu_fused)
         with use_fused(self.quant != "none"):
             return self._step()
 
-    def _step(self) -> list[RequestDelta]:
-        deltas, self._pending_deltas = self._pending_deltas, []
-        self._admit_compiled(deltas)
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
-            self.grammar.clip_drafts(self.scheduler.running)
-        overlaps = self.overlap and not _needs_host_tokens(self.requests.values())
+    def _step_plain(self) -> list[RequestDelta]:
+        """Schedule, run, read the tokens and settle: one step, done when it returns."""
+        deltas = self._begin_step()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            self._idle()
+            return deltas
+        self._in_flight = self._launch(sched)
+        return deltas + self._land()
+
+    def _step_overlap(self) -> list[RequestDelta]:
+        """Schedule and launch step n+1, then land step n (module docstring). While a
+        request needs its tokens on the host first, step n lands before n+1 is scheduled."""
+        deltas = self._begin_step()
+        overlaps = not _needs_host_tokens(self.requests.values())
         if not overlaps:  # the next step needs the tokens of the one in flight
             deltas += self._land()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self._in_flight is not None:
-                deltas += self._land()
-            elif self.grammar.num_waiting:
-                time.sleep(0.001)  # only grammars compiling: do not spin the step thread
-            return deltas
-        if self.spec is not None:
-            self.spec.clip(sched.scheduled)
-            return deltas + self._step_verified(sched)
+            if self._in_flight is None:
+                self._idle()
+            return deltas + self._land()
         flight = self._launch(sched)
         deltas += self._land()  # the step before, read while `flight` runs on the device
         self._in_flight = flight
         return deltas if overlaps else deltas + self._land()
+
+    def _step_spec(self) -> list[RequestDelta]:
+        """Draft, schedule, verify: each step's tokens settle before the next drafts."""
+        deltas = self._begin_step()
+        self.spec.propose(self.scheduler.running)
+        self.grammar.clip_drafts(self.scheduler.running)
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            self._idle()
+            return deltas
+        self.spec.clip(sched.scheduled)
+        return deltas + self._step_verified(sched)
+
+    def _begin_step(self) -> list[RequestDelta]:
+        """Deltas owed before any step runs: aborts since the last step, failed grammars;
+        requests whose grammar compiled join the scheduler."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        self._admit_compiled(deltas)
+        return deltas
+
+    def _idle(self) -> None:
+        """Nothing to run: while only grammars compile, do not spin the step thread."""
+        if self.grammar.num_waiting:
+            time.sleep(0.001)
 
     def _launch(self, sched: SchedulerOutput) -> _Flight:
         """Queue a step's forward and draws on the device, without waiting for them: its
