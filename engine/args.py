@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from duplex.engine.config import (KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_DTYPES, EngineConfig,
-                           WorkerConfig, section_of)
+from duplex.engine.config import (HANDOFF_LEASE_S, KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_DTYPES,
+                                  EngineConfig, WorkerConfig, section_of)
 
 _HELP = {
     "model": "local GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)",
@@ -63,9 +63,8 @@ _HELP = {
 
 
 _ALIASES = {"weights_dtype": ("--dtype",)}  # vLLM's spelling
-# set by a worker-layout flag of their own (`--fair-prefill`: frontend/serve.py passes it to
-# each `duplex worker`), so no engine flag; nor the worker section, which `duplex worker`
-# builds from its own flags (engine/worker_cli.py)
+# set by the served-worker flags below (add_worker_policy_arguments: serve and worker alike),
+# or per process (--role, --heartbeat-s, --kv-bind: engine/worker_cli.py), so no engine flag
 _NOT_FLAGS = ("fair_prefill", *(f.name for f in dataclasses.fields(WorkerConfig)))
 _CHOICES = {"weights_dtype": WEIGHT_DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
             "overlap": OVERLAP_MODES}
@@ -92,6 +91,40 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*flags, dest=field.name, type=kind, default=default,
                            help=_HELP[field.name], metavar=field.name.upper(),
                            choices=_CHOICES.get(field.name))
+
+
+def add_worker_policy_arguments(group, *, unset: bool = False) -> None:
+    """The served workers' policy flags, declared once for `duplex serve` (which puts them in
+    the config every worker receives) and `duplex worker` (`unset`: None when not given, so
+    they change a --config-json only where given)."""
+    group.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="long prompts leave part of each step to short ones and to running "
+                            "streams (default: on, except with --expert-parallel)")
+    group.add_argument("--handoff-lease-s", type=float, metavar="S",
+                       default=None if unset else HANDOFF_LEASE_S,
+                       help="longest a prefill worker holds blocks for a decode worker's "
+                            "acknowledgement (prefill workers only"
+                            + (f"; default: {HANDOFF_LEASE_S:g})" if unset else ")"))
+    group.add_argument("--worker-key", default=None, metavar="FILE",
+                       help="CURVE key (`duplex keys FILE`, or a shared-secret file) that "
+                            "authenticates and encrypts the worker channel and KV doors; "
+                            "required when a worker address is reachable from other hosts")
+
+
+def worker_policy_from_args(args: argparse.Namespace, config: EngineConfig) -> dict:
+    """The flat fields the policy flags set (those given, with `unset`); --fair-prefill left
+    out is on, except in an expert-parallel group."""
+    fair = args.fair_prefill if args.fair_prefill is not None else not config.ep.is_on
+    policy = {"fair_prefill": fair, "worker_key": args.worker_key}
+    if args.handoff_lease_s is not None:
+        policy["handoff_lease_s"] = args.handoff_lease_s
+    return policy
+
+
+def engine_flags_given(args: argparse.Namespace) -> list[str]:
+    """The engine flags whose value is not their default (what a --config-json would drop)."""
+    return ["--" + f.name.replace("_", "-") for f in _flag_fields()
+            if hasattr(args, f.name) and getattr(args, f.name) != f.default]
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

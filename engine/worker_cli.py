@@ -9,9 +9,14 @@ it to the frontend; prefill workers connect to it to hand over KV blocks. With
 --expert-parallel N the worker is rank 0 of an expert-parallel group (engine/ep_group.py);
 `--ep-rank R` runs one of the other ranks, which talks only to the group.
 
-The supervisor starts it as `python -m duplex.engine.worker_cli ... --config-json '{...}'`, where the
-JSON EngineConfig replaces the engine flags; the worker flags (--role, --heartbeat-s,
---kv-bind, --handoff-lease-s) always make its worker section, so one JSON serves every role.
+The supervisor starts it as `python -m duplex.engine.worker_cli --role R --connect A --worker-id I
+--config-json '{...}'`: the one EngineConfig of its server (frontend/serve_config.py), the same
+JSON for every worker, carries every setting, the served-worker policy (fair prefill, hand-off
+lease, CURVE key file, log format) and the server's kernels.switches included; the flags say
+only which process this is. An engine flag beside --config-json is refused; a worker flag
+given by hand (--heartbeat-s, --kv-bind, --handoff-lease-s, --fair-prefill, --worker-key,
+--log-format) changes that field of the JSON. A flag the role never reads (--handoff-lease-s
+without --role prefill, --kv-bind without --role decode) is refused.
 Hidden flags: `--core module:attr` picks another core factory (tests use a fake),
 `--parent-pid` makes the worker die with that parent, `--startup-error-file PATH` is where the
 supervisor reads why a worker never came up.
@@ -35,11 +40,14 @@ import sys
 
 import msgspec
 
-from duplex.engine.args import add_engine_arguments, engine_config_from_args
-from duplex.engine.config import ROLES, EngineConfig, WorkerConfig
+from duplex.engine.args import (add_engine_arguments, add_worker_policy_arguments,
+                                engine_config_from_args, engine_flags_given,
+                                worker_policy_from_args)
+from duplex.engine.config import LOG_FORMATS, ROLES, EngineConfig, WorkerConfig
 from duplex.engine.kv_tiers import private_kv_dir
 from duplex.engine.curve import load_keys
-from duplex.engine.logs import setup_logging_from_env
+from duplex.engine.logs import setup_logging
+from duplex.kernels import switches
 from duplex.engine.worker import CoreFactory, Worker, role_config
 
 DEFAULT_CORE = "duplex.engine.core:EngineCore"
@@ -64,24 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routing id of this worker (default: ROLE-PID)")
     parser.add_argument("--config-json", default=None, metavar="JSON",
                         help="an EngineConfig as JSON; replaces the engine flags")
-    parser.add_argument("--heartbeat-s", type=float, default=WorkerConfig.heartbeat_s,
-                        help="seconds between heartbeats")
-    parser.add_argument("--kv-bind", default=WorkerConfig.kv_bind, metavar="ADDRESS",
+    parser.add_argument("--heartbeat-s", type=float, default=None,
+                        help=f"seconds between heartbeats (default: {WorkerConfig.heartbeat_s:g})")
+    parser.add_argument("--kv-bind", default=None, metavar="ADDRESS",
                         help="decode role: address of the KV door prefill workers connect to "
-                             "(tcp://HOST:PORT, port * = any free one)")
-    parser.add_argument("--handoff-lease-s", type=float, metavar="S",
-                        default=WorkerConfig.handoff_lease_s,
-                        help="prefill role: longest time blocks are held for a decode worker's "
-                             "acknowledgement before the hand-off fails")
+                             "(tcp://HOST:PORT, port * = any free one; default: "
+                             f"{WorkerConfig.kv_bind})")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                        help="log lines as text or JSON (default: text)")
     parser.add_argument("--cost-model-out", default=None, metavar="JSON",
                         help="on exit, save the step-time cost model here (for `duplex plan`)")
-    parser.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="a long prompt's chunks leave part of each step to waiting "
-                             "requests and running streams")
-    parser.add_argument("--worker-key", default=None, metavar="FILE",
-                        help="CURVE key of the deployment (`duplex keys`, or a shared-secret "
-                             "file): authenticates and encrypts the worker channel and the KV "
-                             "door; required for addresses off this host")
+    add_worker_policy_arguments(parser, unset=True)
     parser.add_argument("--core", default=DEFAULT_CORE, help=argparse.SUPPRESS)
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--startup-error-file", default=None, help=argparse.SUPPRESS)
@@ -89,13 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging_from_env("info")  # text, or JSON when its server runs --log-format json
     if args.parent_pid is not None:
         _die_with_parent(args.parent_pid)
     try:
         config = _config_from(args)
-    except ValueError as e:  # a refused field: its one-line reason
+        switches.apply(config.worker.switches)  # before the core loads the kernels
+    except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:  # its one-line reason
         return _fail_start(args, EXIT_USAGE, str(e))
+    setup_logging("info", config.worker.log_format)  # as its server logs
     if args.core == DEFAULT_CORE:
         try:
             check_model(config)
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail_start(args, EXIT_USAGE, "--connect is required")
     options = config.worker
     try:
-        keys = load_keys(args.worker_key, args.connect,
+        keys = load_keys(options.worker_key, args.connect,
                          options.kv_bind if options.role == "decode" else None)
     except (OSError, ValueError) as e:
         return _fail_start(args, EXIT_USAGE, str(e))
@@ -129,11 +131,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_model(config: EngineConfig) -> None:
-    """Fail now, before connecting, on a model this worker could never load."""
+    """Fail now, before connecting, on a model this worker could never load, or a setting
+    that it would not use here."""
     from duplex.engine.config import resolve_model_path
     from duplex.engine.models.loader import check
 
-    check(resolve_model_path(config.model))
+    model_args = check(resolve_model_path(config.model))
+    if config.cuda_graphs:
+        check_cuda_graphs(config, model_args.layer_windows)
+
+
+def check_cuda_graphs(config: EngineConfig, layer_windows) -> None:
+    """--cuda-graphs where only this host and the model say whether it would run (the config
+    already refuses it with --device cpu and with expert parallelism)."""
+    import torch
+
+    if config.device == "auto" and not torch.cuda.is_available():
+        raise ValueError("--cuda-graphs needs a CUDA device and torch sees none here (--device "
+                         "auto is the CPU): drop --cuda-graphs")
+    if config.cache.hybrid_kv and any(w is not None for w in layer_windows):
+        raise ValueError("--cuda-graphs cannot run with hybrid KV (the model has sliding-window "
+                         "layers, whose steps carry a second block table): add --no-hybrid-kv "
+                         "or drop --cuda-graphs")
 
 
 def _fail_start(args: argparse.Namespace, code: int, reason: str) -> int:
@@ -166,20 +185,40 @@ def resolve_core_factory(spec: str) -> CoreFactory:
 
 
 def _config_from(args: argparse.Namespace) -> EngineConfig:
-    """The engine flags (or --config-json), with the worker section from the worker flags;
-    the EP group schedules without the fair prefill share (its ranks replay one schedule)."""
+    """The --config-json (or, without one, the engine flags), its worker section changed by
+    the worker flags given; a flag that would be dropped or never read is refused."""
     if args.config_json is None:
         config = engine_config_from_args(args)
+        config = config.replace(**worker_policy_from_args(args, config),
+                                **worker_fields_from_args(args))
     else:
+        given = engine_flags_given(args)
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with --config-json, "
+                             "which carries the whole engine config")
         config = msgspec.json.decode(args.config_json, type=EngineConfig)
-    return config.replace(fair_prefill=args.fair_prefill and not config.ep.is_on,
-                          **worker_fields_from_args(args))
+        policy = {name: value for name, value in worker_policy_from_args(args, config).items()
+                  if getattr(args, name) is not None}
+        config = config.replace(**policy, **worker_fields_from_args(args))
+    _refuse_unread_flags(args)
+    return config
 
 
 def worker_fields_from_args(args: argparse.Namespace) -> dict:
-    """The worker section's fields by flat name, as the worker flags set them."""
-    return {"role": args.role, "heartbeat_s": args.heartbeat_s, "kv_bind": args.kv_bind,
-            "handoff_lease_s": args.handoff_lease_s}
+    """The worker section's fields by flat name that this process's flags set: its role, and
+    each per-process flag given."""
+    given = {name: getattr(args, name) for name in ("heartbeat_s", "kv_bind", "log_format")
+             if getattr(args, name) is not None}
+    return {"role": args.role, **given}
+
+
+def _refuse_unread_flags(args: argparse.Namespace) -> None:
+    if args.handoff_lease_s is not None and args.role != "prefill":
+        raise ValueError(f"--handoff-lease-s is read by a prefill worker only, not by --role "
+                         f"{args.role}: drop it or use --role prefill")
+    if args.kv_bind is not None and args.role != "decode":
+        raise ValueError(f"--kv-bind is read by a decode worker only, not by --role {args.role}: "
+                         "drop it or use --role decode")
 
 
 def _run_on_uvloop(worker: Worker) -> int:

@@ -12,7 +12,8 @@ A file key is the flag's long name without the dashes, `-` or `_` alike (vLLM's 
 style). Values from the environment and files go through the flag's own type and
 choices, and a bad one is an error naming where it came from. `--print-config` prints
 every setting with its source as TOML (a file `--config` reads back; secrets such as API keys
-appear only as a comment) and exits.
+appear only as a comment), then every DUPLEX_* switch of kernels/switches.py with its value and
+source, as comments (they are no settings: environment only), and exits.
 
 How the CLI's share is told apart: the subcommand parses its arguments into a namespace
 pre-filled with UNSET (argparse sets a default only for an attribute the namespace lacks),
@@ -93,6 +94,18 @@ def print_config(args: argparse.Namespace, out=None) -> None:
             print(f"# {s.dest} = (unset)  # {s.source}", file=out)
         else:
             print(f"{s.dest} = {_toml(s.value)}  # {s.source} ({s.origin})", file=out)
+    print_switches(out)
+
+
+def print_switches(out=None) -> None:
+    """Every kernels.switches switch as a TOML comment: value, source, kind and meaning."""
+    from duplex.kernels import switches
+
+    out = out or sys.stdout
+    print("# switches (environment variables only; kernels/switches.py):", file=out)
+    for switch in switches.SWITCHES:
+        print(f"# {switch.name} = {_toml(switches.value(switch.name))}  # "
+              f"{switches.source(switch.name)} ({switch.kind}: {switch.help})", file=out)
 
 
 def override(args: argparse.Namespace, dest: str, value, source: str, origin: str) -> None:

@@ -1,6 +1,7 @@
 """`duplex serve`: the API server process (aiohttp on uvloop) and its engine workers.
 
-    1 parse flags -> EngineConfig + ServerOptions + WorkerLayout
+    1 parse flags -> one frozen ServeConfig (frontend/serve_config.py): EngineConfig +
+      WorkerLayout + ServerOptions, refused with its reason when a combination cannot work
     2 load the recipe (tokenizer, chat template) of the model
     3 start the supervisor (one unified worker process, or --prefill-workers N and
       --decode-workers M) and the EngineClient (with its router) talking to them; with
@@ -13,63 +14,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
-import os
 import signal
 import sys
-from pathlib import Path
 
 from aiohttp import web
 
-from duplex.engine.args import add_engine_arguments, engine_config_from_args
 from duplex.engine import curve
-from duplex.engine.config import (DEFAULT_MODEL_NAME, HANDOFF_LEASE_S, EngineConfig,
-                           resolve_model_path)
-from duplex.engine.logs import LOG_FORMAT_ENV, setup_logging
+from duplex.engine.args import add_engine_arguments, add_worker_policy_arguments
+from duplex.engine.config import resolve_model_path
+from duplex.engine.logs import JsonFormatter, setup_logging
 from duplex.engine.text.reasoning import REASONING_PARSERS
 from duplex.frontend.offload import SWITCH_INTERVAL_S
-from duplex.frontend.operator_flags import (add_operator_arguments, parse_origins, read_chat_template,
-                                     take_positional_model, tls_context, with_chat_template)
-from duplex.frontend.router import DEFAULT_BUCKETS, parse_buckets
+from duplex.frontend.operator_flags import (add_operator_arguments, take_positional_model,
+                                            tls_context, with_chat_template)
+from duplex.frontend.router import DEFAULT_BUCKETS
+from duplex.frontend.cli_config import override
 from duplex.frontend.generation import reasoning_format
-from duplex.frontend.server import AppState, ServerOptions, build_app
+from duplex.frontend.serve_config import (TOOLS_TEMPLATE, ServeConfig, WorkerLayout,  # noqa: F401
+                                          default_chat_template, layout_from_args, model_name,
+                                          serve_config_from_args)
+from duplex.frontend.server import AppState, build_app
 
 log = logging.getLogger("duplex.serve")
 
 # After the drain timeout, streams still open get their terminal error; this long to send it.
 FINAL_FLUSH_S = 2.0
-TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerLayout:
-    """Which worker processes serve, and how requests are spread over them."""
-    num_prefill: int = 0  # 0 and 0: one unified worker
-    num_decode: int = 0
-    length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    handoff_failure: str = "recompute"
-    handoff_lease_s: float = HANDOFF_LEASE_S
-    fair_prefill: bool = True
-    worker_bind: str | None = None  # None: a private ipc socket
-    worker_key: str | None = None  # CURVE key file (engine.curve); needed off this host
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 0:
-            raise ValueError("--prefill-workers and --decode-workers must be >= 0")
-        if (self.num_prefill == 0) != (self.num_decode == 0):
-            raise ValueError("a split needs both --prefill-workers and --decode-workers >= 1")
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        if not self.num_prefill:
-            return ("unified",)
-        return ("prefill",) * self.num_prefill + ("decode",) * self.num_decode
-
-    def worker_args(self) -> list[str]:
-        key = ["--worker-key", self.worker_key] if self.worker_key else []
-        return ["--handoff-lease-s", str(self.handoff_lease_s),
-                "--fair-prefill" if self.fair_prefill else "--no-fair-prefill", *key]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,113 +108,59 @@ def _add_worker_arguments(workers) -> None:
                          help="bind the worker channel here (tcp://HOST:PORT), so that more "
                               "workers can join with `duplex worker --connect` (default: a "
                               "private ipc socket)")
-    workers.add_argument("--worker-key", default=None, metavar="FILE",
-                         help="CURVE key (`duplex keys FILE`, or a shared-secret file) that "
-                              "authenticates and encrypts the worker channel and KV doors; "
-                              "required when --worker-bind is reachable from other hosts")
     workers.add_argument("--length-buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
                          metavar="B1,B2", help="prefill queues by prompt tokens after cache "
                          "hits: <=B1, <=B2, >B2 ('none': one FIFO)")
     workers.add_argument("--handoff-failure", choices=["recompute", "fail"],
                          default="recompute", help="when a KV hand-off or a worker fails: "
                          "recompute the stream on a live worker, or fail it")
-    workers.add_argument("--handoff-lease-s", type=float, default=HANDOFF_LEASE_S,
-                         metavar="S",
-                         help="longest a prefill worker holds blocks for a decode worker")
-    workers.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction,
-                         default=True, help="long prompts leave part of each step to short "
-                         "ones and to running streams")
+    add_worker_policy_arguments(workers)
 
 
 def normalize_args(args: argparse.Namespace) -> None:
-    """What --print-config and `run` see alike: `serve MODEL` is `--model MODEL`."""
+    """What --print-config and `run` see alike: `serve MODEL` is `--model MODEL`, and
+    --fair-prefill left out is on, except in an expert-parallel group."""
     take_positional_model(args)
+    if args.fair_prefill is None:
+        override(args, "fair_prefill", args.expert_parallel <= 1, "default", "--fair-prefill")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         normalize_args(args)
-        config = engine_config_from_args(args)
-        options = ServerOptions(
-            served_model_names=tuple(args.served_model_name) or (model_name(config.model),),
-            max_queued_requests=args.max_queued_requests, max_n=args.max_n,
-            request_timeout_s=args.request_timeout, api_keys=tuple(args.api_key),
-            client_max_size=args.max_body_bytes, metrics_public=args.metrics_public,
-            allowed_origins=parse_origins(args.allowed_origins),
-            chat_template=read_chat_template(args.chat_template)
-            or default_chat_template(config.model),
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
-            allow_request_chat_template=args.allow_request_chat_template,
-            max_queued_sequences=args.max_queued_sequences,
-            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
-            max_running_sequences=args.max_running_sequences
-            or config.scheduler.max_num_seqs * max(1, args.decode_workers))
-        model_path = resolve_model_path(config.model)
-        chat_template = options.chat_template
-        ssl_context = tls_context(args.ssl_certfile, args.ssl_keyfile)
-        layout = layout_from_args(args)
-        curve.load_keys(layout.worker_key, layout.worker_bind)  # a bad key fails here
-        if config.ep.expert_parallel > 1 and layout.num_prefill:
-            raise ValueError("--expert-parallel runs with one unified worker; it cannot be "
-                             "combined with --prefill-workers / --decode-workers yet")
+        config = serve_config_from_args(args)
+        model_path = resolve_model_path(config.engine.model)
+        ssl_context = tls_context(config.ssl_certfile, config.ssl_keyfile)
     except (ValueError, OSError) as e:
         print(f"duplex serve: {e}", file=sys.stderr)
         return 2
-    setup_logging(args.log_level, args.log_format)
-    os.environ[LOG_FORMAT_ENV] = args.log_format  # the workers it starts log the same way
+    setup_logging(config.log_level, config.log_format)
     import uvloop
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the loop gets the GIL back from pool threads
-    return uvloop.run(serve(config, options, model_path, args.host, args.port,
-                            args.shutdown_timeout, layout, ssl_context=ssl_context,
-                            chat_template=chat_template))
+    return uvloop.run(serve(config, model_path, ssl_context=ssl_context))
 
 
-def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
-    return WorkerLayout(args.prefill_workers, args.decode_workers,
-                        parse_buckets(args.length_buckets), args.handoff_failure,
-                        args.handoff_lease_s, args.fair_prefill, args.worker_bind,
-                        args.worker_key)
-
-
-def default_chat_template(model: str | None) -> str | None:
-    """The template served when no --chat-template is given: for the default model, its own
-    ChatML with Hermes-style tool calling (frontend/templates/smollm2_tools.jinja), so the
-    README's tool examples work on `make serve`; for any other model, its own (None)."""
-    return TOOLS_TEMPLATE.read_text(encoding="utf-8") if model is None else None
-
-
-def model_name(model: str | None) -> str:
-    """The name clients use by default: the default model's, or the file / directory name."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
-async def serve(config: EngineConfig, options: ServerOptions, model_path: str, host: str,
-                port: int, shutdown_timeout_s: float,
-                layout: WorkerLayout = WorkerLayout(), ssl_context=None,
-                chat_template: str | None = None) -> int:
+async def serve(serve_config: ServeConfig, model_path: str, ssl_context=None) -> int:
     from duplex.frontend.engine_client import EngineClient
     from duplex.engine.text.recipe import Recipe
     from duplex.frontend.router import DEFAULT_BUCKET_LIMITS, Router
     from duplex.frontend.supervisor import Supervisor
 
+    config, layout, options = serve_config.engine, serve_config.layout, serve_config.server
+    host, port = serve_config.host, serve_config.port
     if not _is_readable(model_path):  # not a GGUF at all: one line, before any worker
         return 2
-    recipe = with_chat_template(Recipe.from_model(model_path), chat_template)
+    recipe = with_chat_template(Recipe.from_model(model_path), options.chat_template)
     try:
         reasoning_format(options, recipe)  # a parser that does not fit: refused here
     except ValueError as e:
         print(f"duplex serve: {e}", file=sys.stderr)
         return 2
-    supervisor = Supervisor(config, roles=layout.roles, worker_args=layout.worker_args(),
-                            address=layout.worker_bind)
+    supervisor = Supervisor(config, roles=layout.roles, address=layout.worker_bind)
     limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)
     engine = EngineClient(supervisor.address, handoff_failure=layout.handoff_failure,
                           router=Router(layout.length_buckets, limits),
-                          keys=curve.load_keys(layout.worker_key, layout.worker_bind))
+                          keys=curve.load_keys(config.worker.worker_key, layout.worker_bind))
     supervisor.attach(engine)
     state = AppState(engine, recipe, options, supervisor=supervisor)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
@@ -258,11 +174,11 @@ async def serve(config: EngineConfig, options: ServerOptions, model_path: str, h
         log.info("listening host=%s port=%d tls=%s (waiting for the engine worker)", host, port,
                  ssl_context is not None)
         scheme = "https" if ssl_context is not None else "http"
-        await _announce_when_ready(engine, stop, f"{scheme}://{host}:{port}", options, layout,
-                                   config.ep.expert_parallel)
+        await _announce_when_ready(engine, stop, f"{scheme}://{host}:{port}", serve_config)
         await stop.wait()
         if supervisor.startup_failure:  # a worker that can never start: no server to run
             return _startup_failed(supervisor.startup_failure)
+        shutdown_timeout_s = serve_config.shutdown_timeout_s
         log.info("shutting down: draining in-flight=%d timeout_s=%.1f",
                  state.admission.num_active, shutdown_timeout_s)
         drained = await _drain(state, shutdown_timeout_s, force)
@@ -335,9 +251,8 @@ async def _drain(state: AppState, timeout_s: float, force: asyncio.Event) -> boo
     return drained.result()
 
 
-async def _announce_when_ready(engine, stop: asyncio.Event, url: str, options: ServerOptions,
-                               layout: WorkerLayout = WorkerLayout(),
-                               expert_parallel: int = 1) -> None:
+async def _announce_when_ready(engine, stop: asyncio.Event, url: str,
+                               config: ServeConfig) -> None:
     """Print the URL once the worker is ready (or give up waiting when asked to stop)."""
     ready = asyncio.ensure_future(engine.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
@@ -347,14 +262,24 @@ async def _announce_when_ready(engine, stop: asyncio.Event, url: str, options: S
         ready.cancel()
         return
     info = ready.result()
-    print(f"Duplex is serving {options.served_model_names[0]} at {url} "
-          f"(max_model_len={info.max_model_len}, worker={_describe(layout, expert_parallel)})",
-          flush=True)
+    print(banner(f"Duplex is serving {config.server.served_model_names[0]} at {url} "
+                 f"(max_model_len={info.max_model_len}, worker={_describe(config)})",
+                 config.log_format), flush=True)
 
 
-def _describe(layout: WorkerLayout, expert_parallel: int = 1) -> str:
-    if expert_parallel > 1:
-        return f"unified over {expert_parallel} expert-parallel ranks"
-    if not layout.num_prefill:
+def banner(line: str, log_format: str) -> str:
+    """The start-up line on stdout, in the configured log format (a JSON log line under
+    --log-format json, so every line a server writes parses the same way)."""
+    if log_format != "json":
+        return line
+    record = logging.LogRecord(log.name, logging.INFO, __file__, 0, line, None, None)
+    return JsonFormatter().format(record)
+
+
+def _describe(config: ServeConfig) -> str:
+    layout = config.layout
+    if config.engine.ep.is_on:
+        return f"unified over {config.engine.ep.expert_parallel} expert-parallel ranks"
+    if not layout.is_split:
         return "unified"
     return f"{layout.num_prefill} prefill + {layout.num_decode} decode"

@@ -10,6 +10,10 @@ layers:
 * each worker asks Linux for SIGKILL when its parent dies (`--parent-pid` -> PR_SET_PDEATHSIG),
   which covers a SIGKILLed server. Each worker leads its own process group, killed as a whole.
 
+Each worker gets the server's one EngineConfig as JSON (frontend/serve_config.py: every
+setting, the served-worker policy and the kernels.switches values included), serialized once;
+its flags only say which worker it is (role, address, id, parent).
+
 Only workers that die while serving are restarted. A worker that could not start (bad config,
 a model it cannot load; see engine/worker_cli.py) writes its one-line reason to the start-up
 error file the supervisor names and exits: it never came up and never would, so its slot stops
@@ -95,7 +99,9 @@ class Supervisor:
                  address: str | None = None) -> None:
         self.config = config
         self._min_backoff_s, self._max_backoff_s = restart_backoff_s
-        self._worker_args = list(worker_args)  # extra `duplex worker` flags
+        # extra `duplex worker` flags for tests (--core, --heartbeat-s); `duplex serve` passes
+        # none: every setting rides in the config
+        self._worker_args = list(worker_args)
         self._env = {**os.environ, **(env or {})}
         self._dir = tempfile.mkdtemp(prefix="duplex-")
         self.address = address or self._address(use_tcp)  # where the frontend binds
@@ -103,7 +109,8 @@ class Supervisor:
                        for i, role in enumerate(roles)]
         for slot in self._slots:  # where a worker that cannot start writes why
             slot.error_file = os.path.join(self._dir, f"{slot.worker_id}.startup-error")
-        self._worker_config = worker_config(config, len(self._slots))
+        # serialized once: every worker gets the same JSON, its flags say only which one it is
+        self._config_json = msgspec.json.encode(worker_config(config, len(self._slots))).decode()
         self._exit_listeners: list[OnWorkerExit] = []
         self._startup_listeners: list[OnStartupFailure] = []
         self.startup_failure = ""  # why a worker could not start ("" while none failed so)
@@ -192,10 +199,10 @@ class Supervisor:
             slot.signal(signal.SIGKILL)
 
     def _command(self, slot: _Slot) -> list[str]:
-        config_json = msgspec.json.encode(self._worker_config).decode()
+        """The config, and which worker this process is (role, address, id, parent)."""
         return [sys.executable, "-m", "duplex.engine.worker_cli", "--role", slot.role,
                 "--connect", slot.address, "--worker-id", slot.worker_id,
-                "--config-json", config_json, "--parent-pid", str(os.getpid()),
+                "--config-json", self._config_json, "--parent-pid", str(os.getpid()),
                 "--startup-error-file", slot.error_file, *self._worker_args]
 
     def _report_exit(self, slot: _Slot, returncode: int) -> str:

@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 from duplex.frontend.cli import build_parser
-from duplex.frontend.serve import WorkerLayout, layout_from_args, run
+from duplex.frontend.serve import WorkerLayout, layout_from_args, normalize_args, run
+from duplex.frontend.serve_config import serve_config_from_args
 from duplex.frontend.supervisor import worker_config
 
 from .conftest import engine_config
 
 
 def parse(*argv: str):
-    return build_parser(only="serve").parse_args(["serve", *argv])
+    args = build_parser(only="serve").parse_args(["serve", *argv])
+    normalize_args(args)
+    return args
 
 
 def test_default_is_one_unified_worker_with_buckets():
     layout = layout_from_args(parse())
     assert layout.roles == ("unified",) and layout.length_buckets == (512, 4096)
-    assert layout.handoff_failure == "recompute" and layout.fair_prefill
+    assert layout.handoff_failure == "recompute"
+    assert serve_config_from_args(parse()).engine.scheduler.fair_prefill
 
 
 def test_split_layout_and_worker_flags():
@@ -25,8 +29,11 @@ def test_split_layout_and_worker_flags():
                                     "--worker-bind", "tcp://127.0.0.1:5555"))
     assert layout.roles == ("prefill", "prefill", "decode")
     assert layout.length_buckets == (256, 1024, 8192) and layout.handoff_failure == "fail"
-    assert layout.worker_args() == ["--handoff-lease-s", "3.0", "--no-fair-prefill"]
     assert layout.worker_bind == "tcp://127.0.0.1:5555"
+    # the served-worker policy is the engine config's, which every worker receives as JSON
+    engine = serve_config_from_args(parse("--prefill-workers", "2", "--decode-workers", "1",
+                                          "--handoff-lease-s", "3", "--no-fair-prefill")).engine
+    assert engine.worker.handoff_lease_s == 3.0 and not engine.scheduler.fair_prefill
     assert layout_from_args(parse("--length-buckets", "none")).length_buckets == ()
 
 

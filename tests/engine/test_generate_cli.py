@@ -31,8 +31,7 @@ WORKS: dict[str, list[str]] = {
                              "--batch-invariant", "--weights-dtype", "bfloat16",
                              "--cuda-graphs"],
     "speculation": ["--speculation", "ngram", "--num-draft-tokens", "2", "--no-spec-confidence",
-                    "--spec-token-cost", "0.5", "--spec-draft-layers", "1", "--draft-model",
-                    "{model}"],
+                    "--spec-token-cost", "0.5", "--spec-draft-layers", "1"],
     "speculation with the head": ["--speculation", "ngram", "--spec-confidence",
                                   "--spec-token-cost", "0.5"],
     "expert parallel, one rank": ["--ep-redundant-experts", "1", "--eplb-interval-steps", "5",
@@ -41,6 +40,7 @@ WORKS: dict[str, list[str]] = {
 # flags refused offline, each with a value that triggers the refusal
 REFUSED: dict[str, list[str]] = {
     "--expert-parallel": ["--expert-parallel", "2"],  # a group of processes: serve / worker
+    "--draft-model": ["--draft-model", "{model}"],  # read by --speculation draft only
 }
 
 

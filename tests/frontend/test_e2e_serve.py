@@ -66,8 +66,10 @@ class Server:
             except queue.Empty:
                 assert self.process.poll() is None, self.log_tail()
                 continue
-            if line.startswith("Duplex is serving"):
-                return line
+            # --log-format json: the banner too is one JSON log line
+            message = json.loads(line)["msg"] if line.startswith("{") else line
+            if message.startswith("Duplex is serving"):
+                return message
         raise AssertionError(f"server not ready in {STARTUP_S} s\n{self.log_tail()}")
 
     def wait_health(self, status: int, timeout_s: float) -> None:
