@@ -154,3 +154,26 @@ def test_the_banner_is_a_json_log_line_under_log_format_json():
     assert banner(line, "text") == line
     entry = json.loads(banner(line, "json"))
     assert entry["msg"] == line and entry["level"] == "info" and entry["logger"] == "duplex.serve"
+
+
+def test_a_served_worker_takes_its_servers_switches_over_its_environment(monkeypatch):
+    monkeypatch.setattr(switches, "_applied", {})
+    monkeypatch.setenv("DUPLEX_QGEMV", "1")
+    switches.apply([("DUPLEX_QGEMV", "0")])
+    assert switches.is_off("DUPLEX_QGEMV") and switches.source("DUPLEX_QGEMV") == "config"
+    with pytest.raises(ValueError, match="unknown switches: DUPLEX_NOPE"):
+        switches.apply([("DUPLEX_NOPE", "1")])
+
+
+def test_the_engine_reads_duplex_variables_only_through_the_switch_table():
+    """kernels/switches.py is the one reader; a new DUPLEX_* read elsewhere fails here."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    read = re.compile(r"""(environ(\.get)?\(|environ\[|getenv\()\s*["']DUPLEX_""")
+    readers = sorted(str(path.relative_to(repo)) for folder in ("engine", "kernels", "kvstore")
+                     for path in (repo / folder).rglob("*.py") if read.search(path.read_text()))
+    assert readers == [], readers  # switches.py reads os.environ by each switch's name
+    names = {s.name for s in switches.SWITCHES}
+    assert len(names) == len(switches.SWITCHES) and all(n.startswith("DUPLEX_") for n in names)
