@@ -134,14 +134,15 @@ def token_cost(llm, num_tokens: int = 32, repeats: int = 7) -> float:
     times = {}
     for n in (1, num_tokens):
         req = Request("cost", list(range(1, 129 + num_tokens)), SamplingParams())
-        req.block_ids = list(range(-(-req.num_tokens // core.block_size)))
+        assert core.kv.allocate_slots(req, req.num_tokens), "token_cost needs free KV blocks"
         req.advance(req.num_tokens - n)
-        inputs = core.runner.prepare([ScheduledRequest(req, n)])
+        inputs = core.runner.prepare([ScheduledRequest(req, n)], core.kv.tables)
         runs = []
         for _ in range(repeats):
             start = time.process_time()
             core.runner.execute(inputs, list(range(n)))
             runs.append(time.process_time() - start)
+        core.kv.free(req)
         times[n] = statistics.median(runs)
     per_token = (times[num_tokens] - times[1]) / (num_tokens - 1)
     return per_token / max(times[1] - per_token, 1e-9)

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -137,6 +138,23 @@ def kv_format(config: EngineConfig, quant: str, dtype: torch.dtype,
     return f"{config.weights_dtype}/{quant}/{_DTYPE_NAMES[dtype]}/kv={_DTYPE_NAMES[kv_dtype]}"
 
 
+def _build_kv(config: EngineConfig, runner: ModelRunner, tiers: KVTiers | None,
+              namespace: _Namespaces) -> tuple[BlockPool, KVCacheManager]:
+    """The device block pool and its manager (hybrid with the runner's sliding-window
+    layout), linked to the tiers below when there are any."""
+    num_blocks, block_size, layout = runner.num_blocks, runner.block_size, runner.layout
+    link = None if tiers is None else \
+        TierLink(tiers, BlockCodec(runner.kv, runner.platform), num_blocks)
+    pool = BlockPool(num_blocks, on_evict=link.on_evict if link else None)
+    caching = config.cache.enable_prefix_caching
+    if layout is None:
+        return pool, KVCacheManager(pool, block_size, namespace, caching, tiers=link)
+    return pool, HybridKVCacheManager(
+        pool, BlockPool(layout.num_swa_blocks), layout, block_size, namespace, caching,
+        tiers=link, block_bytes=layout.bytes_per_block(runner.model.args, block_size,
+                                                      runner.kv.dtype))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = True, *,
                  cost_model: CostModel | None = None,
@@ -177,7 +195,7 @@ class EngineCore:
                                                         is_hybrid, self.platform)
         self.runner = ModelRunner(self.model, self.num_kv_blocks, self.block_size, self.kv_dtype,
                                   self.layout, self.platform)
-        self.pool, self.kv = self._build_kv()
+        self.pool, self.kv = _build_kv(config, self.runner, self.tiers, self._namespace)
         if config.cuda_graphs and not config.ep.is_on:  # CUDA: decode steps replay graphs
             self.runner.capture_decode_graphs(self.max_model_len, config.scheduler.max_num_seqs)
         self.cost_model = cost_model if cost_model is not None else CostModel()
@@ -187,7 +205,7 @@ class EngineCore:
         self.sampler = Sampler(config.seed)
         self.spec = None if not config.spec.is_on else Speculator.build(
             config.spec, model=self.model, runner=self.runner, kv=self.kv,
-            load_model=self._load_draft_model, cost_model=self.cost_model,
+            load_model=partial(_load_model, self.dtype, self.quant), cost_model=self.cost_model,
             num_kv_blocks=self.num_kv_blocks, block_size=self.block_size, dtype=self.kv_dtype,
             max_model_len=self.max_model_len, seed=config.seed)
         self.grammar = Grammars.for_model(self.model_path, self.args.vocab_size,
@@ -198,21 +216,6 @@ class EngineCore:
         self._pending_deltas: list[RequestDelta] = []
         self._counters = dict(prompt=0, computed=0, cached=0, generated=0, steps=0,
                               requests=0, aborted=0)
-
-    def _build_kv(self) -> tuple[BlockPool, KVCacheManager]:
-        """The device block pool and its manager (hybrid with a sliding-window layout), linked
-        to the tiers below when there are any."""
-        link = None if self.tiers is None else \
-            TierLink(self.tiers, BlockCodec(self.runner.kv, self.platform), self.num_kv_blocks)
-        pool = BlockPool(self.num_kv_blocks, on_evict=link.on_evict if link else None)
-        caching = self.config.cache.enable_prefix_caching
-        if self.layout is None:
-            return pool, KVCacheManager(pool, self.block_size, self._namespace, caching,
-                                        tiers=link)
-        return pool, HybridKVCacheManager(
-            pool, BlockPool(self.layout.num_swa_blocks), self.layout, self.block_size,
-            self._namespace, caching, tiers=link,
-            block_bytes=self.layout.bytes_per_block(self.args, self.block_size, self.kv_dtype))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, msg: AddRequest) -> None:
@@ -288,32 +291,33 @@ class EngineCore:
             self._step_overlap if on else self._step_plain
 
     def step(self) -> list[RequestDelta]:
+        """Deltas owed from before (aborts, failed grammars; compiled ones join the
+        scheduler), then this mode's step: _step_plain, _step_overlap or _step_spec."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        self._admit_compiled(deltas)
         # fused CPU RMSNorm / SiLU round unlike torch: for quantized weights only, never in
         # the exact float32 mode (kernels.cpu_fused)
         with use_fused(self.quant != "none"):
-            return self._step()
+            return deltas + self._step()
 
     def _step_plain(self) -> list[RequestDelta]:
         """Schedule, run, read the tokens and settle: one step, done when it returns."""
-        deltas = self._begin_step()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            self._idle()
-            return deltas
+            _idle(self.grammar)
+            return []
         self._in_flight = self._launch(sched)
-        return deltas + self._land()
+        return self._land()
 
     def _step_overlap(self) -> list[RequestDelta]:
         """Schedule and launch step n+1, then land step n (module docstring). While a
         request needs its tokens on the host first, step n lands before n+1 is scheduled."""
-        deltas = self._begin_step()
         overlaps = not _needs_host_tokens(self.requests.values())
-        if not overlaps:  # the next step needs the tokens of the one in flight
-            deltas += self._land()
+        deltas = [] if overlaps else self._land()  # the next step needs those tokens
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self._in_flight is None:
-                self._idle()
+                _idle(self.grammar)
             return deltas + self._land()
         flight = self._launch(sched)
         deltas += self._land()  # the step before, read while `flight` runs on the device
@@ -321,28 +325,29 @@ class EngineCore:
         return deltas if overlaps else deltas + self._land()
 
     def _step_spec(self) -> list[RequestDelta]:
-        """Draft, schedule, verify: each step's tokens settle before the next drafts."""
-        deltas = self._begin_step()
+        """Draft, schedule, then verify the drafts against the step's logits on the host,
+        before the next step is scheduled (the next drafts start from its tokens)."""
         self.spec.propose(self.scheduler.running)
         self.grammar.clip_drafts(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            self._idle()
-            return deltas
+            _idle(self.grammar)
+            return []
         self.spec.clip(sched.scheduled)
-        return deltas + self._step_verified(sched)
-
-    def _begin_step(self) -> list[RequestDelta]:
-        """Deltas owed before any step runs: aborts since the last step, failed grammars;
-        requests whose grammar compiled join the scheduler."""
-        deltas, self._pending_deltas = self._pending_deltas, []
-        self._admit_compiled(deltas)
+        features, start = step_features(sched.scheduled), time.perf_counter()
+        inputs = self.runner.prepare(sched.scheduled, self.kv.tables)
+        sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
+        rows = Speculator.logit_rows(inputs.sample_positions, sampled)
+        # batch-invariant ops are a process-wide switch: set it for this engine's step only
+        with set_batch_invariant_mode(self.config.batch_invariant):
+            logits = self.runner.execute(inputs, rows)
+            out = self._sample(logits, sampled)
+        self.runner.end_step()  # after the sampler read the tokens: nothing left to wait for
+        _advance(sched, self._counters)
+        deltas = self._settle(sched, out)
+        self.cost_model.observe(features, time.perf_counter() - start)
+        self._counters["steps"] += 1
         return deltas
-
-    def _idle(self) -> None:
-        """Nothing to run: while only grammars compile, do not spin the step thread."""
-        if self.grammar.num_waiting:
-            time.sleep(0.001)
 
     def _launch(self, sched: SchedulerOutput) -> _Flight:
         """Queue a step's forward and draws on the device, without waiting for them: its
@@ -350,7 +355,7 @@ class EngineCore:
         when the step lands); a placeholder of the step in flight is fed from the device."""
         features, start = step_features(sched.scheduled), time.perf_counter()
         flying = self._in_flight
-        inputs = self.runner.prepare(sched.scheduled,
+        inputs = self.runner.prepare(sched.scheduled, self.kv.tables,
                                      None if flying is None else flying.feed)
         sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
         with set_batch_invariant_mode(self.config.batch_invariant):
@@ -375,24 +380,6 @@ class EngineCore:
                in zip(flight.sampled, result.token_ids, result.logprobs)}
         deltas = self._settle(flight.sched, out)
         self.cost_model.observe(flight.features, time.perf_counter() - flight.start)
-        self._counters["steps"] += 1
-        return deltas
-
-    def _step_verified(self, sched: SchedulerOutput) -> list[RequestDelta]:
-        """A step with speculation: drafts verified against the step's logits, on the host
-        before the next step is scheduled (the next drafts start from its tokens)."""
-        features, start = step_features(sched.scheduled), time.perf_counter()
-        inputs = self.runner.prepare(sched.scheduled)
-        sampled = [sched.scheduled[row].req for row in inputs.sample_rows]
-        rows = Speculator.logit_rows(inputs.sample_positions, sampled)
-        # batch-invariant ops are a process-wide switch: set it for this engine's step only
-        with set_batch_invariant_mode(self.config.batch_invariant):
-            logits = self.runner.execute(inputs, rows)
-            out = self._sample(logits, sampled)
-        self.runner.end_step()  # after the sampler read the tokens: nothing left to wait for
-        _advance(sched, self._counters)
-        deltas = self._settle(sched, out)
-        self.cost_model.observe(features, time.perf_counter() - start)
         self._counters["steps"] += 1
         return deltas
 
@@ -429,7 +416,8 @@ class EngineCore:
             if req.status is Status.FINISHED:  # aborted, or ended while this step flew
                 continue
             out = sampled.get(req.req_id)  # None: a prefill chunk short of the prompt's end
-            appended = None if out is None else self._append(req, out)
+            appended = None if out is None else \
+                _append(req, out, self.max_model_len, self.grammar)
             if req.spec_token_ids:
                 # verified: rejected drafts' KV is no longer computed (their slots are
                 # overwritten later); blocks that held only those slots are freed
@@ -439,23 +427,12 @@ class EngineCore:
             if appended is None:
                 continue
             num, stop = appended
+            self._counters["generated"] += num
             if stop is not None:
                 self.finish(req, *stop)
             deltas.append(_token_delta(req, out, num))
         return deltas
 
-    def _append(self, req: Request, out: _Sampled) -> tuple[int, Stop | None]:
-        """Append the step's tokens in order; a stop (EOS, stop token, length, the grammar)
-        on one of them ends the request there and drops the rest. (tokens kept, stop)"""
-        num, stop = 0, None
-        while num < len(out.token_ids) and stop is None:
-            index = req.add_token(out.token_ids[num])  # a placeholder's, or a new one
-            num += 1
-            stop = req.check_stop(self.max_model_len, index) or \
-                _grammar_stop(self.grammar, req)
-        req.record_drafts(out.num_proposed, min(out.num_accepted, num))
-        self._counters["generated"] += num
-        return num, stop
 
     def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
         """Requests whose grammar finished compiling join the scheduler; a grammar that
@@ -467,10 +444,6 @@ class EngineCore:
         for req, error in failed:
             self.finish(req, FinishReason.ERROR)
             deltas.append(_delta(req, [], [], error=f"grammar: {error}"))
-
-    def _load_draft_model(self, path: str):
-        loaded = load(resolve_model_path(path), self.dtype, progress=False, quant=self.quant)
-        return build_model(loaded.args, loaded.state_dict)
 
     # ------------------------------------------------------------------ stats
     def close(self) -> None:
@@ -540,6 +513,25 @@ def _delta(req: Request, token_ids, logprobs, error="", **spec) -> RequestDelta:
         **spec)
 
 
+def _append(req: Request, out: _Sampled, max_model_len: int,
+            grammar: Grammars) -> tuple[int, Stop | None]:
+    """Append a step's tokens to req in order; a stop (EOS, stop token, length, the grammar)
+    on one of them ends the request there and drops the rest. (tokens kept, stop)"""
+    num, stop = 0, None
+    while num < len(out.token_ids) and stop is None:
+        index = req.add_token(out.token_ids[num])  # a placeholder's, or a new one
+        num += 1
+        stop = req.check_stop(max_model_len, index) or _grammar_stop(grammar, req)
+    req.record_drafts(out.num_proposed, min(out.num_accepted, num))
+    return num, stop
+
+
+def _idle(grammar: Grammars) -> None:
+    """Nothing to run: while only grammars compile, do not spin the step thread."""
+    if grammar.num_waiting:
+        time.sleep(0.001)
+
+
 def _token_delta(req: Request, out: _Sampled, num: int) -> RequestDelta:
     """The delta of the first num of a step's tokens (those before a stop)."""
     num_accepted = min(out.num_accepted, num)
@@ -549,6 +541,12 @@ def _token_delta(req: Request, out: _Sampled, num: int) -> RequestDelta:
                   num_draft_proposed=out.num_proposed, num_draft_accepted=num_accepted,
                   accepted_draft_mask=[i < num_accepted for i in range(num)]
                   if out.num_proposed else [])
+
+
+def _load_model(dtype: torch.dtype, quant: str, path: str):
+    """A draft model, in the target's precision (dtype, quant)."""
+    loaded = load(resolve_model_path(path), dtype, progress=False, quant=quant)
+    return build_model(loaded.args, loaded.state_dict)
 
 
 def _grammar_stop(grammar: Grammars, req: Request) -> Stop | None:

@@ -2,10 +2,10 @@
 
 A model with sliding-window (SWA) layers gets two KV tensors and two block pools:
 
-    | group | layers          | tensor / pool            | a request's table | keeps           |
-    |-------|-----------------|--------------------------|-------------------|-----------------|
-    | full  | window is None  | runner.kv / pool         | req.block_ids     | every block     |
-    | swa   | window W        | runner.swa_kv / swa_pool | req.swa_block_ids | the window only |
+    | group | layers         | tensor / pool            | a request's table        | keeps           |
+    |-------|----------------|--------------------------|--------------------------|-----------------|
+    | full  | window is None | runner.kv / pool         | req_to_blocks[req_id]     | every block     |
+    | swa   | window W       | runner.swa_kv / swa_pool | req_to_swa_blocks[req_id] | the window only |
 
 An SWA table has one entry per block of the request, like the full one, but entries older
 than the window point at NULL (one extra block past the pool, never written, always zero):
@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from duplex.engine.block_pool import BlockPool
-from duplex.engine.kv_manager import KVCacheManager, cdiv
+from duplex.engine.kv_manager import KVCacheManager, KVTables, cdiv
 from duplex.engine.kv_tiers import TierHit, TierLink
 from duplex.engine.request import Request
 from duplex.engine.stats import HybridKVStats
@@ -98,12 +98,13 @@ class HybridLayout:
         return layer * len(self.full_layers), layer * len(self.swa_layers)
 
 
-def swa_step_inputs(scheduled, block_size: int, null_block: int, num_cols: int):
+def swa_step_inputs(scheduled, swa_tables: Mapping[str, list[int]], block_size: int,
+                    null_block: int, num_cols: int):
     """SWA block tables [num_seqs, num_cols] (int32, NULL-padded) and slot mapping of a step."""
     tables = torch.full((len(scheduled), num_cols), null_block, dtype=torch.int32)
     slots = []
     for row, (req, num_new) in enumerate(scheduled):
-        table = torch.tensor(req.swa_block_ids, dtype=torch.long)
+        table = torch.tensor(swa_tables[req.req_id], dtype=torch.long)
         tables[row, :len(table)] = table.to(torch.int32)
         pos = torch.arange(req.num_computed_tokens, req.num_computed_tokens + num_new)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -132,7 +133,8 @@ class Accounting(NamedTuple):
 
 class HybridKVCacheManager(KVCacheManager):
     """KVCacheManager for a hybrid layout: the base class runs the full group (block ids,
-    keys, tiers); this adds the SWA tables, their release, bonds and replay. Tier entries
+    keys, tiers); this adds the SWA tables (req_to_swa_blocks, by request id, NULL out of
+    the window: entries change in place), their release, bonds and replay. Tier entries
     carry the full group only: a tier hit rebuilds the SWA state by replay."""
 
     def __init__(self, pool: BlockPool, swa_pool: BlockPool, layout: HybridLayout,
@@ -141,6 +143,8 @@ class HybridKVCacheManager(KVCacheManager):
                  block_bytes: tuple[int, int] = (0, 0)) -> None:
         super().__init__(pool, block_size, namespace, enable_prefix_caching, tiers)
         self.swa_pool = swa_pool
+        self.req_to_swa_blocks: dict[str, list[int]] = {}
+        self.tables = KVTables(self.req_to_blocks, self.req_to_swa_blocks)
         self.block_bytes = block_bytes  # (full-group block, SWA-group block)
         self.layout = layout
         self.window = layout.window
@@ -152,6 +156,10 @@ class HybridKVCacheManager(KVCacheManager):
         self.accounting: OrderedDict[str, Accounting] = OrderedDict()  # last admission, recent
         self.totals = dict(restored=0, replayed=0, prefilled=0)
 
+    def swa_block_ids(self, req_id: str) -> list[int]:
+        """req_id's SWA table (NULL out of the window); read it, do not keep it."""
+        return self.req_to_swa_blocks.get(req_id) or []
+
     # ------------------------------------------------------------------ planning
     def num_cached_tokens(self, req: Request, num_hit_blocks: int, num_loaded: int) -> int:
         num_hit = (num_hit_blocks + num_loaded) * self.block_size
@@ -162,8 +170,9 @@ class HybridKVCacheManager(KVCacheManager):
         or below it within the replay span, else num_hit - replay_span (block-aligned)."""
         bs = self.block_size
         cold = max(0, num_hit - self.replay_span) // bs * bs
+        keys = self.block_keys(req.req_id)
         for boundary in range(num_hit, cold, -bs):
-            key = req.block_keys[boundary // bs - 1]
+            key = keys[boundary // bs - 1]
             if key in self.bonds:
                 return RestorePlan(boundary, key)
         return RestorePlan(cold, None)
@@ -189,11 +198,11 @@ class HybridKVCacheManager(KVCacheManager):
             return False
         if num_hit:
             self._restore(req, num_hit, plan, bond)
-        self._extend_swa(req, plan.start + num_new_tokens)
+        self._extend_swa(req, plan.start, plan.start + num_new_tokens)
         return True
 
     def _num_swa_needed(self, req: Request, start: int, num_new: int, bond: Bond | None) -> int:
-        table = req.swa_block_ids
+        table = self.swa_block_ids(req.req_id)
         if bond is not None:
             table = [self.null] * bond.first_block + bond.block_ids
         first, end = start // self.block_size, cdiv(start + num_new, self.block_size)
@@ -212,11 +221,12 @@ class HybridKVCacheManager(KVCacheManager):
         """After the base class took the full-group hit: start at plan.start, with the
         bond's window in the SWA table; positions below num_hit only rebuild SWA KV."""
         req.restore_prefix(plan.start, replay_end=num_hit)
-        req.swa_block_ids = []
+        self.req_to_swa_blocks[req.req_id] = []
         if bond is not None:
             self.bonds.move_to_end(plan.bond_key)
             self.swa_pool.touch(bond.block_ids)
-            req.swa_block_ids = [self.null] * bond.first_block + list(bond.block_ids)
+            self.req_to_swa_blocks[req.req_id] = [self.null] * bond.first_block + \
+                list(bond.block_ids)
             if bond.is_turn_end:
                 self._consumed[req.req_id] = plan.bond_key
         if plan.start < num_hit:
@@ -230,10 +240,10 @@ class HybridKVCacheManager(KVCacheManager):
         for name, num in zip(("restored", "replayed", "prefilled"), acc):
             self.totals[name] += num
 
-    def _extend_swa(self, req: Request, end: int) -> None:
-        """SWA blocks for every position below end from the current one on."""
-        table = req.swa_block_ids
-        first, num_blocks = req.num_computed_tokens // self.block_size, cdiv(end, self.block_size)
+    def _extend_swa(self, req: Request, start: int, end: int) -> None:
+        """SWA blocks for every position below end from start (the first to compute) on."""
+        table = self.req_to_swa_blocks.setdefault(req.req_id, [])
+        first, num_blocks = start // self.block_size, cdiv(end, self.block_size)
         table.extend([self.null] * (num_blocks - len(table)))
         missing = [i for i in range(first, num_blocks) if table[i] == self.null]
         for i, block_id in zip(missing, self.swa_pool.allocate(len(missing))):
@@ -258,7 +268,7 @@ class HybridKVCacheManager(KVCacheManager):
     def _release_out_of_window(self, req: Request) -> None:
         bs = self.block_size
         keep_from = self._window_first_block(req.num_computed_tokens // bs * bs)
-        table = req.swa_block_ids
+        table = self.swa_block_ids(req.req_id)
         old = [i for i in range(min(keep_from, len(table))) if table[i] != self.null]
         self.swa_pool.free(reversed([table[i] for i in old]))
         for i in old:
@@ -268,13 +278,12 @@ class HybridKVCacheManager(KVCacheManager):
         """Keep the SWA window at `boundary` (a block boundary req has computed past)."""
         if not self.enable_prefix_caching or boundary <= 0:
             return None
-        self.update_keys(req, boundary)
-        key = req.block_keys[boundary // self.block_size - 1]
+        key = self.update_keys(req, boundary)[boundary // self.block_size - 1]
         if key in self.bonds:
             self.bonds.move_to_end(key)
             return key
         first = self._window_first_block(boundary)
-        block_ids = req.swa_block_ids[first:boundary // self.block_size]
+        block_ids = self.swa_block_ids(req.req_id)[first:boundary // self.block_size]
         assert self.null not in block_ids, "a bond's window must be held by the request"
         self.swa_pool.touch(block_ids)
         self.bonds[key] = Bond(first, block_ids, is_turn_end)
@@ -291,19 +300,20 @@ class HybridKVCacheManager(KVCacheManager):
         self._branch.pop(req.req_id, None)
         old = self._consumed.pop(req.req_id, None)
         new = None
-        if not replaying and req.swa_block_ids:
+        table = self.swa_block_ids(req.req_id)
+        if not replaying and table:
             boundary = req.num_computed_tokens // self.block_size * self.block_size
-            if self._window_first_block(boundary) < len(req.swa_block_ids):
+            if self._window_first_block(boundary) < len(table):
                 new = self._bond(req, boundary, is_turn_end=True)
         if old is not None and old != new and old in self.bonds:
             self._drop_bond(old)
-        self.swa_pool.free(reversed([b for b in req.swa_block_ids if b != self.null]))
-        req.swa_block_ids = []
+        self.swa_pool.free(reversed([b for b in table if b != self.null]))
+        self.req_to_swa_blocks.pop(req.req_id, None)
         super().free(req)  # a preempted request's replay_end is reset by Request.preempt
 
     # ------------------------------------------------------------------ metrics
     def num_swa_blocks_held(self, req: Request) -> int:
-        return sum(1 for b in req.swa_block_ids if b != self.null)
+        return sum(1 for b in self.swa_block_ids(req.req_id) if b != self.null)
 
     def stored_bytes(self) -> int:
         """Bytes of cached KV: published full blocks plus the SWA blocks bonds hold."""

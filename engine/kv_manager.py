@@ -1,9 +1,15 @@
 """KVCacheManager: maps requests to device KV blocks and finds cached prefixes.
 
-It owns each request's block table (``req.block_ids``) and its content keys
-(``req.block_keys``); the BlockPool underneath owns the blocks themselves. Keys come from
+It owns each request's block table (``req_to_blocks[req_id]``, as vLLM's), the content keys
+of its full blocks and how many of them are published, all keyed by request id; a Request
+holds none of it. The BlockPool underneath owns the blocks themselves. Keys come from
 ``kvstore.keys`` — the one content address shared by the device cache, the router, KV
 transfer and the disk store — rooted in a per-tenant namespace.
+
+Contract for readers (the model runner, a drafter, tests): `tables` and `block_ids` give
+the live lists, to read and not to keep past the step. A table only grows in place; one
+that is replaced (a prefix hit) or cut (a trim) is a new list, so a list that is still
+the same object has the same leading entries (engine.model_runner.BlockTables relies on it).
 
 With host/disk tiers (a `TierLink`), a request's cached prefix is read in this order, and
 only the rest is computed:
@@ -13,7 +19,7 @@ only the rest is computed:
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 from duplex.engine.block_pool import BlockPool
 from duplex.engine.kv_tiers import DEVICE, TIERS, TierHit, TierLink
@@ -24,6 +30,13 @@ from duplex.kvstore import keys as kvkeys
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class KVTables(NamedTuple):
+    """What a step's inputs read of the KV managers: block tables by request id (swa: a
+    hybrid layout's sliding-window tables, engine.hybrid_kv; None without one)."""
+    full: Mapping[str, list[int]]
+    swa: Mapping[str, list[int]] | None = None
 
 
 class KVCacheManager:
@@ -37,27 +50,43 @@ class KVCacheManager:
         self.num_hit_tokens = dict.fromkeys(TIERS, 0)  # prompt tokens served, per tier
         self.num_queried_tokens = 0
         self.handoff = KVHandoff(pool, self.tiers, namespace, block_size)
+        # by request id; only the KV managers write these (tests/test_ownership.py)
+        self.req_to_blocks: dict[str, list[int]] = {}  # block table
+        self.req_to_keys: dict[str, list[bytes]] = {}  # content keys of its full blocks
+        self.num_published: dict[str, int] = {}  # leading blocks already in the prefix cache
+        self.tables = KVTables(self.req_to_blocks)
+
+    # ------------------------------------------------------------------ readers
+    def block_ids(self, req_id: str) -> list[int]:
+        """req_id's block table (empty without blocks); read it, do not keep it."""
+        return self.req_to_blocks.get(req_id) or []
+
+    def block_keys(self, req_id: str) -> list[bytes]:
+        """Content keys of req_id's full blocks computed so far (update_keys)."""
+        return self.req_to_keys.get(req_id) or []
 
     # ------------------------------------------------------------------ prefix cache
-    def update_keys(self, req: Request, num_tokens: int) -> None:
-        """Extend req.block_keys to cover the full blocks among the first num_tokens tokens."""
+    def update_keys(self, req: Request, num_tokens: int) -> list[bytes]:
+        """req's block keys, extended to cover the full blocks among its first num_tokens
+        tokens."""
+        keys = self.req_to_keys.setdefault(req.req_id, [])
         num_full = num_tokens // self.block_size
-        if len(req.block_keys) >= num_full:
-            return
-        start = len(req.block_keys)
-        parent = req.block_keys[-1] if req.block_keys else None
+        if len(keys) >= num_full:
+            return keys
+        start = len(keys)
+        parent = keys[-1] if keys else None
         tokens = req.all_token_ids[:num_full * self.block_size]
-        req.block_keys.extend(kvkeys.block_keys(self.namespace(req.cache_salt), tokens,
-                                                self.block_size, parent=parent,
-                                                start_block=start))
+        keys.extend(kvkeys.block_keys(self.namespace(req.cache_salt), tokens,
+                                      self.block_size, parent=parent, start_block=start))
+        return keys
 
     def find_cached_blocks(self, req: Request) -> list[int]:
         """Device blocks holding the longest cached prefix of req. At least one token is
         always left to compute, so the hit stops short of the request's last token."""
         max_blocks = self._num_hittable_blocks(req)
-        self.update_keys(req, max_blocks * self.block_size)
+        keys = self.update_keys(req, max_blocks * self.block_size)
         hit = []
-        for key in req.block_keys[:max_blocks]:
+        for key in keys[:max_blocks]:
             block_id = self.pool.lookup(key)
             if block_id is None or (self.tiers is not None and not self.tiers.is_live(block_id)):
                 break
@@ -83,7 +112,7 @@ class KVCacheManager:
         they overlap other requests' compute."""
         if self.tiers is not None:
             num_device = len(self.find_cached_blocks(req))
-            keys = req.block_keys[num_device:self._num_hittable_blocks(req)]
+            keys = self.block_keys(req.req_id)[num_device:self._num_hittable_blocks(req)]
             self.tiers.start_load(req.req_id, keys)
 
     def is_loading(self, req: Request) -> bool:
@@ -97,7 +126,7 @@ class KVCacheManager:
         """Tier entries that continue req's device prefix hit, up to the first miss."""
         if self.tiers is None:
             return []
-        keys = req.block_keys[num_device_blocks:self._num_hittable_blocks(req)]
+        keys = self.block_keys(req.req_id)[num_device_blocks:self._num_hittable_blocks(req)]
         return self.tiers.find(req.req_id, keys)
 
     def record_hit(self, req: Request, num_device_blocks: int, loaded: list[TierHit]) -> None:
@@ -114,11 +143,12 @@ class KVCacheManager:
             self.tiers.forget(req.req_id)
 
     # ------------------------------------------------------------------ allocation
-    def num_blocks_needed(self, req: Request, num_new_tokens: int, num_hit_blocks: int = 0,
-                          num_loaded_blocks: int = 0) -> int:
-        """New blocks for num_new_tokens more tokens, after a prefix hit of num_hit_blocks
-        device blocks and num_loaded_blocks tier blocks (which need new blocks too)."""
-        have = max(len(req.block_ids), num_hit_blocks)
+    def num_blocks_needed(self, req: Request, num_held: int, num_new_tokens: int,
+                          num_hit_blocks: int = 0, num_loaded_blocks: int = 0) -> int:
+        """New blocks for num_new_tokens more tokens of req, which holds num_held blocks,
+        after a prefix hit of num_hit_blocks device blocks and num_loaded_blocks tier
+        blocks (which need new blocks too)."""
+        have = max(num_held, num_hit_blocks)
         num_cached = (num_hit_blocks + num_loaded_blocks) * self.block_size
         total = max(req.num_computed_tokens, num_cached) + num_new_tokens
         return max(0, cdiv(total, self.block_size) - have)
@@ -131,66 +161,71 @@ class KVCacheManager:
         with no blocks may take. False, with nothing changed, when the pool cannot supply
         them."""
         hit_block_ids = hit_block_ids or []
-        assert not (hit_block_ids or loaded) or not req.block_ids, \
-            "a prefix hit needs an empty request"
-        need = self.num_blocks_needed(req, num_new_tokens, len(hit_block_ids), len(loaded))
+        table = self.req_to_blocks.get(req.req_id)
+        assert not (hit_block_ids or loaded) or not table, "a prefix hit needs an empty request"
+        need = self.num_blocks_needed(req, len(table or ()), num_new_tokens, len(hit_block_ids),
+                                      len(loaded))
         pinned = sum(1 for b in hit_block_ids if self.pool.ref_cnt[b] == 0)
         if need > self.pool.num_free_blocks - pinned:
             return False
         if hit_block_ids:
             self.pool.touch(hit_block_ids)
-            req.block_ids = list(hit_block_ids)
-            req.block_version += 1
-        req.block_ids.extend(self.pool.allocate(need))
+        if table:
+            table.extend(self.pool.allocate(need))  # grows in place (module docstring)
+        else:
+            self.req_to_blocks[req.req_id] = hit_block_ids + self.pool.allocate(need)
         if loaded:
             self._load(req, len(hit_block_ids), loaded)
         if hit_block_ids or loaded:
-            req.num_published_blocks = len(hit_block_ids) + len(loaded)
-            req.restore_prefix(req.num_published_blocks * self.block_size)
+            self.num_published[req.req_id] = len(hit_block_ids) + len(loaded)
+            req.restore_prefix(self.num_published[req.req_id] * self.block_size)
         return True
 
     def _load(self, req: Request, start: int, loaded: list[TierHit]) -> None:
         """Copy tier entries into req's blocks start.. and publish them (they hold exactly
         the content their keys name, so later requests may hit them on the device)."""
-        block_ids = req.block_ids[start:start + len(loaded)]
+        block_ids = self.req_to_blocks[req.req_id][start:start + len(loaded)]
+        keys = self.req_to_keys[req.req_id]
         self.tiers.load(block_ids, [hit.entry for hit in loaded])  # one batched copy
         for i, block_id in enumerate(block_ids, start):
-            self.pool.publish(block_id, req.block_keys[i])
+            self.pool.publish(block_id, keys[i])
 
     def publish(self, req: Request) -> None:
         """Make req's fully computed blocks addressable for later prefix hits."""
         if not self.enable_prefix_caching:
             return
         num_full = req.num_computed_tokens // self.block_size
-        if num_full <= req.num_published_blocks:
+        num_published = self.num_published.get(req.req_id, 0)
+        if num_full <= num_published:
             return
-        self.update_keys(req, num_full * self.block_size)
+        keys = self.update_keys(req, num_full * self.block_size)
+        table = self.req_to_blocks[req.req_id]
         new_ids, new_keys = [], []
-        for i in range(req.num_published_blocks, num_full):
-            block_id, key = req.block_ids[i], req.block_keys[i]
+        for i in range(num_published, num_full):
+            block_id, key = table[i], keys[i]
             if self.pool.publish(block_id, key):
                 new_ids.append(block_id)
                 new_keys.append(key)
         if new_ids and self.tiers is not None:
             self.tiers.on_publish(new_ids, new_keys, req.retention)  # one batched copy
-        req.num_published_blocks = num_full
+        self.num_published[req.req_id] = num_full
 
     def trim(self, req: Request) -> None:
         """Free req's blocks past those its tokens need. After verification rejected draft
         tokens, a block that held only their slots is empty again: it was never published
         (it lies past num_computed_tokens), so it goes back to be reused first."""
         keep = cdiv(req.num_tokens, self.block_size)
-        if len(req.block_ids) > keep:
-            self.pool.free(reversed(req.block_ids[keep:]), reuse_first=True)
-            del req.block_ids[keep:]
-            req.block_version += 1
+        table = self.block_ids(req.req_id)
+        if len(table) > keep:
+            self.pool.free(reversed(table[keep:]), reuse_first=True)
+            self.req_to_blocks[req.req_id] = table[:keep]  # cut: a new list (docstring)
 
     def free(self, req: Request) -> None:
-        """Release req's blocks, deepest first, so shallow prefix blocks outlive deep ones."""
-        self.pool.free(reversed(req.block_ids))
-        req.block_ids = []
-        req.block_version += 1
-        req.num_published_blocks = 0
+        """Release req's blocks, deepest first, so shallow prefix blocks outlive deep ones,
+        and forget its table and keys (a preempted request's keys are made again)."""
+        self.pool.free(reversed(self.req_to_blocks.pop(req.req_id, [])))
+        self.req_to_keys.pop(req.req_id, None)
+        self.num_published.pop(req.req_id, None)
         if self.tiers is not None:
             self.tiers.forget(req.req_id)
 
@@ -198,9 +233,6 @@ class KVCacheManager:
         """Forget every cached, unreferenced device block (each goes to the tiers below, as
         an eviction would send it); returns how many. A benchmark's way to measure them."""
         return self.pool.evict_all_cached()
-
-    def slot(self, req: Request, position: int) -> int:
-        return req.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
 
 class KVLease(NamedTuple):

@@ -27,6 +27,7 @@ import torch
 
 from duplex.engine.cuda_graphs import DecodeGraphs
 from duplex.engine.hybrid_kv import HybridLayout, swa_step_inputs
+from duplex.engine.kv_manager import KVTables
 from duplex.engine.models import ForwardContext
 from duplex.engine.platform import Platform, cpu, place
 from duplex.engine.scheduler import ScheduledRequest
@@ -140,11 +141,13 @@ class ModelRunner:
         elem = dtype.itemsize
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest],
+    def prepare(self, scheduled: Sequence[ScheduledRequest], tables: KVTables,
                 feed: Feed | None = None) -> StepInputs:
-        """Host lists first (one pass over the requests), then one tensor per input. A row
-        whose last token is a placeholder takes its id from `feed`, on the device."""
+        """Host lists first (one pass over the requests), then one tensor per input; block
+        tables come from the KV manager's `tables`, by request id. A row whose last token
+        is a placeholder takes its id from `feed`, on the device."""
         bs = self.block_size
+        block_tables = [tables.full[req.req_id] for req, _ in scheduled]
         ids, positions, slots = [], [], []
         query_lens, seq_lens, sample_rows, sample_positions = [], [], [], []
         fed, feed_rows = [], []  # flattened rows whose id is fed, and their rows in the feed
@@ -155,7 +158,7 @@ class ModelRunner:
             computes_prompt |= start < req.num_prompt_tokens
             ids.extend(req.token_slice(start, end))
             positions.extend(range(start, end))
-            slots.extend(_slots(req.block_ids, start, end, bs))
+            slots.extend(_slots(block_tables[row], start, end, bs))
             if req.replay_end > start:  # replayed for SWA only: full layers keep their KV
                 slots[num_rows:num_rows + min(num_new, req.replay_end - start)] = \
                     [-1] * min(num_new, req.replay_end - start)
@@ -170,16 +173,18 @@ class ModelRunner:
             if end >= req.num_tokens:  # the prompt is fully computed: this step samples
                 sample_rows.append(row)
                 sample_positions.append(num_rows - 1)
-        max_blocks = max(1, max(len(req.block_ids) for req, _ in scheduled))
-        table = self.block_tables.table([req for req, _ in scheduled], max_blocks)
+        max_blocks = max(1, max(map(len, block_tables)))
+        table = self.block_tables.table([req.req_id for req, _ in scheduled], block_tables,
+                                        max_blocks)
         arrays = [np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
                   np.asarray(slots, dtype=np.int64), table,
                   np.asarray([0, *itertools.accumulate(query_lens)], dtype=np.int32),
                   np.asarray(seq_lens, dtype=np.int32)]
         if self.layout is not None:
-            num_cols = max(max_blocks, *(len(s.req.swa_block_ids) for s in scheduled))
-            tables, swa_slots = swa_step_inputs(scheduled, bs, self.layout.null_block, num_cols)
-            arrays += [tables.numpy(), swa_slots.numpy()]
+            num_cols = max(max_blocks, *(len(tables.swa[s.req.req_id]) for s in scheduled))
+            swa_tables, swa_slots = swa_step_inputs(scheduled, tables.swa, bs,
+                                                    self.layout.null_block, num_cols)
+            arrays += [swa_tables.numpy(), swa_slots.numpy()]
         if fed:
             arrays += [np.asarray(fed, dtype=np.int64), np.asarray(feed_rows, dtype=np.int64)]
         moved = self.transfer.move(arrays)  # one host -> device copy (none on the CPU)
@@ -224,8 +229,7 @@ class ModelRunner:
 
 
 class _Row(NamedTuple):
-    req: object  # the Request itself: a new request under an old id is not this row
-    version: int  # its block_version when the row was written
+    block_ids: list[int]  # the KV manager's table this row copies (the object itself)
     ids: np.ndarray  # int32, its block ids in [:length], spare room after
     length: int
 
@@ -233,47 +237,44 @@ class _Row(NamedTuple):
 class BlockTables:
     """Each running request's block-table row, kept on the host between steps: a step
     appends the blocks a request gained since the last one, rewrites a row only when the
-    KV manager replaced or cut its blocks (Request.block_version), and copies rows from
-    arrays instead of converting Python lists. Rows of requests a step no longer runs are
-    dropped once they outnumber the step's by KEEP_ROWS. Objects without a block_version
-    (a draft forward's RequestView) get their row from scratch."""
+    KV manager replaced or cut its table (then a new list: engine.kv_manager's contract,
+    so a row is kept while its table is the same object), and copies rows from arrays
+    instead of converting Python lists. Rows of requests a step no longer runs are dropped
+    once they outnumber the step's by KEEP_ROWS."""
     KEEP_ROWS = 4
 
     def __init__(self) -> None:
         self.rows: dict[str, _Row] = {}
 
-    def table(self, reqs: Sequence, num_cols: int) -> np.ndarray:
-        """int32 [len(reqs), num_cols]: row i = reqs[i].block_ids, zeros after."""
-        table = np.zeros((len(reqs), num_cols), dtype=np.int32)
-        for i, req in enumerate(reqs):
-            if not hasattr(req, "block_version"):  # a draft forward's view: not kept
-                table[i, :len(req.block_ids)] = req.block_ids
-                continue
-            row = self._row(req)
+    def table(self, req_ids: Sequence[str], block_tables: Sequence[list[int]],
+              num_cols: int) -> np.ndarray:
+        """int32 [len(req_ids), num_cols]: row i = block_tables[i] (req_ids[i]'s table),
+        zeros after."""
+        table = np.zeros((len(req_ids), num_cols), dtype=np.int32)
+        for i, (req_id, block_ids) in enumerate(zip(req_ids, block_tables)):
+            row = self._row(req_id, block_ids)
             table[i, :row.length] = row.ids[:row.length]
-        if len(self.rows) > self.KEEP_ROWS * max(len(reqs), 16):
-            self.rows = {r.req_id: self.rows[r.req_id] for r in reqs
-                         if hasattr(r, "block_version")}
+        if len(self.rows) > self.KEEP_ROWS * max(len(req_ids), 16):
+            self.rows = {req_id: self.rows[req_id] for req_id in req_ids}
         return table
 
-    def _row(self, req) -> _Row:
-        ids, n = req.block_ids, len(req.block_ids)
-        row = self.rows.get(req.req_id)
-        if row is None or row.req is not req or row.version != req.block_version \
-                or row.length > n:
+    def _row(self, req_id: str, block_ids: list[int]) -> _Row:
+        n = len(block_ids)
+        row = self.rows.get(req_id)
+        if row is None or row.block_ids is not block_ids or row.length > n:
             buf = np.empty(max(16, 2 * n), dtype=np.int32)
-            buf[:n] = ids
-            row = _Row(req, req.block_version, buf, n)
+            buf[:n] = block_ids
+            row = _Row(block_ids, buf, n)
         elif row.length < n:
             buf = row.ids
             if len(buf) < n:
                 buf = np.empty(2 * n, dtype=np.int32)
                 buf[:row.length] = row.ids[:row.length]
-            buf[row.length:n] = ids[row.length:]
-            row = _Row(req, row.version, buf, n)
+            buf[row.length:n] = block_ids[row.length:]
+            row = _Row(block_ids, buf, n)
         else:
             return row
-        self.rows[req.req_id] = row
+        self.rows[req_id] = row
         return row
 
 

@@ -4,13 +4,15 @@ There is no prefill phase and no decode phase: a request has tokens (prompt, the
 and ``num_computed_tokens`` catching up with them. Prefill, chunked prefill, prefix-cache
 hits and preemption-by-recompute are all that one counter moving.
 
-The counters move only through the transitions below (tests/test_ownership.py checks that
-no other module assigns them): `advance` after a step computed tokens, `restore_prefix`
-for a prefix-cache or tier hit, `set_drafts` / `keep_drafts` for
+Its fields move only through the transitions below (tests/test_ownership.py checks that
+no other module writes any of them, aliases included): `advance` after a step computed
+tokens, `restore_prefix` for a prefix-cache or tier hit (the scheduler's, after the KV
+manager reserved the blocks), `set_drafts` / `keep_drafts` for
 speculation's draft tokens, `rollback` when verification rejected drafts, `preempt` when
 the scheduler takes the request's KV away, `start_running` / `finish` for the status.
 `check_stop` only says whether a token ends the request (a `Stop`); `finish` is the one
 place its finish reason is set, whatever ended it (a stop, a length, an abort, an error).
+Its block tables and keys are not here: the KV manager keeps them by req_id.
 
 Overlapped scheduling (engine/core.py) gives a request tokens before their ids are known:
 `add_token(PENDING)` appends a placeholder for a token a step in flight is drawing on the
@@ -64,15 +66,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet
         self.cached_tokens_by_tier: dict[str, int] = {}
-        self.block_ids: list[int] = []
-        # bumped by the KV manager whenever block_ids is replaced or cut (not when it only
-        # grows): the model runner keeps each request's block-table row between steps by it
-        self.block_version = 0
-        self.block_keys: list[bytes] = []  # content addresses of the full blocks of all_token_ids
-        self.num_published_blocks = 0  # leading blocks already in the prefix cache
-        # hybrid KV (engine/hybrid_kv.py): the sliding-window layers' block table, NULL out of
-        # the window; positions below replay_end are recomputed for those layers only
-        self.swa_block_ids: list[int] = []
+        # hybrid KV (engine/hybrid_kv.py): positions below replay_end are recomputed for the
+        # sliding-window layers only
         self.replay_end = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
@@ -170,7 +165,6 @@ class Request:
     def preempt(self) -> None:
         """The scheduler freed the request's blocks: it recomputes from token 0 (its prompt
         is then prompt + output so far), without drafts."""
-        assert not self.block_ids, "free the blocks of a preempted request first"
         self.num_computed_tokens = 0
         self.replay_end = 0
         self.spec_token_ids = []

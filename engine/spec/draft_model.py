@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from duplex.engine.block_pool import BlockPool
+from duplex.engine.kv_manager import KVCacheManager, KVTables
 from duplex.engine.model_runner import ModelRunner
 from duplex.engine.request import Request
 from duplex.engine.scheduler import ScheduledRequest
@@ -48,18 +49,17 @@ class ModelDraft(NamedTuple):
 
 
 class RequestView:
-    """The fields of a Request that ModelRunner.prepare reads, for a draft forward."""
-    __slots__ = ("all_token_ids", "spec_token_ids", "block_ids", "num_computed_tokens",
-                 "num_tokens", "swa_block_ids", "replay_end", "num_prompt_tokens")
+    """The fields of a Request that ModelRunner.prepare reads, for a draft forward (its
+    block tables are looked up by req_id, as a request's are)."""
+    __slots__ = ("req_id", "all_token_ids", "spec_token_ids", "num_computed_tokens",
+                 "num_tokens", "replay_end", "num_prompt_tokens")
 
-    def __init__(self, token_ids: list[int], block_ids: list[int], num_computed: int,
-                 swa_block_ids: list[int] | None = None) -> None:
+    def __init__(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
+        self.req_id = req_id
         self.all_token_ids = token_ids
         self.spec_token_ids: list[int] = []
-        self.block_ids = block_ids
         self.num_computed_tokens = num_computed
         self.num_tokens = len(token_ids)
-        self.swa_block_ids = swa_block_ids or []  # a hybrid (sliding-window) KV layout's
         self.replay_end = 0
         self.num_prompt_tokens = 0  # a draft forward is never a prompt step (quant.prompt_step)
 
@@ -165,37 +165,35 @@ def early_exit_model(model, num_layers: int):
 class SelfDrafter(ModelDrafterBase):
     """The target's first num_layers layers (early exit), on the target's own KV cache."""
 
-    def __init__(self, model, runner: ModelRunner, reserve: Callable[[Request, int], bool],
-                 num_layers: int, seed: int = 0) -> None:
+    def __init__(self, model, runner: ModelRunner, kv: KVCacheManager, num_layers: int,
+                 seed: int = 0) -> None:
         super().__init__(seed)
         self.model = early_exit_model(model, num_layers)
         self.runner = runner
-        self.reserve = reserve  # KVCacheManager.allocate_slots: target slots for the drafts
+        self.kv = kv  # the target's: slots reserved for the drafts, read through its tables
         self.cost = relative_cost(model.args, model.args, num_layers)
 
     def _reserve(self, req: Request, max_len: int) -> bool:
         # drafting writes positions num_computed .. num_computed + max_len - 1
-        return self.reserve(req, max_len)
+        return self.kv.allocate_slots(req, max_len)
 
     def _view(self, r: _Round, j: int) -> RequestView:
         tokens = r.req.all_token_ids + r.token_ids
-        return RequestView(tokens, r.req.block_ids, len(tokens) - 1,
-                           getattr(r.req, "swa_block_ids", None))
+        return RequestView(r.req.req_id, tokens, len(tokens) - 1)
 
     @torch.inference_mode()
     def _forward(self, views: list[RequestView]) -> torch.Tensor:
         inputs = self.runner.prepare([ScheduledRequest(v, v.num_tokens - v.num_computed_tokens)
-                                      for v in views])
+                                      for v in views], self.kv.tables)
         hidden = self.model.forward(inputs.input_ids, inputs.ctx)  # [T, hidden]
         return self.model.compute_logits(hidden[torch.tensor(inputs.sample_positions)])
 
 
 class _DraftKV:
-    """A request's KV in the draft model's cache: blocks, and how many of its tokens they
-    hold (the last round's fed drafts are checked against what verification kept)."""
+    """A request's KV in the draft model's cache: how many of its tokens its blocks hold
+    (the last round's fed drafts are checked against what verification kept)."""
 
     def __init__(self) -> None:
-        self.block_ids: list[int] = []
         self.num_computed = 0
         self.tail_start = 0  # position of the first draft token fed last round
         self.tail: list[int] = []  # draft tokens fed last round
@@ -212,6 +210,8 @@ class DraftModelDrafter(ModelDrafterBase):
         self.block_size = block_size
         self.cost = target_cost
         self.states: dict[str, _DraftKV] = {}
+        self.req_to_blocks: dict[str, list[int]] = {}  # block tables in the draft's own pool
+        self.tables = KVTables(self.req_to_blocks)
 
     def _reserve(self, req: Request, max_len: int) -> bool:
         state = self.states.setdefault(req.req_id, _DraftKV())
@@ -224,16 +224,17 @@ class DraftModelDrafter(ModelDrafterBase):
         state.num_computed = min(state.num_computed, valid, len(tokens) - 1)
         state.tail_start, state.tail = len(tokens), []
         # positions up to len(tokens) + max_len - 2 are written (d_k is never fed)
-        need = -(-(len(tokens) + max_len - 1) // self.block_size) - len(state.block_ids)
+        table = self.req_to_blocks.setdefault(req.req_id, [])
+        need = -(-(len(tokens) + max_len - 1) // self.block_size) - len(table)
         if need > self.pool.num_free_blocks:
             return False
-        state.block_ids += self.pool.allocate(max(0, need))
+        table += self.pool.allocate(max(0, need))  # grows in place (engine.kv_manager)
         return True
 
     def _view(self, r: _Round, j: int) -> RequestView:
         state = self.states[r.req.req_id]
         tokens = r.req.all_token_ids + r.token_ids
-        view = RequestView(tokens, state.block_ids, state.num_computed)
+        view = RequestView(r.req.req_id, tokens, state.num_computed)
         state.num_computed = len(tokens)  # after this forward the cache holds all of them
         state.tail = list(r.token_ids)
         return view
@@ -241,10 +242,9 @@ class DraftModelDrafter(ModelDrafterBase):
     @torch.inference_mode()
     def _forward(self, views: list[RequestView]) -> torch.Tensor:
         inputs = self.runner.prepare([ScheduledRequest(v, v.num_tokens - v.num_computed_tokens)
-                                      for v in views])
+                                      for v in views], self.tables)
         return self.runner.execute(inputs)
 
     def free(self, req: Request) -> None:
-        state = self.states.pop(req.req_id, None)
-        if state is not None:
-            self.pool.free(reversed(state.block_ids))
+        self.states.pop(req.req_id, None)
+        self.pool.free(reversed(self.req_to_blocks.pop(req.req_id, [])))

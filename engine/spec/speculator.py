@@ -36,6 +36,7 @@ import torch
 
 from duplex.engine.config import SpecConfig
 from duplex.engine.cost_model import CostModel
+from duplex.engine.kv_manager import KVTables
 from duplex.engine.request import Request
 from duplex.engine.scheduler import ScheduledRequest
 from duplex.engine.spec.confidence import (ConfidenceHead, best_uniform_length, choose_lengths,
@@ -143,7 +144,7 @@ class Speculator:
             drafter = NgramDrafter(max_n=8)
         elif config.speculation == "self":
             num_layers = config.spec_draft_layers or max(1, len(model.layers) // 4)
-            drafter = SelfDrafter(model, runner, kv.allocate_slots, num_layers, seed)
+            drafter = SelfDrafter(model, runner, kv, num_layers, seed)
         elif config.speculation == "draft":
             if not config.draft_model:
                 raise ValueError("speculation 'draft' needs draft_model (a local model path)")
@@ -344,8 +345,9 @@ def measure_forward_costs(runner, num_free_blocks: int, repeats: int = 3,
     times = {}
     for n in grid:
         tokens = [1] * (context + n)
-        view = RequestView(tokens, list(range(-(-len(tokens) // runner.block_size))), context)
-        inputs = runner.prepare([ScheduledRequest(view, n)])
+        view = RequestView("forward-cost", tokens, context)
+        tables = KVTables({view.req_id: list(range(-(-len(tokens) // runner.block_size)))})
+        inputs = runner.prepare([ScheduledRequest(view, n)], tables)
         rows = list(range(n))
         runs = []
         for _ in range(repeats):

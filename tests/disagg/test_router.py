@@ -37,8 +37,8 @@ def test_router_keys_are_the_workers_keys():
     msg = AddRequest("r", list(range(1, 70)), SamplingParams(max_tokens=1), cache_salt=salt)
     core.add_request(msg)
     req = core.requests["r"]
-    core.kv.update_keys(req, req.num_tokens)
-    assert router._keys(msg) == req.block_keys and len(req.block_keys) == 4
+    keys = core.kv.update_keys(req, req.num_tokens)
+    assert router._keys(msg) == keys == core.kv.block_keys("r") and len(keys) == 4
 
 
 def test_buckets_have_their_own_queues_and_limits():

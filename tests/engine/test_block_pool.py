@@ -60,15 +60,15 @@ def test_prefix_hit_reuses_blocks_and_leaves_one_token():
     kv = make_kv(8)
     a = req(list(range(10)))  # 2 full blocks + 2 tokens
     assert kv.allocate_slots(a, 10)
-    assert a.block_ids == [0, 1, 2]
+    assert kv.block_ids(a.req_id) == [0, 1, 2]
     a.num_computed_tokens = 10
     kv.publish(a)
-    assert a.num_published_blocks == 2
+    assert kv.num_published[a.req_id] == 2
     b = req(list(range(8)) + [99, 98, 97], "b")
     hit = kv.find_cached_blocks(b)
     assert hit == [0, 1]
     assert kv.allocate_slots(b, 3, hit)
-    assert b.block_ids == [0, 1, 3] and b.num_computed_tokens == 8
+    assert kv.block_ids(b.req_id) == [0, 1, 3] and b.num_computed_tokens == 8
     assert kv.pool.ref_cnt[:4] == [2, 2, 1, 1]
     # exactly two full blocks: the hit stops one block short so one token is computed
     c = req(list(range(8)), "c")
@@ -111,8 +111,9 @@ def test_failed_allocation_changes_nothing():
     hit = kv.find_cached_blocks(b)
     assert hit == [0, 1]
     assert not kv.allocate_slots(b, 20, hit)  # needs 5 more blocks, only 1 is free
-    assert b.block_ids == [] and kv.pool.ref_cnt == [0, 0, 0]
-    assert kv.pool.lookup(b.block_keys[0]) == 0, "the cached prefix survives a failed attempt"
+    assert kv.block_ids(b.req_id) == [] and kv.pool.ref_cnt == [0, 0, 0]
+    assert kv.pool.lookup(kv.block_keys(b.req_id)[0]) == 0, \
+        "the cached prefix survives a failed attempt"
 
 
 # ------------------------------------------------------------------ the hand-off's leases
@@ -123,7 +124,7 @@ def test_a_lease_pins_the_cached_prefix_until_released():
     a.advance(10)
     kv.publish(a)
     keys = kv.handoff.block_keys("", list(range(12)))  # 3 full blocks; the third not cached
-    assert keys[:2] == a.block_keys[:2]
+    assert keys[:2] == kv.block_keys(a.req_id)[:2]
     assert kv.handoff.computed_prefix(keys) == [0, 1]
     lease = kv.handoff.lease(keys)
     assert lease.block_ids == [0, 1] and kv.pool.ref_cnt == [2, 2, 1, 0]
@@ -141,9 +142,9 @@ def test_an_evicted_block_ends_the_lease_prefix():
     assert kv.allocate_slots(a, 9)
     a.advance(9)
     kv.publish(a)
+    keys = kv.block_keys(a.req_id)[:2]
     kv.free(a)  # deepest first: the free queue is [2, 1, 0]
     assert kv.pool.allocate(2) == [2, 1]  # evicts block 1, the deeper cached one
-    keys = a.block_keys[:2]
     assert kv.pool.lookup(keys[1]) is None
     lease = kv.handoff.lease(keys)
     assert lease.block_ids == [0] and kv.pool.ref_cnt == [1, 1, 1]

@@ -16,16 +16,22 @@ from duplex.kvstore import keys as kvkeys
 BS = 4
 
 
-def fresh(reqs, num_cols: int) -> np.ndarray:
-    table = np.zeros((len(reqs), num_cols), dtype=np.int32)
-    for i, req in enumerate(reqs):
-        table[i, :len(req.block_ids)] = req.block_ids
+def fresh(block_tables, num_cols: int) -> np.ndarray:
+    table = np.zeros((len(block_tables), num_cols), dtype=np.int32)
+    for i, block_ids in enumerate(block_tables):
+        table[i, :len(block_ids)] = block_ids
     return table
 
 
-def check(tables: BlockTables, reqs) -> None:
-    num_cols = max(1, max(len(r.block_ids) for r in reqs))
-    assert np.array_equal(tables.table(reqs, num_cols), fresh(reqs, num_cols))
+def check(tables: BlockTables, kv: KVCacheManager, reqs) -> None:
+    """The kept rows of reqs equal their tables in kv, built from scratch."""
+    check_tables(tables, [r.req_id for r in reqs], [kv.block_ids(r.req_id) for r in reqs])
+
+
+def check_tables(tables: BlockTables, req_ids, block_tables) -> None:
+    num_cols = max(1, max(len(t) for t in block_tables))
+    assert np.array_equal(tables.table(req_ids, block_tables, num_cols),
+                          fresh(block_tables, num_cols))
 
 
 def test_rows_kept_between_steps_match_the_block_ids():
@@ -37,41 +43,37 @@ def test_rows_kept_between_steps_match_the_block_ids():
     for req in (a, b):
         assert kv.allocate_slots(req, req.num_prompt_tokens)
         req.num_computed_tokens = req.num_prompt_tokens
-    check(tables, [a, b])
+    check(tables, kv, [a, b])
     for step in range(30):  # decode: a block every BS tokens, across the rows' spare room
         for req in (a, b):
             assert kv.allocate_slots(req, 1)
             req.output_token_ids.append(7)
             req.num_computed_tokens += 1
-        check(tables, [b, a] if step % 2 else [a, b])  # the batch order changes too
+        check(tables, kv, [b, a] if step % 2 else [a, b])  # the batch order changes too
     # a speculative step reserves blocks for drafts, then verification cuts them again
     assert kv.allocate_slots(a, 9)
-    check(tables, [a, b])
-    reserved = list(a.block_ids)
+    check(tables, kv, [a, b])
+    reserved = list(kv.block_ids("a"))
     kv.trim(a)
     c = Request("c", list(range(8)), SamplingParams(max_tokens=4), ())
     assert kv.allocate_slots(c, 8)  # takes the blocks the trim gave back
     assert kv.allocate_slots(a, 9)  # as many blocks as before the trim, other ones
-    assert len(a.block_ids) == len(reserved) and a.block_ids != reserved
-    check(tables, [a, b, c])
+    assert len(kv.block_ids("a")) == len(reserved) and kv.block_ids("a") != reserved
+    check(tables, kv, [a, b, c])
     # preemption frees every block; readmission takes new ones
     kv.free(b)
     b.num_computed_tokens = 0
     assert kv.allocate_slots(b, b.num_tokens)
-    check(tables, [a, b])
+    check(tables, kv, [a, b])
     # a finished request's id reused by a new request with blocks of the same count
     kv.free(a)
     again = Request("a", list(range(40, 50)), SamplingParams(max_tokens=4), ())
     assert kv.allocate_slots(again, again.num_prompt_tokens)
-    check(tables, [again, b])
+    check(tables, kv, [again, b])
 
 
 def test_rows_of_requests_no_longer_running_are_dropped():
     tables = BlockTables()
-    reqs = []
     for i in range(200):
-        req = Request(f"r{i}", [1, 2], SamplingParams(), ())
-        req.block_ids = [i]
-        reqs.append(req)
-        check(tables, [req])
+        check_tables(tables, [f"r{i}"], [[i]])
     assert len(tables.rows) <= BlockTables.KEEP_ROWS * 16 + 1

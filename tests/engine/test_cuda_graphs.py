@@ -44,7 +44,7 @@ def cpu_decode_inputs(path: str):
     core = make_core(path)
     core.add_request(AddRequest("a", tokens(5, 1), SamplingParams(max_tokens=4)))
     core.step()
-    inputs = core.runner.prepare(core.scheduler.schedule().scheduled)
+    inputs = core.runner.prepare(core.scheduler.schedule().scheduled, core.kv.tables)
     return inputs.input_ids, inputs.ctx, inputs.computes_prompt
 
 

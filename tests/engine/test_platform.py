@@ -81,6 +81,7 @@ def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
     """A meta 'device' stands in for CUDA: whatever the runner makes must land there."""
     from types import SimpleNamespace
 
+    from duplex.engine.kv_manager import KVTables
     from duplex.engine.model_runner import ModelRunner
     from duplex.engine.scheduler import ScheduledRequest
 
@@ -106,16 +107,17 @@ def test_runner_puts_weights_kv_and_step_inputs_on_its_device():
     meta = FakeCudaPlatform(torch.device("meta"), torch.float32, "gloo")
     runner = ModelRunner(FakeModel(), 4, 2, torch.float32, platform=meta)
     assert runner.kv.device.type == "meta" and runner.model.embed.device.type == "meta"
-    req = SimpleNamespace(num_computed_tokens=0, num_prompt_tokens=3, num_tokens=3,
-                          replay_end=0, block_ids=[2, 0], token_slice=lambda a, b: [5, 6, 7][a:b])
-    inputs = runner.prepare([ScheduledRequest(req, 3)])
+    req = SimpleNamespace(req_id="r", num_computed_tokens=0, num_prompt_tokens=3,
+                          num_tokens=3, replay_end=0, token_slice=lambda a, b: [5, 6, 7][a:b])
+    tables = KVTables({"r": [2, 0]})
+    inputs = runner.prepare([ScheduledRequest(req, 3)], tables)
     ctx = inputs.ctx
     step = [inputs.input_ids, ctx.positions, ctx.slot_mapping, ctx.block_tables,
             ctx.query_start_loc, ctx.seq_lens]
     assert all(t.device.type == "meta" for t in step)
     assert inputs.sample_positions == [2] and ctx.query_lens == [3]
     assert runner.transfer.copies == 1  # all six in one host -> device copy
-    runner.prepare([ScheduledRequest(req, 3)])
+    runner.prepare([ScheduledRequest(req, 3)], tables)
     assert runner.transfer.copies == 2
 
 

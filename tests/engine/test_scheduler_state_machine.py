@@ -62,7 +62,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.num_tokens <= self.sched.max_num_batched_tokens
         for req, num_new in out.scheduled:
             assert req.num_computed_tokens + num_new <= req.num_tokens
-            assert len(req.block_ids) * BS >= req.num_computed_tokens + num_new
+            assert len(self.kv.block_ids(req.req_id)) * BS >= req.num_computed_tokens + num_new
             req.num_computed_tokens += num_new
             self.kv.publish(req)
             if req.num_computed_tokens == req.num_tokens:
@@ -82,8 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def blocks_accounted(self):
         owners: dict[int, int] = {}
         for req in self.sched.running + list(self.sched.waiting):
-            assert len(set(req.block_ids)) == len(req.block_ids), "a block listed twice"
-            for b in req.block_ids:
+            block_ids = self.kv.block_ids(req.req_id)
+            assert len(set(block_ids)) == len(block_ids), "a block listed twice"
+            for b in block_ids:
                 owners[b] = owners.get(b, 0) + 1
         for b in range(self.pool.num_blocks):
             assert self.pool.ref_cnt[b] == owners.get(b, 0), f"block {b} ref count"

@@ -128,7 +128,7 @@ def test_mla_cache_holds_the_latent_split_over_k_and_v(tiny_moe):
     prompt = list(range(3, 23))
     core.add_request(AddRequest("r", prompt, SamplingParams(temperature=0, max_tokens=2)))
     core.step()  # the prefill
-    blocks = torch.tensor(core.requests["r"].block_ids)
+    blocks = torch.tensor(core.kv.block_ids("r"))
     out = hf_model(path)(torch.tensor([prompt]), use_cache=True)
     cache = getattr(out, "cache", None) or out.past_key_values
     for layer in range(args.num_layers):

@@ -90,10 +90,11 @@ def assert_blocks_exact(core) -> None:
     drafts need."""
     refs = collections.Counter()
     for req in core.scheduler.running:
-        assert len(set(req.block_ids)) == len(req.block_ids), "a block owned twice"
-        refs.update(req.block_ids)
+        block_ids = core.kv.block_ids(req.req_id)
+        assert len(set(block_ids)) == len(block_ids), "a block owned twice"
+        refs.update(block_ids)
         need = -(-(req.num_tokens + core.config.spec.num_draft_tokens) // core.block_size)
-        assert len(req.block_ids) <= need
+        assert len(block_ids) <= need
     for block_id in range(core.pool.num_blocks):
         assert core.pool.ref_cnt[block_id] == refs[block_id], f"block {block_id}"
 
