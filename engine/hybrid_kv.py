@@ -40,7 +40,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from duplex.engine.block_pool import BlockPool
-from duplex.engine.kv_manager import KVCacheManager, KVTables, cdiv
+from duplex.engine.kv_manager import KVCacheManager, KVTables, RestorePoint, cdiv
 from duplex.engine.kv_tiers import TierHit, TierLink
 from duplex.engine.request import Request
 from duplex.engine.stats import HybridKVStats
@@ -161,9 +161,10 @@ class HybridKVCacheManager(KVCacheManager):
         return self.req_to_swa_blocks.get(req_id) or []
 
     # ------------------------------------------------------------------ planning
-    def num_cached_tokens(self, req: Request, num_hit_blocks: int, num_loaded: int) -> int:
+    def restore_point(self, req: Request, num_hit_blocks: int, num_loaded: int) -> RestorePoint:
         num_hit = (num_hit_blocks + num_loaded) * self.block_size
-        return self._plan(req, num_hit).start if num_hit else 0
+        return RestorePoint(self._plan(req, num_hit).start, num_hit) if num_hit else \
+            RestorePoint(0)
 
     def _plan(self, req: Request, num_hit: int) -> RestorePlan:
         """Where to start computing after a hit of num_hit tokens: at the nearest bond at
@@ -218,9 +219,9 @@ class HybridKVCacheManager(KVCacheManager):
         return self.swa_pool.num_free_blocks >= num
 
     def _restore(self, req: Request, num_hit: int, plan: RestorePlan, bond: Bond | None) -> None:
-        """After the base class took the full-group hit: start at plan.start, with the
-        bond's window in the SWA table; positions below num_hit only rebuild SWA KV."""
-        req.restore_prefix(plan.start, replay_end=num_hit)
+        """After the base class took the full-group hit: the bond's window in the SWA table;
+        the request restarts at plan.start (restore_point) and positions below num_hit only
+        rebuild SWA KV."""
         self.req_to_swa_blocks[req.req_id] = []
         if bond is not None:
             self.bonds.move_to_end(plan.bond_key)

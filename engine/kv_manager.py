@@ -39,6 +39,13 @@ class KVTables(NamedTuple):
     swa: Mapping[str, list[int]] | None = None
 
 
+class RestorePoint(NamedTuple):
+    """A prefix hit's effect on progress, for `Request.restore_prefix` (the scheduler makes
+    that transition; allocate_slots only reserves blocks)."""
+    num_computed: int  # tokens whose KV the hit leaves computed
+    replay_end: int = 0  # positions below it are recomputed for sliding-window layers only
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, namespace: Callable[[str], bytes],
                  enable_prefix_caching: bool = True, tiers: TierLink | None = None) -> None:
@@ -93,10 +100,10 @@ class KVCacheManager:
             hit.append(block_id)
         return hit
 
-    def num_cached_tokens(self, req: Request, num_hit_blocks: int, num_loaded: int) -> int:
-        """Tokens a hit of num_hit_blocks device and num_loaded tier blocks leaves computed
-        (engine.hybrid_kv may start lower, to rebuild sliding-window state)."""
-        return (num_hit_blocks + num_loaded) * self.block_size
+    def restore_point(self, req: Request, num_hit_blocks: int, num_loaded: int) -> RestorePoint:
+        """Where req's progress restarts after a hit of num_hit_blocks device and num_loaded
+        tier blocks (engine.hybrid_kv may start lower, to rebuild sliding-window state)."""
+        return RestorePoint((num_hit_blocks + num_loaded) * self.block_size)
 
     def hybrid_stats(self) -> HybridKVStats | None:
         """Hybrid KV's figures (engine.hybrid_kv); None for this manager."""
@@ -159,7 +166,8 @@ class KVCacheManager:
         """Reserve KV slots for num_new_tokens more tokens of req, after an optional prefix
         hit (device blocks, then tier entries copied into new blocks), which only a request
         with no blocks may take. False, with nothing changed, when the pool cannot supply
-        them."""
+        them. The request's progress does not move: after a hit the caller restores it
+        (restore_point)."""
         hit_block_ids = hit_block_ids or []
         table = self.req_to_blocks.get(req.req_id)
         assert not (hit_block_ids or loaded) or not table, "a prefix hit needs an empty request"
@@ -178,7 +186,6 @@ class KVCacheManager:
             self._load(req, len(hit_block_ids), loaded)
         if hit_block_ids or loaded:
             self.num_published[req.req_id] = len(hit_block_ids) + len(loaded)
-            req.restore_prefix(self.num_published[req.req_id] * self.block_size)
         return True
 
     def _load(self, req: Request, start: int, loaded: list[TierHit]) -> None:

@@ -140,10 +140,13 @@ class Scheduler:
         if req.num_computed_tokens == 0:  # only a request without KV takes a prefix hit
             hit = self.kv.find_cached_blocks(req)
             loaded = self.kv.find_tier_blocks(req, len(hit))
-        num_cached = self.kv.num_cached_tokens(req, len(hit), len(loaded))
-        num_new = min(req.num_tokens - max(req.num_computed_tokens, num_cached), budget)
+        restore = self.kv.restore_point(req, len(hit), len(loaded))
+        num_new = min(req.num_tokens - max(req.num_computed_tokens, restore.num_computed),
+                      budget)
         if not self.kv.allocate_slots(req, num_new, hit, loaded):
             return None
+        if hit or loaded:
+            req.restore_prefix(*restore)
         self.kv.record_hit(req, len(hit), loaded)
         self.waiting.remove(req)
         req.start_running(time.time())

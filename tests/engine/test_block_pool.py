@@ -68,6 +68,8 @@ def test_prefix_hit_reuses_blocks_and_leaves_one_token():
     hit = kv.find_cached_blocks(b)
     assert hit == [0, 1]
     assert kv.allocate_slots(b, 3, hit)
+    assert b.num_computed_tokens == 0, "allocation reserves blocks, it does not move progress"
+    b.restore_prefix(*kv.restore_point(b, len(hit), 0))
     assert kv.block_ids(b.req_id) == [0, 1, 3] and b.num_computed_tokens == 8
     assert kv.pool.ref_cnt[:4] == [2, 2, 1, 1]
     # exactly two full blocks: the hit stops one block short so one token is computed
