@@ -1,16 +1,15 @@
 """EngineClient: the API server's handle on its engine workers (one client per server process).
 
-Owns the frontend end of the worker channel (one ROUTER every worker connects to), what the
-frontend believes about each worker (`_Workers`: alive or not, its Ready and latest
-heartbeat) and, through `frontend.flights.Flights`, the stream and progress of every request
-in flight (a request's way from the router through prefill, hand-off and decode is described
-there). Which worker runs what is the Router's call.
+Owns the frontend end of the worker channel (one ROUTER every worker connects to) and what
+the frontend believes about each worker (`_Workers`: alive or not, its Ready and latest
+heartbeat). Everything decided about requests (the flight table, which worker runs what and
+when, recovery) belongs to its `frontend.dispatcher.Dispatcher`: the client reports each
+event there and sends what the dispatcher decides (`send`); `generate` and `abort` are the
+dispatcher's, passed through.
 
 Invariants:
-* every `generate()` stream ends after exactly one delta with a finish_reason, whatever
-  happens to the workers (finished, aborted, deadline, worker death, failed hand-off, closed);
-* a stream the consumer stops reading (break, cancellation, dropped iterator) is aborted on
-  every worker involved, so their KV blocks are freed within a step;
+* every `generate()` stream ends after exactly one delta with a finish_reason (the
+  dispatcher's invariant; the client reports every death and closes it);
 * a worker is dead when it says so (WorkerError), when its process exits (`worker_exited`,
   called by the supervisor), or when it is silent for `heartbeat_timeout_s`. Its requests are
   then recomputed on a live worker from the tokens the client has seen (handoff_failure=
@@ -22,17 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import zmq
 import zmq.asyncio
 
 from duplex.engine.curve import CurveKeys
-from duplex.engine.messages import (AbortRequests, AddRequest, FinishReason, HandoffFailed, Heartbeat,
-                             Outputs, Ready, RequestDelta, WorkerError, WorkerStats)
+from duplex.engine.messages import (AbortRequests, AddRequest, HandoffFailed, Heartbeat, Outputs,
+                                    Ready, RequestDelta, WorkerError, WorkerStats)
 from duplex.engine.zmq_io import Channel, frontend_channel, new_context
-from duplex.frontend.flights import DEAD_PREFIX, HANDOFF_PREFIX, POLICIES, Flights
-from duplex.frontend.router import Router
+from duplex.frontend.dispatcher import Dispatcher
+from duplex.frontend.flights import DEAD_PREFIX, HANDOFF_PREFIX, POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -119,22 +118,22 @@ class _Workers:
 
 class EngineClient:
     def __init__(self, address: str, *, heartbeat_timeout_s: float = 5.0,
-                 on_worker_dead: OnWorkerDead | None = None, router: Router | None = None,
-                 handoff_failure: str = "recompute", keys: CurveKeys | None = None) -> None:
+                 on_worker_dead: OnWorkerDead | None = None,
+                 dispatcher: Dispatcher | None = None, keys: CurveKeys | None = None,
+                 **dispatch_options) -> None:
+        """`dispatcher`: the owner of dispatch decisions (built from `dispatch_options`,
+        `router=` and `handoff_failure=`, when not given)."""
         self.address = address
         self.on_worker_dead = on_worker_dead
-        self.router = router or Router()
-        self.handoff_failure = handoff_failure
+        self.dispatcher = dispatcher or Dispatcher(**dispatch_options)
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._keys = keys  # CURVE keys of the deployment (engine.curve); None: plain sockets
         self._ctx: zmq.asyncio.Context | None = None
         self._channel: Channel | None = None
         self._tasks: list[asyncio.Task] = []
         self._workers = _Workers()
-        self._dispatch_wakeup = asyncio.Event()
-        self._flights = Flights(self.router, self._workers.live, self._send_to,
-                                self._dispatch_wakeup.set, handoff_failure)
         self._is_closed = False
+        self.dispatcher.attach(self)
 
     # ------------------------------------------------------------------ public API
     async def start(self) -> None:
@@ -143,8 +142,8 @@ class EngineClient:
         self._channel = frontend_channel(self._ctx, self.address, self._keys)
         self.address = self._channel.address
         self._tasks = [asyncio.create_task(coro) for coro in
-                       (self._receive_forever(), self._flights.send_aborts_forever(),
-                        self._watch_heartbeats_forever(), self._dispatch_forever())]
+                       (self._receive_forever(), self._watch_heartbeats_forever())]
+        self.dispatcher.start()
 
     @property
     def ready(self) -> bool:
@@ -165,8 +164,13 @@ class EngineClient:
         return self.ready_info
 
     @property
+    def live(self) -> Mapping[str, _WorkerState]:
+        """The live workers' states by id (read by the dispatcher)."""
+        return self._workers.live
+
+    @property
     def num_in_flight(self) -> int:
-        return len(self._flights.by_id)
+        return self.dispatcher.num_in_flight
 
     def workers(self) -> dict[str, Ready]:
         """The live workers' Ready, by worker id."""
@@ -183,33 +187,13 @@ class EngineClient:
             return all_stats[0] if all_stats else None
         return WorkerStats.merge(all_stats)  # counts summed, rates re-weighted
 
-    async def generate(self, msg: AddRequest) -> AsyncIterator[RequestDelta]:
-        """Submit one request and yield its deltas; the last one has a finish_reason.
-        Cancelling the consumer, or `aclose()` on the iterator, aborts the request on the
-        workers at once; an iterator merely dropped aborts when it is garbage-collected."""
-        flight = self._flights.open(msg)
-        is_finished = False
-        try:
-            if not self.ready:
-                self._flights.finish(msg.req_id, "engine worker not ready")
-            else:
-                self.router.enqueue(msg)
-                self._dispatch_wakeup.set()
-            while not is_finished:
-                delta = await flight.stream.get()
-                is_finished = delta.finish_reason is not None
-                yield delta
-        finally:
-            if not is_finished:
-                self._flights.abandon(msg.req_id)
+    def generate(self, msg: AddRequest) -> AsyncIterator[RequestDelta]:
+        """`Dispatcher.generate`: submit one request and yield its deltas."""
+        return self.dispatcher.generate(msg)
 
     async def abort(self, req_id: str) -> None:
-        """End the request now with a finish_reason="abort" delta; the workers running it
-        are told to abort it too."""
-        flight = self._flights.by_id.get(req_id)
-        if flight is not None:
-            self._flights.abandon(req_id)
-            flight.stream.put_nowait(RequestDelta(req_id, [], finish_reason=FinishReason.ABORT))
+        """`Dispatcher.abort`: end the request now."""
+        await self.dispatcher.abort(req_id)
 
     def worker_exited(self, pid: int, reason: str) -> None:
         """The supervisor saw process `pid` exit; handle it if it was one of ours."""
@@ -221,7 +205,7 @@ class EngineClient:
         if self._is_closed:
             return
         self._is_closed = True
-        self._flights.fail_all("engine client closed")
+        await self.dispatcher.close()
         self._workers.ready_event.clear()
         for task in self._tasks:
             task.cancel()
@@ -236,11 +220,9 @@ class EngineClient:
         if state is None:
             return
         log.error("engine worker %s died: %s", worker_id, reason)
-        self.router.remove_worker(worker_id)
-        self._flights.worker_died(worker_id, DEAD_PREFIX + reason)
+        self.dispatcher.worker_died(worker_id, reason)
         if self.on_worker_dead is not None:
             self.on_worker_dead(state.ready, reason)
-        self._dispatch_wakeup.set()
 
     # ------------------------------------------------------------------ background tasks
     async def _receive_forever(self) -> None:
@@ -248,35 +230,27 @@ class EngineClient:
             msg, _, peer = await self._channel.receiver.get()
             if isinstance(msg, Ready):
                 if self._workers.admit(msg, peer):
-                    self.router.add_worker(msg)
-                    self._dispatch_wakeup.set()
+                    self.dispatcher.worker_joined(msg)
                 continue
             worker_id = self._workers.by_peer.get(peer)
             if worker_id is not None:
-                self._dispatch_msg(worker_id, self._workers.live[worker_id], msg)
+                self._report(worker_id, self._workers.live[worker_id], msg)
 
-    def _dispatch_msg(self, worker_id: str, state: _WorkerState,
+    def _report(self, worker_id: str, state: _WorkerState,
                       msg: Outputs | Heartbeat | WorkerError | HandoffFailed) -> None:
         if isinstance(msg, Heartbeat) and msg.pid and msg.pid != state.ready.pid:
             return  # another process on this routing id: it must not keep this one alive
         state.last_seen = time.monotonic()
         match msg:
             case Outputs(deltas=deltas):
-                for delta in deltas:
-                    self._flights.on_delta(worker_id, delta)
+                self.dispatcher.on_outputs(worker_id, deltas)
             case Heartbeat(stats=stats):
                 state.stats = stats
-                self.router.update_stats(worker_id, stats)
+                self.dispatcher.on_stats(worker_id, stats)
             case HandoffFailed():
-                self._flights.on_handoff_failed(msg)
+                self.dispatcher.on_handoff_failed(msg)
             case WorkerError(message=message):
                 self._worker_died(worker_id, message)
-
-    async def _dispatch_forever(self) -> None:
-        while True:
-            await self._dispatch_wakeup.wait()
-            self._dispatch_wakeup.clear()
-            await self._flights.dispatch()
 
     async def _watch_heartbeats_forever(self) -> None:
         while True:
@@ -284,11 +258,12 @@ class EngineClient:
             for worker_id, silent_s in self._workers.silent(self._heartbeat_timeout_s):
                 self._worker_died(worker_id, f"no heartbeat for {silent_s:.1f} s")
 
-    async def _send_to(self, worker_id: str, msg: AddRequest | AbortRequests) -> None:
-        """Send to a live worker; one that cannot be reached is declared dead."""
+    async def send(self, worker_id: str, msg: AddRequest | AbortRequests) -> None:
+        """Send to a live worker; one that is not live is reported to the dispatcher, one
+        that cannot be reached is declared dead."""
         state = self._workers.live.get(worker_id)
         if state is None:
-            self._flights.on_unreachable(worker_id, msg, "engine worker not ready")
+            self.dispatcher.on_unreachable(worker_id, msg)
             return
         try:
             await self._channel.sender.put(msg, peer=state.peer)

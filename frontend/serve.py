@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(serve_config: ServeConfig, model_path: str, ssl_context=None) -> int:
+    from duplex.frontend.dispatcher import Dispatcher
     from duplex.frontend.engine_client import EngineClient
     from duplex.engine.text.recipe import Recipe
     from duplex.frontend.router import DEFAULT_BUCKET_LIMITS, Router
@@ -158,8 +159,8 @@ async def serve(serve_config: ServeConfig, model_path: str, ssl_context=None) ->
         return 2
     supervisor = Supervisor(config, roles=layout.roles, address=layout.worker_bind)
     limits = DEFAULT_BUCKET_LIMITS if layout.length_buckets else (options.max_queued_requests,)
-    engine = EngineClient(supervisor.address, handoff_failure=layout.handoff_failure,
-                          router=Router(layout.length_buckets, limits),
+    dispatcher = Dispatcher(Router(layout.length_buckets, limits), layout.handoff_failure)
+    engine = EngineClient(supervisor.address, dispatcher=dispatcher,
                           keys=curve.load_keys(config.worker.worker_key, layout.worker_bind))
     supervisor.attach(engine)
     state = AppState(engine, recipe, options, supervisor=supervisor)
