@@ -1,7 +1,8 @@
 """Router: which worker computes a request's prompt, which one decodes it, and when it is sent.
 
 Owns the prefill queues and the frontend's picture of each worker (its Ready, load, and the
-block keys it probably holds). EngineClient feeds it events and sends what it releases.
+block keys it probably holds). Only `frontend.dispatcher` calls it: it feeds the router
+events and sends what it releases.
 
 * Length buckets. A request's bucket is its prompt length after the expected cache hit
   (`bounds` 512, 4096 -> <=512, <=4096, >4096). Each bucket has its own FIFO and its own limit
