@@ -73,8 +73,10 @@ def write_gguf(shape: Shape, path: Path, tokenizer_gguf: str, seed: int = 0) -> 
     """An F16 GGUF of `shape` at `path` (norm weights F32, all ones), tokenizer copied."""
     import gguf
 
-    source = gguf.GGUFReader(tokenizer_gguf)
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    from duplex.engine.models.gguf_reader import read_gguf
+
+    source = read_gguf(tokenizer_gguf)
+    vocab = len(source.fields["tokenizer.ggml.tokens"])
     writer = gguf.GGUFWriter(str(path), "llama")
     _add_model_keys(writer, shape, vocab)
     _copy_tokenizer(writer, source)
@@ -110,12 +112,11 @@ def _add_model_keys(writer, shape: Shape, vocab: int) -> None:
 
 def _copy_tokenizer(writer, source) -> None:
     """Every tokenizer.* key of the source file, with its own value types."""
-    for key, field in source.fields.items():
+    for key, value in source.fields.items():
         if not key.startswith("tokenizer."):
             continue
-        types = field.types
-        sub_type = types[1] if len(types) > 1 else None
-        writer.add_key_value(key, field.contents(), types[0], sub_type)
+        types = source.types[key]
+        writer.add_key_value(key, value, types[0], types[1] if len(types) > 1 else None)
 
 
 def _random_tensor(rng: np.random.Generator, dims: tuple[int, ...]) -> np.ndarray:

@@ -64,13 +64,11 @@ class TensorName(NamedTuple):
 
 
 def open_reader(path: str):
-    """A GGUFReader of `path`; a file that is not a complete GGUF is a ModelLoadError."""
-    from gguf import GGUFReader
+    """The metadata and tensors of `path` (engine/models/gguf_reader.py); a file that is not a
+    complete GGUF is a ModelLoadError."""
+    from duplex.engine.models.gguf_reader import read_gguf
 
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as error:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({error})") from None
+    return read_gguf(path)
 
 
 def hf_config(path: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]

@@ -83,7 +83,7 @@ def check(path: str) -> ModelArgs:
 
 
 class _GGUFModel(NamedTuple):
-    reader: Any  # gguf.GGUFReader
+    reader: Any  # gguf_reader.GGUFFile
     meta: dict[str, Any]
     args: ModelArgs
     names: dict[str, gguf_file.TensorName]  # GGUF tensor name -> where it goes
@@ -91,8 +91,7 @@ class _GGUFModel(NamedTuple):
 
 def _inspect_gguf(path: str) -> _GGUFModel:
     reader = gguf_file.open_reader(path)
-    meta = {k: _field_value(f) for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    meta = _meta(reader)
     shapes = {t.name: _shape(t) for t in reader.tensors}
     try:
         args = hf_config_to_args(gguf_file.hf_config(path, meta, shapes))
@@ -121,7 +120,7 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> Loa
 
 def _shape(t) -> tuple[int, ...]:
     """A GGUF tensor's row-major shape (GGUF lists the fastest axis first)."""
-    return tuple(reversed([int(n) for n in t.shape.tolist()]))
+    return tuple(reversed(t.shape))
 
 
 def _check_tensors(reader, names: dict, args: ModelArgs, path: str) -> None:
@@ -196,17 +195,15 @@ def _tied_head(embed, quant: str) -> QuantWeight:
     return quantize_float(table, "int8" if quant == "auto" else quant, quant == "auto")
 
 
-def _field_value(field) -> Any:
+def _meta(file) -> dict[str, Any]:
+    """The metadata a model needs: every key but the vocabulary (tokenizer.ggml.* arrays; the
+    token ids are kept) and arrays of strings."""
     from gguf import GGUFValueType
 
-    if not field.types:
-        return None
-    if field.types[0] == GGUFValueType.STRING and len(field.data) == 1:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    if field.types[0] == GGUFValueType.ARRAY:  # per-layer flags; vocabularies are skipped
-        return None if GGUFValueType.STRING in field.types else field.contents()
-    value = field.parts[field.data[0]]
-    return value.tolist()[0] if hasattr(value, "tolist") else value
+    return {k: (None if file.types[k][-1] == GGUFValueType.STRING and len(file.types[k]) > 1
+                else v)
+            for k, v in file.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
 
 
 # ---------------------------------------------------------------------------- HF directory

@@ -33,7 +33,7 @@ TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of
 # An added token that looks like markup (`<tool_call>`, `<|im_start|>`, `[INST]`) is a control
 # token even when the tokenizer does not flag it special: Qwen's `<tool_call>` is such a token.
 _MARKUP = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")
-_CACHE_LAYOUT = "1"   # bump when what goes into a cached tokenizer directory changes
+_CACHE_LAYOUT = "2"   # bump when what goes into a cached tokenizer directory changes
 log = logging.getLogger(__name__)
 
 
@@ -74,14 +74,18 @@ def _load_gguf(path: str):
 
 
 def _gguf_cache_dir(path: str) -> Path | None:
-    """Where the converted tokenizer of a GGUF file is kept, keyed by the file's identity and
-    the transformers version; None when caching is off (DUPLEX_TOKENIZER_CACHE=0)."""
+    """Where the converted tokenizer of a GGUF file is kept, keyed by what the conversion
+    reads (the architecture and every tokenizer.* entry, hashed by the GGUF reader) and the
+    transformers version: the quantizations of one model share one entry. None when caching
+    is off (DUPLEX_TOKENIZER_CACHE=0)."""
     if switches.is_off("DUPLEX_TOKENIZER_CACHE"):
         return None
     import transformers
 
-    stat = os.stat(path)
-    key = f"{_CACHE_LAYOUT}|{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    from duplex.engine.models.gguf_reader import read_gguf
+
+    digest = read_gguf(path).tokenizer_digest
+    key = f"{_CACHE_LAYOUT}|{digest}|{transformers.__version__}"
     root = Path(switches.value("DUPLEX_CACHE_DIR") or Path.home() / ".cache" / "duplex")
     return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 

@@ -40,13 +40,6 @@ def hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=1)
-def hf_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-
-
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], num_new: int) -> tuple[list[int], list[float]]:
     """Reference greedy decode with transformers (no EOS stop): tokens and their logprobs."""

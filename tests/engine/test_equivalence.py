@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from duplex.engine.sampling_params import SamplingParams
-from tests.engine.conftest import hf_greedy, hf_model, hf_tokenizer, make_core, run_engine
+from duplex.engine.text.tokenizer import load_tokenizer
+from tests.engine.conftest import hf_greedy, hf_model, make_core, run_engine
 
 NUM_NEW = 64
 TEXTS = [
@@ -28,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, lo
 
 @functools.lru_cache(maxsize=1)
 def prompts_and_reference(path: str):
-    tok = hf_tokenizer(path)
+    tok = load_tokenizer(path)  # Duplex's cached conversion; the reference is the model
     prompts = []
     for i, text in enumerate(TEXTS):
         if i % 2:  # half as chats, half as raw text

@@ -3,6 +3,7 @@ transformers as safetensors and written again as GGUF files with the `gguf` pack
 llama.cpp's converter lays them out (see engine/models/gguf_file.py for the conventions)."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -194,20 +195,17 @@ def _add(writer, key: str, value) -> None:
 
 
 def copy_tokenizer(writer, source: str) -> None:
-    """Every tokenizer.* field of the GGUF file `source`, as it is there."""
-    import gguf
+    """Every tokenizer.* field of the GGUF file `source`, as it is there (value types kept)."""
+    for key, (value, types) in _tokenizer_fields(source).items():
+        writer.add_key_value(key, value, types[0], types[1] if len(types) > 1 else None)
 
-    reader = gguf.GGUFReader(source)
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, field.contents())
-        elif kind == gguf.GGUFValueType.STRING:
-            writer.add_string(key, field.contents())
-        else:
-            writer.add_key_value(key, field.contents(), kind)
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(source: str) -> dict:
+    from duplex.engine.models.gguf_reader import read_gguf
+
+    file = read_gguf(source)
+    return {k: (v, file.types[k]) for k, v in file.fields.items() if k.startswith("tokenizer.")}
 
 
 def dequantized_state(state: dict[str, torch.Tensor], config: dict, arch: str, qtype: str
@@ -286,9 +284,10 @@ BAD_FILES = {
                     "qwen3, gemma3, qwen2moe, qwen3moe",
     "no_quant_path": "tensor blk.0.attn_q.weight has quantization type Q8_1, which Duplex "
                      "cannot read",
-    "truncated": "not a readable GGUF file (cannot reshape array of size 1088 into shape "
-                 "(32,64))",
-    "bad_magic": "not a readable GGUF file (GGUF magic invalid)",
+    # {size}: the truncated file's length (the last 4096 bytes of the complete file are cut)
+    "truncated": "not a readable GGUF file (it ends at byte {size}, inside the data of tensor "
+                 "blk.2.attn_v.weight)",
+    "bad_magic": "not a readable GGUF file (the magic is b'GGUX', not b'GGUF')",
     "bad_shape": "tensor blk.0.attn_q.weight has shape [32, 64], the metadata implies [64, 64]",
 }
 _Q8_1_BYTES_PER_32 = 40  # a Q8_1 block: 32 int8 values, fp16 scale and sum

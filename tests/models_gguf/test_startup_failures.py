@@ -27,7 +27,7 @@ SERVE_EXIT_S = 240
 def reason(kind: str, path: str) -> str:
     from tests.models_gguf.conftest import BAD_FILES
 
-    return f"{path}: {BAD_FILES[kind]}"
+    return f"{path}: {BAD_FILES[kind].format(size=os.path.getsize(path))}"
 
 
 def run_cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
