@@ -52,7 +52,7 @@ $(VENV)/.redis: | $(STAMP)
 	touch $@
 
 test: $(STAMP) $(VENV)/.browser $(VENV)/.redis
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The newest releases of every dependency in a fresh venv, then the lock from what it holds
 # (`pip freeze`: the exact set that was installed together). Run `make test` after it.
