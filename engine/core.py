@@ -3,6 +3,10 @@
     step = [draft] -> schedule -> prepare inputs -> forward -> sample or verify
            -> update requests -> deltas
 
+Each mode has its own step function, chosen once at construction: `_step_plain`,
+`_step_overlap` (overlapped scheduling) and `_step_spec` (speculation). Every request
+leaves through `finish(req, reason)`: a stop, its length, an abort or an error.
+
 With speculation on (engine/spec), decoding requests first get draft tokens; they ride in
 the same flattened batch as every other request's tokens, the runner returns logits for
 each draft row and the bonus row, and verification appends the accepted drafts plus one
