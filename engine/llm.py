@@ -19,7 +19,7 @@ from duplex.engine.messages import AddRequest, FinishReason, RequestDelta, Token
 from duplex.engine.sampling_params import SamplingParams
 from duplex.engine.text.messages import Chat
 from duplex.engine.text.output import OutputStream
-from duplex.engine.text.reasoning import template_variables
+from duplex.engine.text.reasoning import unread_template_kwarg
 
 
 @dataclasses.dataclass
@@ -66,20 +66,12 @@ class _Tracker:
                              self.num_cached, self.stop_reason)
 
 
-# variables the renderer sets itself: never a chat_template_kwargs key (as the server's
-# frontend/generation.py template_kwargs)
-_RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents",
-                               "strftime_now", "raise_exception"})
-
-
 def _template_kwargs(kwargs: dict | None, template: str | None) -> dict:
-    """`kwargs` where the template reads every key; else a ValueError naming the key."""
-    readable = template_variables(template) - _RENDER_VARIABLES if template else frozenset()
-    for key in kwargs or {}:
-        if key not in readable:
-            raise ValueError(f"chat_template_kwargs.{key}: the chat template reads no "
-                             f"variable {key!r}" + (f" (it reads {', '.join(sorted(readable))})"
-                                                    if readable else ""))
+    """`kwargs` where the template reads every key; else a ValueError naming the key (the
+    server's rule, engine/text/reasoning.py)."""
+    unread = unread_template_kwarg(kwargs, template)
+    if unread is not None:
+        raise ValueError(unread[1])
     return dict(kwargs or {})
 
 

@@ -322,9 +322,6 @@ def check_n(n: int, max_n: int) -> None:
 # reasoning_effort -> thinking budget in tokens ("none": the smallest; a template with an
 # `enable_thinking` switch turns thinking off instead)
 EFFORT_BUDGETS = {"none": 1, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
-# variables the renderer itself sets: never a chat_template_kwargs key
-_RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents",
-                               "strftime_now", "raise_exception"})
 
 
 def template_kwargs(kwargs: dict | None, template: str | None,
@@ -333,12 +330,9 @@ def template_kwargs(kwargs: dict | None, template: str | None,
     naming the key."""
     if not kwargs:
         return {}
-    readable = template_variables(template) - _RENDER_VARIABLES if template else frozenset()
-    for key in kwargs:
-        if key not in readable:
-            raise invalid(f"{param}.{key}: the chat template reads no variable {key!r}"
-                          + (f" (it reads {', '.join(sorted(readable))})" if readable else ""),
-                          param=f"{param}.{key}")
+    unread = reasoning_text.unread_template_kwarg(kwargs, template, param)
+    if unread is not None:
+        raise invalid(unread[1], param=unread[0])
     return dict(kwargs)
 
 

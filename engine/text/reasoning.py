@@ -251,6 +251,24 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
+# variables the renderer itself sets: never a chat_template_kwargs key
+RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents",
+                              "strftime_now", "raise_exception"})
+
+
+def unread_template_kwarg(kwargs: dict | None, template: str | None,
+                          param: str = "chat_template_kwargs") -> tuple[str, str] | None:
+    """(param, message) for the first key of `kwargs` the chat template does not read (the
+    server answers it with a 400, `LLM.chat` with a ValueError); None when it reads them all."""
+    readable = template_variables(template) - RENDER_VARIABLES if template else frozenset()
+    for key in kwargs or {}:
+        if key not in readable:
+            return f"{param}.{key}", (
+                f"{param}.{key}: the chat template reads no variable {key!r}"
+                + (f" (it reads {', '.join(sorted(readable))})" if readable else ""))
+    return None
+
+
 def template_variables(template: str) -> frozenset[str]:
     """Names a chat template reads that it does not set itself (what `chat_template_kwargs`
     may give)."""
