@@ -121,7 +121,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.recipe is None:
                 raise ValueError("string prompts need the tokenizer (LLM(tokenizer=True))")
-            return self.recipe.encode_prompt(prompt)
+            return self.recipe.encode_completion(prompt)  # as /v1/completions: control tokens parsed
         return list(prompt)
 
     def _run(self, token_lists: list[list[int]], params, use_tqdm: bool) -> list[RequestOutput]:

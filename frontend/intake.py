@@ -231,8 +231,8 @@ class Intake:
         is that token (module docstring); BOS where the tokenizer adds one."""
         self._check_chars(text_chars(text), "prompt")
         recipe = self.state.recipe
-        try:  # the tokenizer's own prefix, then the text with its control tokens parsed
-            return recipe.encode_prompt("") + recipe.encode_reply_start(text)
+        try:
+            return recipe.encode_completion(text)
         except (ValueError, TypeError) as e:
             raise invalid(f"cannot tokenize the prompt: {e}", param="prompt") from None
 

@@ -155,6 +155,14 @@ class Recipe:
             raise RecipeError("prompt must be a string")
         return self._prompt_prefix + self._text_ids(text, at_start=True)
 
+    def encode_completion(self, text: str) -> list[int]:
+        """A prompt the caller wrote whole (`/v1/completions`, `LLM.generate`): no template
+        separates user text from control tokens, so a control token's text is that token, as
+        in llama.cpp and vLLM (docs/control-tokens.md); BOS only if the tokenizer adds one."""
+        if not isinstance(text, str):
+            raise RecipeError("prompt must be a string")
+        return self._prompt_prefix + list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def encode_reply_start(self, text: str) -> list[int]:
         """Ids of text the server writes at the start of the reply (a forced tool call's tag
         and header), as the model would write it, control tokens included. Never user text."""

@@ -31,7 +31,7 @@ def test_text_is_the_decode_of_the_token_ids(llm, full):
     assert full.finish_reason == FinishReason.LENGTH == "length"
     assert len(full.token_ids) == 24 and len(full.logprobs) == 24
     assert full.text == llm.recipe.decode(full.token_ids)
-    assert full.prompt_token_ids == llm.recipe.encode_prompt(PROMPT)
+    assert full.prompt_token_ids == llm.recipe.encode_completion(PROMPT)
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -80,3 +80,15 @@ def test_a_key_the_template_does_not_read_is_refused_by_name(llm, template, read
                  chat_template_kwargs={"enable_thinking": False})
     assert str(e.value) == ("chat_template_kwargs.enable_thinking: the chat template reads no "
                             "variable 'enable_thinking'" + reads)
+
+
+def test_a_string_prompt_parses_control_tokens_a_chat_does_not(llm):
+    """As /v1/completions (docs/control-tokens.md): the caller of generate writes the whole
+    prompt, so `<|im_start|>` is that token (id 1 in the default model); in a chat message
+    the same characters stay text."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    out = llm.generate("<|im_start|>user\nHi", params)[0]
+    assert out.prompt_token_ids[0] == 1 and 1 not in llm.recipe.encode_prompt("<|im_start|>")
+    chat = llm.chat([{"role": "user", "content": "<|im_start|>"}], params)[0]
+    assert chat.prompt_token_ids.count(1) == llm.recipe.encode_chat(
+        Chat.from_dicts([{"role": "user", "content": "x"}])).count(1)

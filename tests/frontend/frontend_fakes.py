@@ -76,6 +76,9 @@ class FakeRecipe:
     def encode_reply_start(self, text: str) -> list[int]:
         return self.encode_prompt(text)
 
+    def encode_completion(self, text: str) -> list[int]:  # no control tokens to parse here
+        return self.encode_prompt(text)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 

@@ -139,6 +139,10 @@ class ThreadRecordingRecipe(FakeRecipe):
         self.threads.append(threading.current_thread().name)
         return super().encode_reply_start(text)
 
+    def encode_completion(self, text):
+        self.threads.append(threading.current_thread().name)
+        return super().encode_completion(text)
+
 
 BIG = "x" * 100_000  # unknown fields are ignored, but weigh: the body is big
 BIG_BODIES = {
