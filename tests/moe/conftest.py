@@ -68,7 +68,9 @@ def tiny_moe(tmp_path_factory):
 
 def add_word_tokenizer(path) -> str:
     """Give a tiny model directory a tokenizer `duplex serve` can use: token i is the word
-    "w<i>" (0 is <eos>, 1 a control token), with a one-line chat template."""
+    "w<i>" (0 is <eos>, 1 a control token), with a one-line chat template. The unknown word
+    "w2" is the model's own, not an added special token: a completion prompt parses special
+    tokens, and an added "w2" would match inside "w227"."""
     import json
     from pathlib import Path
 
@@ -81,6 +83,6 @@ def add_word_tokenizer(path) -> str:
     tokenizer.add_special_tokens(["<eos>", "<|user|>"])
     tokenizer.save(str(Path(path) / "tokenizer.json"))
     (Path(path) / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "w2",
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>",
         "chat_template": "{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"}))
     return str(path)
