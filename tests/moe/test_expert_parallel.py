@@ -110,6 +110,18 @@ def test_four_ranks_bitwise_single_process_with_rebalancing(tiny_moe, tmp_path):
     assert sum(result["num_received"] for (result,) in ranks) > 0  # weights crossed ranks
 
 
+# the device path runs every kernel under triton's interpreter: three prompts, six tokens
+DEVICE_PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+DEVICE_ARRIVALS = [0, 0, 1]
+
+
+def _device_prompts() -> list[list[int]]:
+    """The short random prompt and the two of few distinct tokens (skewed routing): each
+    program instance of a prompt's kernels is interpreted one by one, so fewer tokens."""
+    prompts = _prompts()
+    return [prompts[0], prompts[2], prompts[3]]
+
+
 def _device_path_rank(rank: int, num_ranks: int, path: str, out_dir: str) -> None:
     """On the device path (triton kernels under the interpreter): what decode forwards read
     back, and the tokens of the prompts, with EP on (2 spare slots)."""
@@ -123,7 +135,7 @@ def _device_path_rank(rank: int, num_ranks: int, path: str, out_dir: str) -> Non
     with _triton.on_cpu():
         core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)
         ep(core)
-        outputs = run_engine(core, _prompts(), PARAMS, ARRIVALS)
+        outputs = run_engine(core, _device_prompts(), DEVICE_PARAMS, DEVICE_ARRIVALS)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(dict(read_backs=read_backs, outputs=outputs), fh)
 
@@ -137,7 +149,8 @@ def test_device_path_routes_on_the_device_and_matches_single_process(tiny_moe, t
     path = tiny_moe("mixtral")
     with _triton.on_cpu():
         core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)
-        single = dict(outputs=run_engine(core, _prompts(), PARAMS, ARRIVALS))
+        single = dict(outputs=run_engine(core, _device_prompts(), DEVICE_PARAMS,
+                                         DEVICE_ARRIVALS))
     launch(_device_path_rank, 2, path, str(tmp_path))
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
