@@ -9,7 +9,10 @@ Facts of the format (llama.cpp's converter; gguf.constants names them):
 * Gemma norms are stored as (1 + weight), the factor ggml multiplies by (`NORM_OFFSET`);
 * routed experts are stacked: `blk.N.ffn_{gate,up}_exps` is [experts, inter, hidden] and
   `ffn_down_exps` [experts, hidden, inter]; `ffn_gate_inp` is the router;
-* Mixtral is architecture "llama" with `llama.expert_count` > 0.
+* Mixtral is architecture "llama" with `llama.expert_count` > 0;
+* Llama 3.1 / 3.2 ("llama3" rope) carry no rope.scaling keys but a tensor `rope_freqs.weight`:
+  one divisor per rotary pair (head_dim / 2 values, ggml's freq_factors), applied as
+  `inv_freq / rope_freqs`; it is configuration, not a weight (`CONFIG_TENSORS`).
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ NORM_OFFSET = {"gemma3_text": 1.0}  # stored norm = weight + offset
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's default: every 6th layer global
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0
 GEMMA3_27B_LAYERS = 62  # llama.cpp: the 27B model scales attention by hidden / heads
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS_TYPES = ("llama", "mistral")  # model types whose rotary applies rope_freqs
+CONFIG_TENSORS = (ROPE_FREQS,)  # tensors read into the config, not the state dict
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -71,10 +77,10 @@ def open_reader(path: str):
     return read_gguf(path)
 
 
-def hf_config(path: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]
-              ) -> dict[str, Any]:
-    """The config.json equivalent of a GGUF file's metadata (`meta`) and tensor shapes
-    (`shapes`: GGUF name -> row-major shape)."""
+def hf_config(path: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """The config.json equivalent of a GGUF file's metadata (`meta`), tensor shapes
+    (`shapes`: GGUF name -> row-major shape) and `rope_freqs.weight` values (if any)."""
     arch = meta.get("general.architecture")
     if arch not in MODEL_TYPES:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; "
@@ -103,6 +109,8 @@ def hf_config(path: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]
     scaling = _rope_scaling(get)
     if scaling:
         config["rope_scaling"] = scaling
+    if rope_freqs is not None:
+        config["rope_scaling"] = _freq_factors(path, config, rope_freqs)
     if model_type == "gemma3_text":
         config.update(_gemma3_config(config, get))
     if num_experts:
@@ -119,6 +127,23 @@ def _rope_scaling(get) -> dict[str, Any] | None:
     if original:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
+
+
+def _freq_factors(path: str, config: dict[str, Any], rope_freqs: np.ndarray) -> dict[str, Any]:
+    """The rope scaling of a file with `rope_freqs.weight`: the stored per-pair divisors
+    themselves (engine/models/llama.py applies them), not the parameters they came from."""
+    if config["model_type"] not in ROPE_FREQS_TYPES:
+        raise ModelLoadError(f"{path}: tensor {ROPE_FREQS} (per-pair rope factors) is "
+                             f"supported for {', '.join(ROPE_FREQS_TYPES)}, not "
+                             f"{config['model_type']}")
+    factors = np.asarray(rope_freqs, dtype=np.float32).reshape(-1)
+    pairs = config["head_dim"] // 2
+    if factors.size != pairs or not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ModelLoadError(f"{path}: tensor {ROPE_FREQS} must hold {pairs} positive "
+                             f"finite factors (one per rotary pair); it holds {factors.size} "
+                             f"values, from {factors.min(initial=np.inf)} to "
+                             f"{factors.max(initial=-np.inf)}")
+    return dict(rope_type="llama3", freq_factors=tuple(float(f) for f in factors))
 
 
 def _gemma3_config(config: dict[str, Any], get) -> dict[str, Any]:

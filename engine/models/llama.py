@@ -221,7 +221,17 @@ class LlamaForCausalLM:
 
     @staticmethod
     def rope_cache(args: ModelArgs) -> torch.Tensor:
-        return rope_cos_sin_cache(args.head_dim, args.max_position_embeddings, args.rope_theta)
+        """The cos/sin cache; a GGUF file's per-pair rope divisors (`freq_factors`, its
+        rope_freqs tensor: Llama 3.1 / 3.2) divide the default frequencies."""
+        factors = (args.rope_scaling or {}).get("freq_factors")
+        if factors is None:
+            return rope_cos_sin_cache(args.head_dim, args.max_position_embeddings,
+                                      args.rope_theta)
+        dim = args.head_dim
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
+                                              / dim))
+        return rope_cos_sin_cache(dim, args.max_position_embeddings,
+                                  inv_freq=inv_freq / torch.tensor(factors, dtype=torch.float32))
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""

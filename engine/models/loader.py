@@ -93,11 +93,14 @@ def _inspect_gguf(path: str) -> _GGUFModel:
     reader = gguf_file.open_reader(path)
     meta = _meta(reader)
     shapes = {t.name: _shape(t) for t in reader.tensors}
+    rope_freqs = next((_dequantize(t) for t in reader.tensors
+                       if t.name == gguf_file.ROPE_FREQS), None)
     try:
-        args = hf_config_to_args(gguf_file.hf_config(path, meta, shapes))
+        args = hf_config_to_args(gguf_file.hf_config(path, meta, shapes, rope_freqs))
     except (KeyError, TypeError) as error:  # a metadata key missing or of the wrong kind
         raise ModelLoadError(f"{path}: incomplete GGUF metadata ({error!r})") from None
-    names = {t.name: gguf_file.tensor_name(t.name, args.arch) for t in reader.tensors}
+    names = {t.name: gguf_file.tensor_name(t.name, args.arch) for t in reader.tensors
+             if t.name not in gguf_file.CONFIG_TENSORS}
     _check_tensors(reader, names, args, path)
     return _GGUFModel(reader, meta, args, names)
 
@@ -107,7 +110,9 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> Loa
     quant = _check_quant(quant, args.arch)
     state = {}
     for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=None if progress else True):  # None: on a terminal only
-        target = names[t.name]
+        target = names.get(t.name)  # None: read into the config (CONFIG_TENSORS)
+        if target is None:
+            continue
         if target.expert_prefix is not None:
             state.update(_gguf_experts(t, target, dtype))
         else:
@@ -133,8 +138,15 @@ def _check_tensors(reader, names: dict, args: ModelArgs, path: str) -> None:
         if t.tensor_type not in readable:
             raise ModelLoadError(f"{path}: tensor {t.name} has quantization type "
                                  f"{t.tensor_type.name}, which Duplex cannot read")
-        if names[t.name].expert_prefix is None:
+        if t.name in names and names[t.name].expert_prefix is None:
             gguf_file.check_shape(t.name, names[t.name].hf_name, _shape(t), args, path)
+
+
+def _dequantize(t) -> np.ndarray:
+    """A GGUF tensor's values as float32, in its row-major shape."""
+    from gguf import dequantize
+
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_shape(t))
 
 
 def _gguf_experts(t, target, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -33,6 +33,12 @@ TINY = {
         head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         norm_topk_prob=True, mlp_only_layers=[1])),
 }
+# Llama 3.1-style rope ("llama3"): the rotary pairs past original_max_position_embeddings
+# (64 here) are slowed down; llama.cpp writes the per-pair divisors as rope_freqs.weight
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=64)
+TINY["llama3_rope"] = ("Llama", "llama", dict(num_hidden_layers=2, max_position_embeddings=512,
+                                              rope_parameters=LLAMA3_ROPE))
 _GEMMA_NORM_OFFSET = 1.0  # llama.cpp stores Gemma norms as 1 + weight
 
 
@@ -114,6 +120,29 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: dict, arch: str
     for name, per_expert in experts.items():
         out[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
     return out
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs.weight for a "llama3" rope: per rotary
+    pair, 1 where the wavelength is short (< original / high_freq_factor), `factor` where it
+    is long (> original / low_freq_factor), and between them the inverse of the linear blend
+    `(1 - s) / factor + s`, s = (original / wavelength - low) / (high - low)."""
+    rope = config["rope_parameters"]
+    heads = config["num_attention_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // heads
+    original, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factors = []
+    for wavelength in 2 * np.pi / inv_freq:
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            s = (original / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - s) / factor + s))
+    return np.array(factors, dtype=np.float32)
 
 
 def metadata(config: dict, arch: str, shapes: dict[str, tuple]) -> dict[str, object]:
@@ -224,6 +253,36 @@ def dequantized_state(state: dict[str, torch.Tensor], config: dict, arch: str, q
             w = data.astype(np.float32)
         out[hf] = torch.from_numpy(np.array(w, dtype=np.float32))
     return out
+
+
+@torch.inference_mode()
+def duplex_logits(path: str, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Duplex's fp32 logits [len(ids), vocab] for one prompt, one prefill step of the model
+    loaded from `path` (no engine: the model's forward over a fresh paged cache)."""
+    from duplex.engine.models import ForwardContext, build_model
+    from duplex.engine.models.loader import load
+
+    args, state, _, _ = load(path, torch.float32, progress=False)
+    model = build_model(args, state)
+    n, blocks = len(ids), -(-len(ids) // block_size)
+    kv = torch.zeros(args.num_layers, 2, blocks, block_size, args.num_kv_heads, args.head_dim)
+    ctx = ForwardContext(
+        positions=torch.arange(n), slot_mapping=torch.arange(n),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        kv_caches=[(kv[i, 0], kv[i, 1]) for i in range(args.num_layers)],
+        query_lens=[n], host_seq_lens=[n], block_size=block_size, slots_valid=True)
+    return model.compute_logits(model.forward(torch.tensor(ids), ctx))
+
+
+@torch.inference_mode()
+def hf_logits(hf_dir, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [len(ids), vocab] for one prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return model(torch.tensor([ids])).logits[0].float()
 
 
 class TinyModel:
