@@ -10,6 +10,13 @@ Facts of the format (llama.cpp's converter; gguf.constants names them):
 * routed experts are stacked: `blk.N.ffn_{gate,up}_exps` is [experts, inter, hidden] and
   `ffn_down_exps` [experts, hidden, inter]; `ffn_gate_inp` is the router;
 * Mixtral is architecture "llama" with `llama.expert_count` > 0;
+* deepseek2 (DeepSeek V2 / V3 / R1, MLA) keeps the checkpoint's rows (no q/k permutation:
+  ggml's "normal" rope pairs (2i, 2i+1), the checkpoint's rope_interleave); newer files
+  describe the absorbed form (head_count_kv 1, key_length kv_lora_rank + rope, value_length
+  kv_lora_rank, the per-head sizes in key_length_mla / value_length_mla) and split kv_b_proj
+  into `attn_k_b` [heads, kv_lora_rank, nope] (transposed) and `attn_v_b` [heads, v, rank];
+  the router's correction bias is `exp_probs_b.bias`; yarn's mscale_all_dim is stored as
+  `rope.scaling.yarn_log_multiplier` = 0.1 * mscale_all_dim;
 * Llama 3.1 / 3.2 ("llama3" rope) carry no rope.scaling keys but a tensor `rope_freqs.weight`:
   one divisor per rotary pair (head_dim / 2 values, ggml's freq_factors), applied as
   `inv_freq / rope_freqs`; it is configuration, not a weight (`CONFIG_TENSORS`).
@@ -24,7 +31,8 @@ from duplex.engine.models.args import FULL, SLIDING, ModelArgs, ModelLoadError
 
 # general.architecture -> config.json model_type (llama becomes mixtral when it has experts)
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-               "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+               "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+               "deepseek2": "deepseek_v3"}
 ROTARY_INTERLEAVED = ("llama", "mistral", "mixtral")  # model types whose q/k rows llama.cpp permuted
 NORM_OFFSET = {"gemma3_text": 1.0}  # stored norm = weight + offset
 GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's default: every 6th layer global
@@ -33,6 +41,8 @@ GEMMA3_27B_LAYERS = 62  # llama.cpp: the 27B model scales attention by hidden / 
 ROPE_FREQS = "rope_freqs.weight"
 ROPE_FREQS_TYPES = ("llama", "mistral")  # model types whose rotary applies rope_freqs
 CONFIG_TENSORS = (ROPE_FREQS,)  # tensors read into the config, not the state dict
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # {arch}.expert_gating_func (absent: softmax, V2)
+YARN_LOG_MUL_PER_MSCALE = 0.1  # deepseek2: yarn_log_multiplier = 0.1 * mscale_all_dim
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -57,6 +67,16 @@ _GEMMA3_LAYER = _LAYER | {"post_attention_norm": "post_attention_layernorm",
                           "ffn_norm": "pre_feedforward_layernorm",
                           "post_ffw_norm": "post_feedforward_layernorm"}
 _MIXTRAL_LAYER = _LAYER | {"ffn_gate_inp": "block_sparse_moe.gate"}
+_DEEPSEEK2_LAYER = {
+    **{k: _LAYER[k] for k in ("attn_norm", "ffn_norm", "attn_q", "attn_output", "ffn_gate",
+                              "ffn_up", "ffn_down", "ffn_gate_inp")},
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",  # see merge_kv_b
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+_ROUTER_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")  # GGUF base, HF name
 _EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index into expert names
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2"))}
 _QWEN_EXPERTS = ("mlp.experts", ("gate_proj", "up_proj", "down_proj"))
@@ -113,7 +133,9 @@ def hf_config(path: str, meta: dict[str, Any], shapes: dict[str, tuple[int, ...]
         config["rope_scaling"] = _freq_factors(path, config, rope_freqs)
     if model_type == "gemma3_text":
         config.update(_gemma3_config(config, get))
-    if num_experts:
+    if model_type == "deepseek_v3":
+        config.update(_deepseek2_config(path, config, get))
+    elif num_experts:
         config.update(_moe_config(model_type, config, get, shapes, num_experts))
     return config
 
@@ -162,6 +184,39 @@ def _gemma3_config(config: dict[str, Any], get) -> dict[str, Any]:
                 hidden_activation="gelu_pytorch_tanh")
 
 
+def _deepseek2_config(path: str, config: dict[str, Any], get) -> dict[str, Any]:
+    """DeepSeek V2 / V3 metadata as DeepseekV3Config keys (MLA sizes, routed experts, yarn)."""
+    gating = int(get("expert_gating_func") or GATING_SOFTMAX)
+    if gating != GATING_SIGMOID:
+        raise ModelLoadError(f"{path}: deepseek2 with expert_gating_func {gating} (softmax "
+                             "routing: DeepSeek V2 / V2.5) is not supported; sigmoid (2, "
+                             "DeepSeek V3 / R1) is")
+    rope = int(get("rope.dimension_count"))
+    qk_head = int(get("attention.key_length_mla") or get("attention.key_length"))
+    config = dict(
+        q_lora_rank=int(get("attention.q_lora_rank", 0) or 0) or None,
+        kv_lora_rank=int(get("attention.kv_lora_rank")), qk_rope_head_dim=rope,
+        qk_nope_head_dim=qk_head - rope, rope_interleave=True,
+        v_head_dim=int(get("attention.value_length_mla") or get("attention.value_length")),
+        n_routed_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+        n_shared_experts=int(get("expert_shared_count", 0)),
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0),
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        n_group=int(get("expert_group_count", 0) or 1),
+        topk_group=int(get("expert_group_used_count", 0) or 1))
+    scaling = _rope_scaling(get)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        # llama.cpp keeps one mscale: the cos/sin factor mscale / mscale_all_dim is 1
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / YARN_LOG_MUL_PER_MSCALE
+        config["rope_scaling"] = scaling | dict(
+            mscale=mscale, mscale_all_dim=mscale, attention_factor=1.0,
+            beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)))
+    return config
+
+
 def _moe_config(model_type: str, config: dict[str, Any], get, shapes, num_experts: int
                 ) -> dict[str, Any]:
     """Expert counts and sizes; which layers are MoE comes from where a router is."""
@@ -193,11 +248,14 @@ def tensor_name(name: str, model_type: str) -> TensorName:
             raise ModelLoadError(f"GGUF tensor {name!r} is not supported for {model_type}")
         return TensorName(f"{_TOP[parts[0]]}.{parts[-1]}")
     layer, base, suffix = parts[1], parts[2], parts[-1]
+    if base == _ROUTER_BIAS[0] and model_type == "deepseek_v3":
+        return TensorName(f"model.layers.{layer}.{_ROUTER_BIAS[1]}")
     if base in _EXPERTS:
         prefix, names = _EXPERT_NAMES.get(model_type, _QWEN_EXPERTS)
         return TensorName("", f"model.layers.{layer}.{prefix}",
                           f"{names[_EXPERTS[base]]}.{suffix}")
-    table = {"gemma3_text": _GEMMA3_LAYER, "mixtral": _MIXTRAL_LAYER}.get(model_type, _LAYER)
+    table = {"gemma3_text": _GEMMA3_LAYER, "mixtral": _MIXTRAL_LAYER,
+             "deepseek_v3": _DEEPSEEK2_LAYER}.get(model_type, _LAYER)
     if base not in table:
         raise ModelLoadError(f"GGUF tensor {name!r} is not supported for {model_type}")
     return TensorName(f"model.layers.{layer}.{table[base]}.{suffix}")
@@ -211,14 +269,28 @@ def expected_shape(hf_name: str, args: ModelArgs) -> tuple[int, ...] | None:
     table = {"embed_tokens": (args.vocab_size, hidden), "lm_head": (args.vocab_size, hidden),
              "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
              "o_proj": (hidden, q), "q_norm": (args.head_dim,), "k_norm": (args.head_dim,)}
-    if ".mlp." in hf_name and ".experts." not in hf_name and ".shared_expert." not in hf_name:
+    if ".mlp." in hf_name and ".experts." not in hf_name and ".shared_expert" not in hf_name:
         table |= {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
                   "down_proj": (hidden, inter)}
-    if base.endswith("norm") and base not in ("q_norm", "k_norm"):
-        return (hidden,)
-    if args.mla is not None and base in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    if args.mla is not None:
+        table |= _mla_shapes(args)
+    if not hf_name.endswith(".weight"):
         return None
-    return table.get(base) if hf_name.endswith(".weight") else None
+    return table.get(base, (hidden,) if base.endswith("norm") else None)
+
+
+def _mla_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Row-major shapes of the MLA projections (engine/models/deepseek_v3.py)."""
+    mla, heads, hidden = args.mla, args.num_heads, args.hidden_size
+    qk, rank = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.kv_lora_rank
+    q_in = mla.q_lora_rank or hidden
+    return {"q_proj": (heads * qk, hidden), "q_b_proj": (heads * qk, q_in),
+            "q_a_proj": (q_in, hidden), "q_a_layernorm": (q_in,),
+            "kv_a_proj_with_mqa": (rank + mla.qk_rope_head_dim, hidden),
+            "kv_a_layernorm": (rank,),
+            "kv_b_proj": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), rank),
+            "k_b_proj": (heads, rank, mla.qk_nope_head_dim),
+            "v_b_proj": (heads, mla.v_head_dim, rank), "o_proj": (hidden, heads * mla.v_head_dim)}
 
 
 def check_shape(gguf_name: str, hf_name: str, shape: tuple[int, ...], args: ModelArgs,
@@ -246,3 +318,55 @@ def rotary_rows(hf_name: str, args: ModelArgs):
 def norm_offset(hf_name: str, args: ModelArgs) -> float:
     """What to subtract from a stored norm weight to get the HF one."""
     return NORM_OFFSET.get(args.arch, 0.0) if hf_name.endswith("norm.weight") else 0.0
+
+
+# ---------------------------------------------------------------------------- deepseek2 (MLA)
+def check_complete(present: set[str], args: ModelArgs, path: str) -> None:
+    """An MLA (deepseek2) file has every tensor the model needs: else one ModelLoadError
+    naming the first one missing. Each need is a list of alternatives (kv_b_proj whole, or
+    split into k_b / v_b), each alternative a tuple of tensors all required."""
+    if args.mla is None:
+        return
+    for alternatives in _mla_needs(args):
+        best = max(alternatives, key=lambda names: sum(n in present for n in names))
+        missing = [n for n in best if n not in present]
+        if missing:
+            raise ModelLoadError(f"{path}: tensor {missing[0]} is missing (the metadata "
+                                 f"implies it)")
+
+
+def _mla_needs(args: ModelArgs) -> list[list[tuple[str, ...]]]:
+    needs = [[("token_embd.weight",)], [("output_norm.weight",)]]
+    moe = args.moe
+    for i in range(args.num_layers):
+        blk = [f"blk.{i}.{base}.weight" for base in (
+            "attn_norm", "ffn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output")]
+        blk += [f"blk.{i}.{base}.weight" for base in (
+            ("attn_q_a", "attn_q_a_norm", "attn_q_b") if args.mla.q_lora_rank else ("attn_q",))]
+        if i in moe.moe_layers:
+            blk += [f"blk.{i}.{base}.weight" for base in (
+                "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+            blk.append(f"blk.{i}.{_ROUTER_BIAS[0]}.bias")
+            if moe.shared_intermediate_size:
+                blk += [f"blk.{i}.ffn_{p}_shexp.weight" for p in ("gate", "up", "down")]
+        else:
+            blk += [f"blk.{i}.ffn_{p}.weight" for p in ("gate", "up", "down")]
+        needs += [[(name,)] for name in blk]
+        needs.append([(f"blk.{i}.attn_kv_b.weight",),
+                      (f"blk.{i}.attn_k_b.weight", f"blk.{i}.attn_v_b.weight")])
+    return needs
+
+
+def merge_kv_b(state: dict[str, Any], args: ModelArgs) -> None:
+    """Put split `k_b_proj` [heads, rank, nope] / `v_b_proj` [heads, v, rank] (newer
+    deepseek2 files) back together as the checkpoint's kv_b_proj [heads * (nope + v), rank]."""
+    import torch
+
+    for i in range(args.num_layers):
+        prefix = f"model.layers.{i}.self_attn"
+        if f"{prefix}.k_b_proj.weight" not in state:
+            continue
+        k_b = state.pop(f"{prefix}.k_b_proj.weight")
+        v_b = state.pop(f"{prefix}.v_b_proj.weight")
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [heads, nope + v, rank]
+        state[f"{prefix}.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1]).contiguous()

@@ -101,6 +101,7 @@ def _inspect_gguf(path: str) -> _GGUFModel:
         raise ModelLoadError(f"{path}: incomplete GGUF metadata ({error!r})") from None
     names = {t.name: gguf_file.tensor_name(t.name, args.arch) for t in reader.tensors
              if t.name not in gguf_file.CONFIG_TENSORS}
+    gguf_file.check_complete(set(names), args, path)
     _check_tensors(reader, names, args, path)
     return _GGUFModel(reader, meta, args, names)
 
@@ -119,6 +120,7 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> Loa
             state[target.hf_name] = _gguf_tensor(t, target.hf_name, args, dtype, quant)
     if quant != "none" and "lm_head.weight" not in state:  # tied: the head gets its own copy
         state["lm_head.weight"] = _tied_head(state["model.embed_tokens.weight"], quant)
+    gguf_file.merge_kv_b(state, args)
     name = meta.get("general.name") or Path(path).stem
     return LoadedModel(args, state, weights_digest([Path(path)]), str(name))
 

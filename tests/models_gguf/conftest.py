@@ -39,6 +39,20 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_
                    high_freq_factor=4.0, original_max_position_embeddings=64)
 TINY["llama3_rope"] = ("Llama", "llama", dict(num_hidden_layers=2, max_position_embeddings=512,
                                               rope_parameters=LLAMA3_ROPE))
+# DeepSeek V3 (MLA, grouped sigmoid routing with a correction bias, a dense first layer) and a
+# V2-Lite-shaped one (q in one projection, no groups, unnormalised top-k) with yarn rope
+_DEEPSEEK = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                 v_head_dim=16, n_routed_experts=8, n_group=4, topk_group=2,
+                 num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=48,
+                 first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                 num_key_value_heads=4)  # MLA: transformers' kv heads = heads
+TINY["deepseek_v3"] = ("DeepseekV3", "deepseek2", _DEEPSEEK)
+TINY["deepseek_lite_yarn"] = ("DeepseekV3", "deepseek2", dict(
+    _DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False,
+    routed_scaling_factor=1.0, n_shared_experts=2,  # max_position_embeddings 256 = 4 * 64
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                         original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
+                         beta_fast=32, beta_slow=1)))
 _GEMMA_NORM_OFFSET = 1.0  # llama.cpp stores Gemma norms as 1 + weight
 
 
@@ -55,6 +69,9 @@ def build_hf(name: str, root: Path) -> Path:
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.normal_(0.0, 0.3)
+        for bname, buffer in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # zeros after init: make it count
+                buffer.normal_(0.0, 0.3)
     path = root / f"{name}-hf"
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -101,6 +118,8 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: dict, arch: str
                  ) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array (row-major, as the HF weight), experts stacked."""
     model_type = config["model_type"]
+    if arch == "deepseek2":
+        return deepseek2_tensors(state, config)
     out, experts = {}, {}
     for hf, tensor in state.items():
         w = tensor.float().numpy()
@@ -147,6 +166,8 @@ def llama3_rope_freqs(config: dict) -> np.ndarray:
 
 def metadata(config: dict, arch: str, shapes: dict[str, tuple]) -> dict[str, object]:
     """The llama.cpp metadata keys of a config (without the `{arch}.` prefix)."""
+    if arch == "deepseek2":
+        return deepseek2_metadata(config, split_kv_b="blk.0.attn_k_b.weight" in shapes)
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     meta = {"context_length": config["max_position_embeddings"],
@@ -168,6 +189,90 @@ def metadata(config: dict, arch: str, shapes: dict[str, tuple]) -> dict[str, obj
         meta["expert_feed_forward_length"] = config["moe_intermediate_size"]
     if config.get("shared_expert_intermediate_size"):
         meta["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
+    return meta
+
+
+_DEEPSEEK2_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def deepseek2_tensors(state: dict[str, torch.Tensor], config: dict, split_kv_b: bool = False
+                      ) -> dict[str, np.ndarray]:
+    """A DeepSeek V3 checkpoint as llama.cpp's deepseek2 converter writes it: no row
+    permutation, experts stacked, the router bias as exp_probs_b.bias, and (newer files,
+    `split_kv_b`) kv_b_proj split per head into attn_k_b (transposed) and attn_v_b."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}
+    heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
+    out, experts = {}, {}
+    for hf, tensor in state.items():
+        w = tensor.float().numpy()
+        if hf in top:
+            out[top[hf]] = w
+            continue
+        layer, rest = hf.split(".")[2], ".".join(hf.split(".")[3:])
+        module, suffix = rest.rsplit(".", 1)
+        if suffix == "e_score_correction_bias":
+            out[f"blk.{layer}.exp_probs_b.bias"] = w
+        elif ".experts." in module:
+            expert, proj = module.split(".experts.")[1].split(".")
+            name = f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.{suffix}"
+            experts.setdefault(name, {})[int(expert)] = w
+        elif module == "self_attn.kv_b_proj" and split_kv_b:
+            kv_b = w.reshape(heads, -1, w.shape[-1])  # [heads, nope + v, rank]
+            out[f"blk.{layer}.attn_k_b.{suffix}"] = np.ascontiguousarray(
+                kv_b[:, :nope].transpose(0, 2, 1))
+            out[f"blk.{layer}.attn_v_b.{suffix}"] = np.ascontiguousarray(kv_b[:, nope:])
+        else:
+            out[f"blk.{layer}.{_DEEPSEEK2_NAMES[module]}.{suffix}"] = w
+    for name, per_expert in experts.items():
+        out[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
+    return out
+
+
+def deepseek2_metadata(config: dict, split_kv_b: bool = False) -> dict[str, object]:
+    """llama.cpp's deepseek2 keys: older files give the per-head key / value sizes, newer
+    ones (with attn_k_b / attn_v_b) the absorbed MQA form plus key_length_mla and
+    value_length_mla."""
+    heads, rank, rope = (config["num_attention_heads"], config["kv_lora_rank"],
+                         config["qk_rope_head_dim"])
+    qk, v = config["qk_nope_head_dim"] + rope, config["v_head_dim"]
+    meta = {"context_length": config["max_position_embeddings"],
+            "embedding_length": config["hidden_size"], "block_count": config["num_hidden_layers"],
+            "feed_forward_length": config["intermediate_size"], "attention.head_count": heads,
+            "attention.head_count_kv": 1 if split_kv_b else config["num_key_value_heads"],
+            "attention.key_length": rank + rope if split_kv_b else qk,
+            "attention.value_length": rank if split_kv_b else v,
+            "attention.kv_lora_rank": rank, "rope.dimension_count": rope,
+            "attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
+            "rope.freq_base": _rope_theta(config), "vocab_size": config["vocab_size"],
+            "leading_dense_block_count": config["first_k_dense_replace"],
+            "expert_feed_forward_length": config["moe_intermediate_size"],
+            "expert_count": config["n_routed_experts"],
+            "expert_used_count": config["num_experts_per_tok"],
+            "expert_shared_count": config["n_shared_experts"],
+            "expert_weights_scale": float(config["routed_scaling_factor"]),
+            "expert_group_count": config["n_group"], "expert_group_used_count": config["topk_group"],
+            "expert_gating_func": 2}
+    if split_kv_b:
+        meta |= {"attention.key_length_mla": qk, "attention.value_length_mla": v}
+    if config.get("q_lora_rank"):
+        meta["attention.q_lora_rank"] = config["q_lora_rank"]
+    if config.get("norm_topk_prob"):  # the converter writes it only when true
+        meta["expert_weights_norm"] = True
+    rope_params = config.get("rope_parameters") or {}
+    if rope_params.get("rope_type") == "yarn":
+        meta |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(rope_params["factor"]),
+                 "rope.scaling.original_context_length":
+                     rope_params["original_max_position_embeddings"],
+                 "rope.scaling.yarn_log_multiplier": 0.1 * rope_params["mscale_all_dim"]}
     return meta
 
 
@@ -340,7 +445,7 @@ def tiny_model(tmp_path_factory):
 # kind -> the reason Duplex must give for it (after "<path>: ")
 BAD_FILES = {
     "unknown_arch": "unsupported GGUF architecture 'mamba'; supported: llama, mistral, qwen2, "
-                    "qwen3, gemma3, qwen2moe, qwen3moe",
+                    "qwen3, gemma3, qwen2moe, qwen3moe, deepseek2",
     "no_quant_path": "tensor blk.0.attn_q.weight has quantization type Q8_1, which Duplex "
                      "cannot read",
     # {size}: the truncated file's length (the last 4096 bytes of the complete file are cut)
