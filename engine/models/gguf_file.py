@@ -344,9 +344,8 @@ def _mla_needs(args: ModelArgs) -> list[list[tuple[str, ...]]]:
         blk += [f"blk.{i}.{base}.weight" for base in (
             ("attn_q_a", "attn_q_a_norm", "attn_q_b") if args.mla.q_lora_rank else ("attn_q",))]
         if i in moe.moe_layers:
-            blk += [f"blk.{i}.{base}.weight" for base in (
+            blk += [f"blk.{i}.{base}.weight" for base in (  # exp_probs_b: see complete_mla
                 "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
-            blk.append(f"blk.{i}.{_ROUTER_BIAS[0]}.bias")
             if moe.shared_intermediate_size:
                 blk += [f"blk.{i}.ffn_{p}_shexp.weight" for p in ("gate", "up", "down")]
         else:
@@ -357,11 +356,20 @@ def _mla_needs(args: ModelArgs) -> list[list[tuple[str, ...]]]:
     return needs
 
 
-def merge_kv_b(state: dict[str, Any], args: ModelArgs) -> None:
-    """Put split `k_b_proj` [heads, rank, nope] / `v_b_proj` [heads, v, rank] (newer
-    deepseek2 files) back together as the checkpoint's kv_b_proj [heads * (nope + v), rank]."""
+def complete_mla(state: dict[str, Any], args: ModelArgs) -> None:
+    """The state dict of a deepseek2 file as the checkpoint's: split `k_b_proj`
+    [heads, rank, nope] / `v_b_proj` [heads, v, rank] (newer files) put back together as
+    kv_b_proj [heads * (nope + v), rank], and a router without exp_probs_b given a zero
+    correction bias (llama.cpp's reading: the tensor is optional)."""
     import torch
 
+    if args.mla is None:
+        return
+    dtype = state["model.embed_tokens.weight"].dtype
+    for i in args.moe.moe_layers:
+        bias = f"model.layers.{i}.{_ROUTER_BIAS[1]}"
+        if bias not in state:
+            state[bias] = torch.zeros(args.moe.num_experts, dtype=dtype)
     for i in range(args.num_layers):
         prefix = f"model.layers.{i}.self_attn"
         if f"{prefix}.k_b_proj.weight" not in state:

@@ -120,7 +120,7 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> Loa
             state[target.hf_name] = _gguf_tensor(t, target.hf_name, args, dtype, quant)
     if quant != "none" and "lm_head.weight" not in state:  # tied: the head gets its own copy
         state["lm_head.weight"] = _tied_head(state["model.embed_tokens.weight"], quant)
-    gguf_file.merge_kv_b(state, args)
+    gguf_file.complete_mla(state, args)
     name = meta.get("general.name") or Path(path).stem
     return LoadedModel(args, state, weights_digest([Path(path)]), str(name))
 

@@ -62,13 +62,29 @@ def test_deepseek2_metadata_gives_the_configs_args(tiny_model, name):
 
 
 @pytest.mark.parametrize("drop, split", [("blk.1.attn_kv_a_mqa.weight", False),
-                                         ("blk.2.exp_probs_b.bias", False),
+                                         ("blk.2.ffn_up_exps.weight", False),
                                          ("blk.0.attn_v_b.weight", True)])
 def test_missing_tensor_is_one_load_error_naming_the_file(tiny_model, drop, split):
     path = deepseek_file(tiny_model("deepseek_v3"), split, drop=drop)
     with pytest.raises(ModelLoadError) as error:
         loader.check(path)
     assert str(error.value) == f"{path}: tensor {drop} is missing (the metadata implies it)"
+
+
+def test_router_bias_is_optional(tiny_model):
+    """llama.cpp reads a deepseek2 router without exp_probs_b as one with a zero bias."""
+    model = tiny_model("deepseek_v3")
+    state = loader.load(deepseek_file(model, False, drop="blk.2.exp_probs_b.bias"),
+                        progress=False).state_dict
+    assert torch.equal(state["model.layers.2.mlp.gate.e_score_correction_bias"], torch.zeros(8))
+    assert not torch.equal(state["model.layers.1.mlp.gate.e_score_correction_bias"],
+                           torch.zeros(8))
+
+
+def test_quantized_deepseek2_gguf_greedy_equals_transformers_on_its_weights(tiny_model):
+    model = tiny_model("deepseek_v3")
+    path = model.gguf("Q8_0")  # older layout (attn_kv_b): its rows round as the checkpoint's
+    assert duplex_greedy(path) == reference(str(model.reference_dir("Q8_0")))
 
 
 def test_softmax_routing_is_refused(tiny_model):
