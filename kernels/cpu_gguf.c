@@ -31,13 +31,19 @@
  *
  *                  sum_j w_j x_j = dx (a sum_j q_j xq_j + c sum_j xq_j)
  *
- *                (Q6_K has a scale per 16: each half of the 32 has its own a and c). With
- *                AVX2 the integer sums are vpmaddubsw/vpmaddwd, 32 products an instruction,
- *                read straight from the blocks for Q4_0/Q4_1/Q8_0; the other types are
- *                expanded to bytes first. Without AVX2 the same sums run as plain C.
+ *                (Q6_K has a scale per 16: each half of the 32 has its own a and c).
+ *   gg_linear_x: gg_quantize_x and gg_linear_q8 in one call (what kernels/cpu_gguf.py calls).
  *
- * One unpacking of every block type (expand_block: bytes q and factors a, c) serves both
- * the int8 dots and the dequantizer (w = a q + c).
+ * With AVX2 every block type is read straight from its bytes (the "AVX2" section below):
+ * nibbles and high bits unpacked from 256-bit loads with and / shift, 32 products a
+ * vpmaddubsw, vpmaddwd to 8 int32 lanes (Q6_K: times its per-16 scales), one int32 -> fp32
+ * conversion and one fmadd per 32 weights (the factor d sc dx), the offset terms (c sum xq:
+ * Q4_1's m, the K-quants' dmin m, Q6_K's -32) one fmadd per block from float sums of x
+ * per 32 (per 16), and one horizontal sum per output. A K-quant block is unpacked once for
+ * up to 4 rows of x. Without AVX2 the blocks go through expand_block (bytes q and factors a,
+ * c) and the same sums run as plain C.
+ *
+ * expand_block also serves the dequantizer (w = a q + c).
  */
 #include <math.h>
 #include <stdint.h>
@@ -251,10 +257,40 @@ int gg_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
 
 /* ---------------------------------------------------------------- int8 activations */
 
-/* x [k] -> xq [k] int8, dx [k/32] = max|x| / 127, xs [k/16] = sums of xq over each 16. */
+/* x [k] -> xq [k] int8, dx [k/32] = max|x| / 127, xs [k/16] = sums of xq over each 16.
+ * xq = nearbyint(x * (127 / max|x|)) in fp32: the AVX2 lanes round the same way (to
+ * nearest even), so both paths give the same bits. */
 static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *xs) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float *v = x + 32 * b;
+#if defined(__AVX2__)
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8),
+               v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs), _mm256_and_ps(v1, abs)),
+                                  _mm256_max_ps(_mm256_and_ps(v2, abs), _mm256_and_ps(v3, abs)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float amax = _mm_cvtss_f32(m4);
+        float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 vi = _mm256_set1_ps(inv);
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)),
+                q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi)),
+                q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)),
+                q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
+        /* packs work within 128-bit lanes: the 4-byte groups come out as inputs 0-3, 8-11,
+         * 16-19, 24-27, 4-7, 12-15, 20-23, 28-31; the permute puts them back in order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(xq + 32 * b), p);
+        __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+        h = _mm256_hadd_epi32(h, h);  /* lanes 0, 1 (+ 4, 5): the sums of inputs 0-15, 16-31 */
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        dx[b] = d;
+        xs[2 * b] = _mm_cvtsi128_si32(s);
+        xs[2 * b + 1] = _mm_extract_epi32(s, 1);
+#else
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = amax > fabsf(v[j]) ? amax : fabsf(v[j]);
         float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -267,6 +303,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32
         dx[b] = d;
         xs[2 * b] = s0;
         xs[2 * b + 1] = s1;
+#endif
     }
 }
 
@@ -279,36 +316,9 @@ int gg_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *xq,
     return 0;
 }
 
-#if defined(__AVX2__)
-/* The two 16-halves of sum q_j xq_j over 32: q unsigned bytes (<= 63), xq int8. */
-static inline __m256i dot32_u8(__m256i q, __m256i xq) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), _mm256_set1_epi16(1));
-}
-/* q signed (Q8_0): |q| times xq with q's sign. */
-static inline __m256i dot32_s8(__m256i q, __m256i xq) {
-    return dot32_u8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));
-}
-/* 8 int32 lanes (lanes 0-3: the first 16 weights) -> the two halves' sums. */
-static inline void halves(__m256i v, int32_t *h0, int32_t *h1) {
-    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-    lo = _mm_hadd_epi32(lo, hi);      /* l0+l1, l2+l3, h0+h1, h2+h3 */
-    lo = _mm_hadd_epi32(lo, lo);      /* first half, second half, ... */
-    *h0 = _mm_cvtsi128_si32(lo);
-    *h1 = _mm_extract_epi32(lo, 1);
-}
-static inline __m256i nibbles16(const uint8_t *p) {  /* 16 bytes -> lows then highs */
-    __m128i v = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-}
-#endif
-
-/* sum over the 32 weights of sub-block q (expanded bytes) against xq, as two halves. */
+/* sum over the 32 weights of sub-block q (expanded bytes) against xq, as two halves: the
+ * portable dots (every type without AVX2; Q5_0 / Q5_1 with it). */
 static inline void dot32(int is_signed, const uint8_t *q, const int8_t *xq, int32_t *h) {
-#if defined(__AVX2__)
-    __m256i vq = _mm256_loadu_si256((const __m256i *)q);
-    __m256i vx = _mm256_loadu_si256((const __m256i *)xq);
-    halves(is_signed ? dot32_s8(vq, vx) : dot32_u8(vq, vx), h, h + 1);
-#else
     int32_t s0 = 0, s1 = 0;
     if (is_signed) {
         for (int j = 0; j < 16; j++) s0 += (int8_t)q[j] * xq[j];
@@ -319,7 +329,6 @@ static inline void dot32(int is_signed, const uint8_t *q, const int8_t *xq, int3
     }
     h[0] = s0;
     h[1] = s1;
-#endif
 }
 
 /* One weight row against m quantized rows of x: out[i * ldo] for i < m. q/f: scratch of k
@@ -345,45 +354,268 @@ static void row_q8(int type, const uint8_t *row, int64_t k, const int8_t *xq, co
 }
 
 #if defined(__AVX2__)
-/* Q4_0 / Q4_1 / Q8_0 for one x row, straight from the blocks (no expansion): Q4_0's
- * nibbles less 8 and Q8_0's bytes are signed (no offset term); Q4_1 adds m sum(x). */
-static float row_q8_direct(int type, const uint8_t *row, int64_t k, const int8_t *xq,
-                           const float *dx, const int32_t *xs) {
-    int bb = block_bytes(type);
-    const __m256i eight = _mm256_set1_epi8(8);
-    __m256 acc = _mm256_setzero_ps();
-    float tail = 0.0f;
-    for (int64_t b = 0; b < k / 32; b++) {
-        const uint8_t *blk = row + b * bb;
-        __m256i vx = _mm256_loadu_si256((const __m256i *)(xq + 32 * b)), prod;
-        if (type == GG_Q8_0) {
-            prod = dot32_s8(_mm256_loadu_si256((const __m256i *)(blk + 2)), vx);
-        } else if (type == GG_Q4_0) {
-            prod = dot32_s8(_mm256_sub_epi8(nibbles16(blk + 2), eight), vx);
-        } else {
-            prod = dot32_u8(nibbles16(blk + 4), vx);
-            tail += dx[b] * f16_at(blk + 2) * (float)(xs[2 * b] + xs[2 * b + 1]);
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dx[b] * f16_at(blk)), _mm256_cvtepi32_ps(prod), acc);
-    }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s) + tail;
+/* ------------------------------------------------ AVX2: dots straight from the blocks
+ *
+ * The activations' sums come in as floats, xsf = dx xs (per 32 inputs, Q6_K: per 16), so
+ * every offset term (Q4_1's m, the K-quants' dmin m and Q6_K's -32) is one vector fmadd per
+ * block, and a 32-sub-block's integer dot sum_j q_j xq_j takes vpmaddubsw + vpmaddwd, one
+ * int32 -> fp32 conversion and one fmadd in 8 lanes; the lanes are summed once per row. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
 }
+
+/* 8 int32 lanes of sum q_j x_j (pairs of 16-bit products): q unsigned bytes (<= 63), x
+ * int8; `scale` int16 per pair of products (ones, or Q6_K's per-16 scales). */
+ALWAYS_INLINE __m256i dot_u8(__m256i q, const int8_t *x, __m256i scale) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)),
+                             scale);
+}
+
+/* Q4_K / Q5_K: the 12 scale bytes -> 8 6-bit scales and 8 6-bit mins, a byte each (the
+ * bit layout of scale_min_k4, four sub-blocks a 32-bit word). */
+ALWAYS_INLINE void k4_scales(const uint8_t *s, __m256 *sc, __m256 *mn) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, s, 4);
+    memcpy(&u1, s + 4, 4);
+    memcpy(&u2, s + 8, 4);
+    uint64_t scales = (uint64_t)((u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u)) << 32 |
+                      (u0 & 0x3F3F3F3Fu);
+    uint64_t mins = (uint64_t)(((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u)) << 32 |
+                    (u1 & 0x3F3F3F3Fu);
+    *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
+    *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
+}
+
+/* Most rows of x one pass over a weight row's blocks serves (each block unpacked once). */
+#define KQ_ROWS 4
+
+/* One weight row of K-quant blocks against `rows` (<= KQ_ROWS) quantized rows of x:
+ * xq [rows, k], dx [rows, k/32], xsf [rows, k/32] (Q6_K: [rows, k/16]); out[r * ldo]. Per
+ * block: the 8 sub-blocks' bytes q[s] (0..63), then for every row of x
+ *   Q4_K / Q5_K:  sum = sum_s d sc_s dx_s dot(q_s, x_s) - dmin sum_s m_s xsf_s
+ *   Q6_K:         sum = sum_s d dx_s dot_sc(q_s, x_s) - 32 d sum_g sc_g xsf_g
+ * (dot_sc: each half of 16 times its own int8 scale, in vpmaddwd). */
+ALWAYS_INLINE void kq_rows(int type, const uint8_t *row, int64_t k, const int8_t *xq,
+                           const float *dx, const float *xsf, int rows, float *out,
+                           int64_t ldo) {
+    const int six = type == GG_Q6_K, bb = block_bytes(type);
+    const int64_t ld_dx = k / 32, ld_xs = six ? k / 16 : k / 32;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[2 * KQ_ROWS];
+    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *blk = row + b * bb;
+        __m256i q[8], scale[8];
+        __m256 wd, wm0, wm1 = _mm256_setzero_ps();  /* per-sub-block factor; offset terms */
+        if (six) {
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const __m256i bits = _mm256_set1_epi8(0x30);
+            for (int h = 0; h < 2; h++) {
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h)),
+                        l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)),
+                        hi = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(hi, 4), bits));
+                q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                               _mm256_and_si256(_mm256_slli_epi16(hi, 2), bits));
+                q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                               _mm256_and_si256(hi, bits));
+                q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                               _mm256_and_si256(_mm256_srli_epi16(hi, 2), bits));
+            }
+            /* scale[s]: int16 lanes, the first 16 products' scale sc[2s] in the low 128
+             * bits (vpmaddubsw's pairs 0-7), sc[2s + 1] in the high ones: in-lane byte
+             * shuffles of the half's 8 scales (int16) in both 128-bit lanes */
+            __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+            for (int h = 0; h < 2; h++) {
+                __m128i s16 = _mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc, sc) : sc);
+                __m256i both = _mm256_set_m128i(s16, s16);
+                for (int t = 0; t < 4; t++) {
+                    const __m256i pick = _mm256_setr_epi8(
+                        4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
+                        4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
+                        4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
+                        4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
+                        4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3);
+                    scale[4 * h + t] = _mm256_shuffle_epi8(both, pick);
+                }
+            }
+            float d = f16_at(blk + 208);
+            wd = _mm256_set1_ps(d);
+            __m256 d32 = _mm256_set1_ps(32.0f * d);
+            wm0 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+            wm1 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(
+                                         _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
+        } else {
+            const int five = type == GG_Q5_K;
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            for (int p = 0; p < 4; p++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+                q[2 * p] = _mm256_and_si256(v, low4);
+                q[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            }
+            if (five) {  /* bit 4 of sub-block s: bit s of qh[i] */
+                const __m256i bit4 = _mm256_set1_epi8(0x10);
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+                q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+                q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+                q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_slli_epi16(qh, 2), bit4));
+                q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_slli_epi16(qh, 1), bit4));
+                q[4] = _mm256_or_si256(q[4], _mm256_and_si256(qh, bit4));
+                q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_srli_epi16(qh, 1), bit4));
+                q[6] = _mm256_or_si256(q[6], _mm256_and_si256(_mm256_srli_epi16(qh, 2), bit4));
+                q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
+            }
+            __m256 sc, mn;
+            k4_scales(blk + 4, &sc, &mn);
+            wd = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), sc);
+            wm0 = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), mn);
+            for (int s = 0; s < 8; s++) scale[s] = ones;
+        }
+        for (int r = 0; r < rows; r++) {
+            const int8_t *x = xq + r * k + 256 * b;
+            const float *xs = xsf + r * ld_xs + (six ? 16 : 8) * b;
+            float f[8];
+            _mm256_storeu_ps(f, _mm256_mul_ps(wd, _mm256_loadu_ps(dx + r * ld_dx + 8 * b)));
+            /* f's values are read back from memory (vbroadcastss m32): gcc's register
+             * shuffles for them (vpermilps + vperm2f128) cost 5x as much on Zen 1 */
+            __asm__("" : "+m"(f));
+            __m256 a0 = acc[2 * r], a1 = _mm256_fnmadd_ps(wm0, _mm256_loadu_ps(xs), acc[2 * r + 1]);
+            if (six) a1 = _mm256_fnmadd_ps(wm1, _mm256_loadu_ps(xs + 8), a1);
+            for (int s = 0; s < 8; s += 2) {
+                __m256i p0 = dot_u8(q[s], x + 32 * s, scale[s]);
+                __m256i p1 = dot_u8(q[s + 1], x + 32 * s + 32, scale[s + 1]);
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f[s]), a0);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f[s + 1]), a1);
+            }
+            acc[2 * r] = a0;
+            acc[2 * r + 1] = a1;
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r * ldo] = hsum8(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
+}
+
+/* Q5_0 / Q5_1: bit j of qh as 0x10 in byte j (the fifth bit of weight j). */
+ALWAYS_INLINE __m256i fifth_bits(const uint8_t *qh) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+/* One 32-block of Q4_0 ... Q8_0 against x: 8 int32 lanes of sum q_j x_j, q the block's
+ * unsigned nibbles (+ fifth bit) or Q8_0's signed bytes (vpsignb moves q's sign onto x).
+ * *c: the block's offset per unit of x (Q4_0: -8 d, Q5_0: -16 d, Q4_1 / Q5_1: m). */
+ALWAYS_INLINE __m256i block32_dot(int type, const uint8_t *blk, const int8_t *x, float *c) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i vx = _mm256_loadu_si256((const __m256i *)x), q;
+    if (type == GG_Q8_0) {
+        q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        vx = _mm256_sign_epi8(vx, q);
+        q = _mm256_sign_epi8(q, q);
+    } else {
+        static const int qs_at[8] = {[GG_Q4_0] = 2, [GG_Q4_1] = 4, [GG_Q5_0] = 6, [GG_Q5_1] = 8};
+        __m128i v = _mm_loadu_si128((const __m128i *)(blk + qs_at[type]));
+        q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+        if (type == GG_Q5_0 || type == GG_Q5_1)
+            q = _mm256_or_si256(q, fifth_bits(blk + (type == GG_Q5_0 ? 2 : 4)));
+        float d = f16_at(blk);
+        *c = type == GG_Q4_0 ? -8.0f * d : type == GG_Q5_0 ? -16.0f * d : f16_at(blk + 2);
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, vx), _mm256_set1_epi16(1));
+}
+
+/* One weight row of 32-blocks against one quantized row of x: sum_b d dx_b dot_b + c_b
+ * xsf_b, two blocks an iteration into two accumulators. */
+ALWAYS_INLINE float row_q8_direct(int type, const uint8_t *row, int64_t k, const int8_t *xq,
+                                  const float *dx, const float *xsf) {
+    const int bb = block_bytes(type);
+    const int64_t nb = k / 32;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    float t0 = 0.0f, t1 = 0.0f, c0 = 0.0f, c1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *blk = row + b * bb;
+        __m256i p0 = block32_dot(type, blk, xq + 32 * b, &c0);
+        __m256i p1 = block32_dot(type, blk + bb, xq + 32 * b + 32, &c1);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(dx[b] * f16_at(blk)), _mm256_cvtepi32_ps(p0), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(dx[b + 1] * f16_at(blk + bb)),
+                             _mm256_cvtepi32_ps(p1), a1);
+        if (type != GG_Q8_0) {
+            t0 += c0 * xsf[b];
+            t1 += c1 * xsf[b + 1];
+        }
+    }
+    if (b < nb) {
+        const uint8_t *blk = row + b * bb;
+        __m256i p0 = block32_dot(type, blk, xq + 32 * b, &c0);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(dx[b] * f16_at(blk)), _mm256_cvtepi32_ps(p0), a0);
+        if (type != GG_Q8_0) t0 += c0 * xsf[b];
+    }
+    return hsum8(_mm256_add_ps(a0, a1)) + (t0 + t1);
+}
+
+/* One weight row against m rows of x, AVX2 types (avx2_type): out[i * ldo] for i < m. */
+static void row_avx2(int type, const uint8_t *row, int64_t k, const int8_t *xq, const float *dx,
+                     const float *xsf, int64_t m, float *out, int64_t ldo) {
+    const int64_t ld_xs = type == GG_Q6_K ? k / 16 : k / 32;
+    for (int64_t i = 0; i < m;) {
+        const int8_t *x = xq + i * k;
+        const float *d = dx + i * (k / 32), *s = xsf + i * ld_xs;
+        int rows = m - i < KQ_ROWS ? (int)(m - i) : KQ_ROWS;
+        switch (type) {  /* one copy of each loop per type, and for a single row of x */
+#define KQ(T) \
+        case T: \
+            if (rows == 1) kq_rows(T, row, k, x, d, s, 1, out + i * ldo, ldo); \
+            else kq_rows(T, row, k, x, d, s, rows, out + i * ldo, ldo); \
+            break;
+        KQ(GG_Q4_K) KQ(GG_Q5_K) KQ(GG_Q6_K)
+#undef KQ
+#define Q32(T) case T: out[i * ldo] = row_q8_direct(T, row, k, x, d, s); rows = 1; break;
+        Q32(GG_Q4_0) Q32(GG_Q4_1) Q32(GG_Q5_0) Q32(GG_Q5_1)
+#undef Q32
+        default: out[i * ldo] = row_q8_direct(GG_Q8_0, row, k, x, d, s); rows = 1; break;
+        }
+        i += rows;
+    }
+}
+
+static int avx2_type(int type) {
+    return block_size(type) >= 32;  /* every block type */
+}
+#else
+static int avx2_type(int type) { (void)type; return 0; }
 #endif
+
+/* xsf [m, k/32] = dx xs summed over each 32 (Q6_K: [m, k/16], dx xs per 16). */
+static void x_sums(int type, int64_t m, int64_t k, const float *dx, const int32_t *xs,
+                   float *xsf) {
+    if (type == GG_Q6_K) {
+        for (int64_t j = 0; j < m * (k / 16); j++) xsf[j] = dx[j / 2] * (float)xs[j];
+    } else {
+        for (int64_t j = 0; j < m * (k / 32); j++)
+            xsf[j] = dx[j] * (float)(xs[2 * j] + xs[2 * j + 1]);
+    }
+}
 
 /* out [m, n] (row stride ldo) = x @ w.T from gg_quantize_x's xq, dx, xs (block types). */
 int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                  const int8_t *xq, const float *dx, const int32_t *xs, int64_t m, float *out,
                  int64_t ldo, int threads) {
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
-    int failed = 0;
-#if defined(__AVX2__)
-    int direct = type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q8_0;
-#else
-    int direct = 0;
-#endif
+    int failed = 0, direct = avx2_type(type);
+    float *xsf = direct ? malloc((size_t)(m * (k / 16)) * sizeof(float)) : NULL;
+    if (direct && !xsf) return -1;
+    if (direct) x_sums(type, m, k, dx, xs, xsf);
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
         uint8_t *q = direct ? NULL : malloc((size_t)k);
@@ -398,9 +630,7 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             if (!ok) continue;
 #if defined(__AVX2__)
             if (direct) {
-                for (int64_t i = 0; i < m; i++)
-                    out[i * ldo + r] = row_q8_direct(type, w + r * row_bytes, k, xq + i * k,
-                                                     dx + i * (k / 32), xs + i * (k / 16));
+                row_avx2(type, w + r * row_bytes, k, xq, dx, xsf, m, out + r, ldo);
                 continue;
             }
 #endif
@@ -409,5 +639,22 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         free(q);
         free(f);
     }
+    free(xsf);
     return failed ? -1 : 0;
+}
+
+/* gg_quantize_x then gg_linear_q8 in one call: x [m, k] fp32 (row stride ldx). */
+int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {
+    if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
+    size_t nq = (size_t)(m * k + 63) & ~(size_t)63;
+    uint8_t *buf = malloc(nq + (size_t)(m * (k / 32) + m * (k / 16)) * 4);
+    if (!buf) return -1;
+    int8_t *xq = (int8_t *)buf;
+    float *dx = (float *)(buf + nq);
+    int32_t *xs = (int32_t *)(dx + m * (k / 32));
+    int rc = gg_quantize_x(x, ldx, m, k, xq, dx, xs);
+    if (rc == 0) rc = gg_linear_q8(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    free(buf);
+    return rc;
 }

@@ -5,9 +5,9 @@
     y = linear(type_id, raw, k, x)           x [M, k] fp32 -> [M, N] fp32, for a few rows
 
 `linear` on a block type (Q4_0 ... Q6_K) quantizes x to int8 with one scale per 32 inputs,
-as llama.cpp and the VNNI kernel do, and sums weights and activations in integers
-(`quantize_x` is that step alone, which the tests hold the kernel to); F16/BF16/F32 rows
-are dotted in fp32.
+as llama.cpp and the VNNI kernel do, and sums weights and activations in integers, straight
+from the blocks with AVX2 (one C call, gg_linear_x; `quantize_x` is the quantization alone,
+which the tests hold the kernel to); F16/BF16/F32 rows are dotted in fp32.
 
 The C library is portable (no AVX512 needed). Without a C compiler (or DUPLEX_GGUF_C=0) the
 same functions run on the `gguf` package's numpy dequantizers, which are also the reference
@@ -75,10 +75,10 @@ def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Te
                                x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
                                raw.shape[0], torch.get_num_threads())
     else:
-        xq, dx, xs = quantize_x(x)
-        rc = _load().gg_linear_q8(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
-                                  xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), x.shape[0],
-                                  out.data_ptr(), raw.shape[0], torch.get_num_threads())
+        # quantize_x and the int8 dots in one call (gg_linear_x)
+        rc = _load().gg_linear_x(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
+                                 x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
+                                 raw.shape[0], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"gg_linear refused {TYPES[type_id][0]} [{raw.shape[0]}, {k}]")
     return out
@@ -123,9 +123,10 @@ def _load():
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.gg_dequant.restype = lib.gg_linear.restype = ctypes.c_int
+    lib.gg_dequant.restype = lib.gg_linear.restype = lib.gg_linear_x.restype = ctypes.c_int
     lib.gg_dequant.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, ctypes.c_int]
     lib.gg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
+    lib.gg_linear_x.argtypes = lib.gg_linear.argtypes
     lib.gg_quantize_x.restype = lib.gg_linear_q8.restype = ctypes.c_int
     lib.gg_quantize_x.argtypes = [_P, _I, _I, _I, _P, _P, _P]
     lib.gg_linear_q8.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P, _P, _I, _P, _I,

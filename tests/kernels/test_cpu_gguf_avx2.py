@@ -1,0 +1,165 @@
+"""kernels/cpu_gguf.c's int8-activation row kernel (gg_linear_x / gg_linear_q8), each block
+type straight from its bytes (AVX2 where the CPU has it), against the `gguf` package's numpy
+dequantizer times x rounded to int8 the same way (per 32 inputs), in fp64.
+
+Blocks are random bytes (every nibble, fifth / sixth bit and 6-bit scale pattern) with fp16
+scale fields drawn over fp16's whole range (0, subnormal, 6e4, either sign); x has zero blocks
+and rows of very different sizes. What is left between kernel and reference is fp32 rounding
+of the sums (the integer dots are exact), so each output is held to a few fp32 ulps of
+sum |w x| for its row and column. The same checks run on the portable C path (the library
+built with AVX2 off, and with F16C off too) and hold it to the AVX2 path's rounding of x."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from duplex.kernels import cpu_gguf
+from duplex.kernels.cpu_fused import build_library
+
+from tests.kernels.test_gguf_weight import int8_blocks, int8_rounded
+
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALES = np.array([0.0, 2.0 ** -24, 6.1e-5, 1e-3, 0.02, 1.0, 300.0, 65504.0], np.float32)
+ROWS = (1, 2, 5, 12)  # x rows: one, the kernel's group of 4 and what is left, three groups
+REL = 2e-6  # of sum |w x|: fp32 sums of at most a few hundred terms a lane (seen: 5e-7)
+ROW_REL = 1e-5  # of the row's largest |output| (the other tests' 1e-4 of the largest; seen 1e-6)
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int, extreme: bool) -> torch.Tensor:
+    """uint8 `[n, row_bytes]` of random bytes, the fp16 fields set to finite values (from
+    SCALES with random signs when extreme, else small positive ones)."""
+    rng = np.random.default_rng(seed)
+    _, block, nbytes = cpu_gguf.TYPES[cpu_gguf.TYPE_IDS[type_name]]
+    blocks = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    for start in FP16_FIELDS[type_name]:
+        if extreme:
+            d = rng.choice(SCALES, size=(n, k // block)) * rng.choice([-1.0, 1.0], size=(n, k // block))
+        else:
+            d = rng.random((n, k // block)) * 2e-3
+        blocks[..., start:start + 2] = d.astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def random_x(m: int, k: int, seed: int) -> torch.Tensor:
+    """[m, k] fp32: rows scaled from 1e-6 to 1e3, a zero block, one large input a row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 3, m)[:, None]
+    x[:, 32:64] = 0
+    x[torch.arange(m), torch.randint(0, k, (m,), generator=g)] *= 50
+    return x
+
+
+def run(lib, type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor, threads: int
+        ) -> torch.Tensor:
+    """gg_linear_x on `lib` (x may have a row stride above k)."""
+    m, n = x.shape[0], raw.shape[0]
+    out = torch.full((m, n), float("nan"))
+    rc = lib.gg_linear_x(cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1], n, k,
+                         x.data_ptr(), x.stride(0), m, out.data_ptr(), n, threads)
+    assert rc == 0
+    return out
+
+
+def check(got: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
+    """got [m, n] against int8-rounded x @ w.T in fp64: within REL of sum |w x| and within
+    ROW_REL of the largest |output| of its row."""
+    xr = int8_rounded(x)
+    ref = xr @ w.double().T
+    err = (got.double() - ref).abs()
+    for bound in (REL * (xr.abs() @ w.double().abs().T), ROW_REL * ref.abs().amax(1, keepdim=True)):
+        worst = (err / (bound + 1e-30)).max().item()
+        assert worst <= 1, f"error {worst:.2f}x the bound, max err {err.max().item():.3g}"
+
+
+def reference_w(type_name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
+    w = cpu_gguf.reference_dequant(cpu_gguf.TYPE_IDS[type_name], raw, k)
+    assert torch.isfinite(w).all()
+    return w
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+@pytest.mark.parametrize("k", [256, 1280, 2048, 8192])  # 1280: an odd count of 256-blocks
+def test_every_block_type_rows_and_threads(type_name, k):
+    n = 67  # odd: the two threads' shares differ
+    raw = random_blocks(type_name, n, k, seed=k, extreme=True)
+    w = reference_w(type_name, raw, k)
+    x = random_x(max(ROWS), k, seed=k)
+    lib = cpu_gguf._load()
+    one = run(lib, type_name, raw, k, x, threads=1)
+    check(one, w, x)
+    assert torch.equal(run(lib, type_name, raw, k, x, threads=2), one)
+    for m in ROWS:  # each row of x alone or in any group gives the same bits
+        assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), one[:m])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_odd_count_of_32_blocks(type_name):
+    """k = 9 x 32: the 32-block loop's two accumulators and its last block alone."""
+    k, n = 288, 33
+    raw = random_blocks(type_name, n, k, seed=5, extreme=False)
+    x = random_x(5, k, seed=5)
+    for threads in (1, 2):
+        check(run(cpu_gguf._load(), type_name, raw, k, x, threads), reference_w(type_name, raw, k), x)
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_linear_and_the_two_step_entry_agree(type_name):
+    """cpu_gguf.linear (gg_linear_x, one call) and quantize_x + gg_linear_q8 give the same
+    bits, also for x rows with a stride above k."""
+    k, n, m = 512, 40, 5
+    raw = random_blocks(type_name, n, k, seed=3, extreme=False)
+    wide = random_x(m, k + 64, seed=3)
+    x = wide[:, 16:16 + k]
+    assert x.stride(0) == k + 64
+    got = cpu_gguf.linear(cpu_gguf.TYPE_IDS[type_name], raw, k, x)
+    xq, dx, xs = cpu_gguf.quantize_x(x)
+    out = torch.empty(m, n)
+    assert cpu_gguf._load().gg_linear_q8(
+        cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1], n, k, xq.data_ptr(),
+        dx.data_ptr(), xs.data_ptr(), m, out.data_ptr(), n, 2) == 0
+    assert torch.equal(got, out)
+    check(got, reference_w(type_name, raw, k), x)
+
+
+def test_rounding_ties_and_signs():
+    """x exactly halfway between integers (after the scale) rounds to even, as torch does."""
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.arange(-15.5, 16.5)  # max 15.5: scale 127 / 15.5 (no ties)
+    x[1, :32] = torch.tensor([127.0] + [i + 0.5 for i in range(-60, -30)] + [-127.0])
+    x[1, 32:] = torch.linspace(-3, 3, 32)
+    xq, dx, xs = cpu_gguf.quantize_x(x)
+    q, scale = int8_blocks(x)
+    assert torch.equal(xq.reshape(2, -1, 32).float(), q) and torch.equal(dx, scale[..., 0])
+    assert xq[1, 1].item() == -60 and xq[1, 2].item() == -58  # -59.5 and -58.5 to even
+    assert torch.equal(xs, xq.reshape(2, -1, 16).sum(-1, dtype=torch.int32))
+
+
+@pytest.fixture(scope="module", params=[["-mno-avx2"], ["-mno-avx2", "-mno-f16c"]],
+                ids=["no-avx2", "no-avx2-no-f16c"])
+def portable(request):
+    """The library built without AVX2 (the plain C dots; without F16C too: fp16 by bits)."""
+    return cpu_gguf._declare(ctypes.CDLL(str(build_library(
+        cpu_gguf._SOURCE, ["-fopenmp", *request.param]))))
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_portable_path(portable, type_name):
+    k, n = 1280, 35
+    raw = random_blocks(type_name, n, k, seed=11, extreme=True)
+    x = random_x(5, k, seed=11)
+    for threads in (1, 2):
+        check(run(portable, type_name, raw, k, x, threads), reference_w(type_name, raw, k), x)
+    xq, dx, xs = (torch.empty(5, k, dtype=torch.int8), torch.empty(5, k // 32),
+                  torch.empty(5, k // 16, dtype=torch.int32))
+    assert portable.gg_quantize_x(x.data_ptr(), k, 5, k, xq.data_ptr(), dx.data_ptr(),
+                                  xs.data_ptr()) == 0
+    assert all(torch.equal(a, b) for a, b in zip((xq, dx, xs), cpu_gguf.quantize_x(x)))
+    dense = torch.empty(n, k)
+    assert portable.gg_dequant(cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1], n,
+                               k, dense.data_ptr(), k, 1) == 0
+    assert torch.equal(dense, reference_w(type_name, raw, k))
