@@ -64,9 +64,9 @@ class AnthropicApi:
                 web.post("/v1/messages/count_tokens", self.count_tokens)]
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        with self.intake.admit():
+        with self.intake.admit() as ticket:
             body = await read_json(request, MessagesRequest)
-            started = await self.intake.start(request, body_size(request), self._order,
+            started = await self.intake.start(ticket, request, body_size(request), self._order,
                                               request, body)
             msg_id = f"msg_{request[REQ_ID]}"
             async with contextlib.aclosing(started.events) as events:

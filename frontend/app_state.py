@@ -1,20 +1,18 @@
 """What every API handler shares: `AppState` (engine client, recipe, pipeline, metrics,
-admission, the intake), the request-count `Admission`, and the protocols the server needs of
-its engine, recipe and options.
+admission, the intake), and the protocols the server needs of its engine, recipe and options.
 
 A leaf of the frontend's API layer: the handlers (openai_api, anthropic_api, responses_api,
 ws) and the intake import it; it imports none of them and nothing of `server` (which
 assembles the app and re-exports `AppState` for `serve` and the tests).
 
-Admission is bounded: past `max_queued_requests` requests in flight (running or waiting
-anywhere) a request is refused at once with 429/529 and Retry-After; while draining, or
-while no worker is ready, with 503 (`Intake.admit`).
+Admission lives in `frontend/admission.py`: `AppState` builds its one `Admission` from the
+options (the request count, draining, the not-ready refusal, the work bound and the fair
+gate); the intake asks it for a ticket per API request and the pipeline is handed the
+ticket's reservation. Here it is only read (`admission.draining`, `admission.num_active`).
 """
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ from duplex.engine.messages import AddRequest, Ready, RequestDelta, WorkerStats
 from duplex.engine.stats import KVStats, MoEStats
 from duplex.engine.text.messages import Chat
 from duplex.engine.text.tool_formats import detect_tool_format
-from duplex.frontend.admission import WorkAdmission
+from duplex.frontend.admission import Admission, not_ready
 from duplex.frontend.auth import ApiKeys
 from duplex.frontend.errors import ApiError
 from duplex.frontend.generation import Pipeline, reasoning_format
@@ -52,50 +50,6 @@ class Options(Protocol):
     tool_call_parser: str | None
     allow_request_chat_template: bool
     reasoning_parser: str | None
-
-
-class Admission:
-    """Owns the count of requests the frontend accepted and has not finished."""
-
-    def __init__(self, limit: int, metrics: Metrics) -> None:
-        self.limit = limit
-        self.metrics = metrics
-        self.num_active = 0
-        self.draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @contextlib.contextmanager
-    def slot(self):
-        if self.draining:
-            self.metrics.rejected.labels("draining").inc()
-            raise ApiError("unavailable", "the server is shutting down")
-        if self.num_active >= self.limit:
-            self.metrics.rejected.labels("overloaded").inc()
-            raise ApiError("overloaded", f"the server is at its limit of {self.limit} queued "
-                           "requests; retry later", code="overloaded")
-        self._change(+1)
-        try:
-            yield
-        finally:
-            self._change(-1)
-
-    async def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests and wait for the admitted ones; True if all finished."""
-        self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
-
-    def _change(self, step: int) -> None:
-        self.num_active += step
-        self.metrics.in_flight.set(self.num_active)
-        if self.num_active == 0:
-            self._idle.set()
-        else:
-            self._idle.clear()
 
 
 class Engine(Protocol):
@@ -141,14 +95,13 @@ class AppState:
                 options.chat_template or recipe.template) or "hermes")
         self.options = options
         self.metrics = metrics or Metrics()
-        self.work = WorkAdmission(options.max_queued_sequences,
-                                  options.max_queued_prompt_tokens,
-                                  options.max_running_sequences, self.metrics)
+        # the one owner of admission: every refusal, the work bound, the fair gate
+        self.admission = Admission.from_options(options, self.metrics,
+                                                is_ready=lambda: bool(engine.ready))
         self.reasoning = reasoning_format(options, recipe)
         self.pipeline = Pipeline(engine, recipe, self.metrics,
                                  request_timeout_s=options.request_timeout_s,
-                                 admission=self.work, reasoning=self.reasoning)
-        self.admission = Admission(options.max_queued_requests, self.metrics)
+                                 reasoning=self.reasoning)
         self.keys = ApiKeys(list(options.api_keys), options.metrics_public)
         self.started = int(time.time())
         # big bodies: read in steps, decoded, rendered and tokenized off the loop
@@ -172,8 +125,8 @@ class AppState:
     @property
     def max_model_len(self) -> int:
         info = self.engine.ready_info
-        if info is None:
-            raise ApiError("unavailable", "no engine worker is ready; retry shortly")
+        if info is None:  # the worker went away after admission: the same refusal
+            raise not_ready()
         return info.max_model_len
 
     @property

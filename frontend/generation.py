@@ -43,7 +43,7 @@ from duplex.engine.text.reasoning import (CLOSE_TEXT, ReasoningFormat, detect_pa
                                           template_variables)
 from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import TextDelta, ToolCallArgsDelta, ToolCallStart
-from duplex.frontend.admission import Reservation, Work, WorkAdmission
+from duplex.frontend.admission import Reservation
 from duplex.frontend.errors import ApiError, from_sampling_error, invalid
 from duplex.frontend.protocol import SamplingFields
 
@@ -267,11 +267,6 @@ def check_fits(job: Job, ready) -> None:
                       "this server", param="messages", code="kv_pool_exceeded")
 
 
-def work_of(jobs: list[Job]) -> Work:
-    """Sequences (prompts x n) and prompt tokens (each prompt once) of an API request."""
-    return Work(sum(job.n for job in jobs), sum(len(job.prompt_token_ids) for job in jobs))
-
-
 class _Events:
     """The event stream of one `Pipeline.run`: closing it (the callers use `aclosing`) ends
     every choice and frees the request's reserved work, even if it was never iterated."""
@@ -389,25 +384,29 @@ class Pipeline:
     """Owns the path from an engine's token deltas to API-neutral output events."""
 
     def __init__(self, engine, recipe, metrics, *, request_timeout_s: float = 0.0,
-                 admission: WorkAdmission | None = None,
                  reasoning: ReasoningFormat | None = None) -> None:
         self.engine = engine
         self.recipe = recipe
         self.reasoning = reasoning  # None: no reasoning parser on this server
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
-        self.admission = admission  # None: no work bound, no fair gate (offline tests)
         self._token_text: dict[int, str] = {}
 
-    def run(self, jobs: Job | list[Job]) -> AsyncIterator[Event]:
-        """Events of every choice of every job, interleaved; choice `index` counts across
-        jobs (job k's sample j is `k * n + j`). Each choice ends with exactly one Final.
-        A job that can never run here raises ApiError (400) now, before any response
+    def check(self, jobs: list[Job]) -> None:
+        """A job that can never run here raises ApiError (400) now, before any response
         starts, so a stream never opens for it."""
-        jobs = [jobs] if isinstance(jobs, Job) else jobs
         for job in jobs:
             check_fits(job, self.engine.ready_info)
-        reservation = self.admission.reserve(work_of(jobs)) if self.admission else None
+
+    def run(self, jobs: Job | list[Job],
+            reservation: Reservation | None = None) -> AsyncIterator[Event]:
+        """Events of every choice of every job, interleaved; choice `index` counts across
+        jobs (job k's sample j is `k * n + j`). Each choice ends with exactly one Final.
+        Raises as `check` does. `reservation`: the request's admitted work
+        (frontend/admission.py), through which each choice takes and ends its turn at the
+        fair gate and which is freed when the events end; None: no gate (offline tests)."""
+        jobs = [jobs] if isinstance(jobs, Job) else jobs
+        self.check(jobs)
         return _Events(self._events(jobs, reservation), reservation)
 
     async def _events(self, jobs: list[Job],

@@ -11,8 +11,10 @@ of every entry point). Then, for every API alike:
     3 jobs         max_tokens, thinking budget, sampling params, a forced tool call's start
     4 constraints  output format and tool_choice -> one constraint, parsed off the loop
     5 retention    x-duplex-retention header or `retention` field, else agent iff tools
-    6 admission    the request slot (`admit`, before the body is read), then the work bound
-    7 submit       and the fair gate as the pipeline starts (`Pipeline.run`)
+    6 admission    a ticket from the one `Admission` (frontend/admission.py): `admit`, before
+                   the body is read, holds the request slot; once the prompts are tokenized
+                   `ticket.reserve` holds the work bound
+    7 submit       `Pipeline.run` with that reservation: its choices take turns at the fair gate
 
 Where control tokens may come from (DESIGN invariant 3; docs/control-tokens.md):
 
@@ -25,7 +27,6 @@ Where control tokens may come from (DESIGN invariant 3; docs/control-tokens.md):
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, NamedTuple
 
@@ -37,7 +38,8 @@ from duplex.engine.text.messages import Chat
 from duplex.engine.text.tool_formats import tool_format
 from duplex.engine.text.tool_parser import forced_call_prefix, tools_supported
 from duplex.frontend import structured
-from duplex.frontend.errors import ApiError, invalid
+from duplex.frontend.admission import Ticket, Work
+from duplex.frontend.errors import invalid
 from duplex.frontend.generation import (Event, Job, check_n, require_thinking,
                                         resolve_max_tokens, sampling_params, template_kwargs,
                                         thinking_budget, thinking_variables)
@@ -107,28 +109,33 @@ class _Prepared(NamedTuple):
     constrained: structured.Requested | None
 
 
+def work_of(jobs: list[Job]) -> Work:
+    """Sequences (prompts x n) and prompt tokens (each prompt once) of an API request."""
+    return Work(sum(job.n for job in jobs), sum(len(job.prompt_token_ids) for job in jobs))
+
+
 class Intake:
     """Owns the path from an API's `Order` to the pipeline's events (module docstring)."""
 
     def __init__(self, state: AppState) -> None:
         self.state = state
 
-    def admit(self) -> contextlib.AbstractContextManager:
-        """A slot for one request; raises ApiError (overloaded / unavailable) at once."""
-        state = self.state
-        if not state.admission.draining and not state.engine.ready:
-            state.metrics.rejected.labels("not_ready").inc()
-            raise ApiError("unavailable", "no engine worker is ready; retry shortly")
-        return state.admission.slot()
+    def admit(self) -> Ticket:
+        """A ticket for one request, holding its slot (`with intake.admit() as ticket`);
+        raises ApiError at once (draining, no worker ready, overloaded)."""
+        return self.state.admission.admit()
 
-    async def start(self, request: web.Request, size: int,
+    async def start(self, ticket: Ticket, request: web.Request, size: int,
                     convert: Callable[..., Order], *args: Any) -> Started:
-        """Steps 1-7 for `convert(*args)`; `size`: what the work weighs (offload.body_size).
-        Raises ApiError before anything runs."""
+        """Steps 1-7 for `convert(*args)` under `ticket` (from `admit`); `size`: what the
+        work weighs (offload.body_size). Raises ApiError before anything runs."""
         prepared = await self.state.cpu.run(size, self._prepare, request, convert, args)
         if prepared.constrained is not None:
             await structured.check(prepared.constrained.constraint, prepared.constrained.param)
-        events = self.state.pipeline.run(prepared.jobs)  # work admission, fair gate, submit
+        pipeline = self.state.pipeline
+        pipeline.check(prepared.jobs)  # one that can never run here: 400, nothing reserved
+        reservation = ticket.reserve(work_of(prepared.jobs))  # the work bound
+        events = pipeline.run(prepared.jobs, reservation)  # fair gate, submit
         return Started(prepared.order, prepared.jobs, prepared.prompts, events)
 
     async def prompt_ids(self, size: int, convert: Callable[..., Order], *args: Any) -> list[int]:

@@ -60,9 +60,10 @@ class OpenAIApi:
 
     # ------------------------------------------------------------ chat
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        with self.intake.admit():
+        with self.intake.admit() as ticket:
             body = await read_json(request, ChatCompletionRequest)
-            started = await self.intake.start(request, body_size(request, body.chat_template),
+            started = await self.intake.start(ticket, request,
+                                              body_size(request, body.chat_template),
                                               self._chat_order, request, body)
             reply = _Reply(f"chatcmpl-{request[REQ_ID]}", self.state.model_name, body.n)
             async with contextlib.aclosing(started.events) as events:
@@ -98,9 +99,9 @@ class OpenAIApi:
 
     # ------------------------------------------------------------ completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        with self.intake.admit():
+        with self.intake.admit() as ticket:
             body = await read_json(request, CompletionRequest)
-            started = await self.intake.start(request, body_size(request),
+            started = await self.intake.start(ticket, request, body_size(request),
                                               self._completion_order, request, body)
             prompts = started.prompts
             reply = _Reply(f"cmpl-{request[REQ_ID]}", self.state.model_name,

@@ -90,9 +90,9 @@ class ResponsesApi:
         return json_response(entry[1])
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        with self.intake.admit():
+        with self.intake.admit() as ticket:
             body = await read_json(request, ResponsesRequest)
-            started = await self.intake.start(request, body_size(request), self._order,
+            started = await self.intake.start(ticket, request, body_size(request), self._order,
                                               request, body)
             messages = started.order.prompt.chat.messages  # the conversation it continues
             reply = _Reply(f"resp_{request[REQ_ID]}", self.state.model_name, body)

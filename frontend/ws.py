@@ -146,9 +146,9 @@ class _Session:
     # ------------------------------------------------------------ one request
     async def _run(self, frame: WsChat, req_id: str, size: int) -> None:
         try:
-            with self.state.intake.admit():
-                started = await self.state.intake.start(self.request, size, _order, frame,
-                                                        req_id)
+            with self.state.intake.admit() as ticket:
+                started = await self.state.intake.start(ticket, self.request, size, _order,
+                                                        frame, req_id)
                 async with contextlib.aclosing(started.events) as events:
                     async for event in events:
                         if isinstance(event, Final):  # terminal: a cancel can no longer race

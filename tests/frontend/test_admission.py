@@ -8,8 +8,9 @@ import asyncio
 import pytest
 from frontend_fakes import FakeEngineClient
 
-from duplex.frontend.admission import FairGate, Work, WorkAdmission
+from duplex.frontend.admission import Admission, FairGate, Limits, Work
 from duplex.frontend.errors import ApiError
+from duplex.frontend.metrics import Metrics
 
 HI = [{"role": "user", "content": "hi"}]
 BIG = {"prompt": [f"prompt {i}" for i in range(32)], "n": 8, "max_tokens": 4}  # 256 sequences
@@ -31,7 +32,7 @@ async def test_a_small_chat_finishes_beside_a_256_sequence_request(make_harness)
     assert num_big_done < 64, num_big_done  # it ran at the next free slot, not after all 256
     response = await asyncio.wait_for(big, 60)
     assert response.status == 200 and len((await response.json())["choices"]) == 256
-    assert h.state.work.num_sequences == 0 and h.state.work.gate.num_used == 0
+    assert h.state.admission.num_sequences == 0 and h.state.admission.num_running == 0
 
 
 async def test_a_request_over_the_bound_is_400_and_a_full_bound_is_retryable(make_harness):
@@ -48,7 +49,7 @@ async def test_a_request_over_the_bound_is_400_and_a_full_bound_is_retryable(mak
     held = asyncio.create_task(h.post("/v1/completions", {"prompt": ["a"] * 8, "n": 8,
                                                           "max_tokens": 5}))
     for _ in range(200):
-        if h.state.work.num_sequences == 64:
+        if h.state.admission.num_sequences == 64:
             break
         await asyncio.sleep(0.01)
     for path, status in (("/v1/chat/completions", 429), ("/v1/messages", 529)):
@@ -91,15 +92,45 @@ async def test_a_waiter_that_leaves_gives_up_its_place():
 
 
 def test_reservations_count_sequences_and_prompt_tokens():
-    work = WorkAdmission(10, 100, 4)
-    first = work.reserve(Work(6, 60))
+    admission = Admission(Limits(8, 10, 100, 4), Metrics())
+    first = admission.admit().reserve(Work(6, 60))
     with pytest.raises(ApiError) as overloaded:
-        work.reserve(Work(5, 10))
+        admission.admit().reserve(Work(5, 10))
     assert overloaded.value.kind == "overloaded"
     with pytest.raises(ApiError) as too_large:
-        work.reserve(Work(1, 101))
+        admission.admit().reserve(Work(1, 101))
     assert too_large.value.kind == "invalid_request"
     first.release()
     first.release()  # idempotent
-    assert (work.num_sequences, work.num_prompt_tokens) == (0, 0)
-    work.reserve(Work(10, 100))
+    assert (admission.num_sequences, admission.num_prompt_tokens) == (0, 0)
+    admission.admit().reserve(Work(10, 100))
+
+
+def test_a_ticket_holds_its_slot_and_work_until_it_closes():
+    admission = Admission(Limits(1, 10, 100, 4), Metrics())
+    with admission.admit() as ticket:
+        ticket.reserve(Work(3, 30))
+        assert (admission.num_active, admission.num_sequences) == (1, 3)
+        with pytest.raises(ApiError) as overloaded:
+            admission.admit()  # the one request slot is held
+        assert overloaded.value.kind == "overloaded"
+        with pytest.raises(RuntimeError):
+            ticket.reserve(Work(1, 1))  # once per request
+    assert (admission.num_active, admission.num_sequences, admission.num_prompt_tokens) == \
+        (0, 0, 0)
+    ticket.close()  # idempotent
+    assert admission.num_active == 0
+
+
+@pytest.mark.parametrize("draining, ready, reason", [(True, False, "draining"),
+                                                     (False, False, "not_ready")])
+async def test_draining_comes_before_not_ready(draining, ready, reason):
+    metrics = Metrics()
+    admission = Admission(Limits(1, 10, 100, 4), metrics, is_ready=lambda: ready)
+    if draining:
+        assert await admission.drain(0.01) is True  # nothing in flight
+    with pytest.raises(ApiError) as refused:
+        admission.admit()
+    assert refused.value.kind == "unavailable" and admission.num_active == 0
+    assert metrics.registry.get_sample_value("duplex_requests_rejected_total",
+                                             {"reason": reason}) == 1

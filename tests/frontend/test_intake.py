@@ -93,8 +93,8 @@ def _record_starts(intake: Intake) -> list[str]:
     started: list[str] = []
     original = intake.start
 
-    async def start(request, size, convert, *args):
-        result = await original(request, size, convert, *args)
+    async def start(ticket, request, size, convert, *args):
+        result = await original(ticket, request, size, convert, *args)
         started.append(request.path)
         return result
 
