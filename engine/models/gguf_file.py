@@ -73,7 +73,7 @@ _DEEPSEEK2_LAYER = {
     "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
     "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
-    "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",  # see merge_kv_b
+    "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",  # see complete_mla
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 _ROUTER_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")  # GGUF base, HF name

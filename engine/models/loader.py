@@ -93,7 +93,7 @@ def _inspect_gguf(path: str) -> _GGUFModel:
     reader = gguf_file.open_reader(path)
     meta = _meta(reader)
     shapes = {t.name: _shape(t) for t in reader.tensors}
-    rope_freqs = next((_dequantize(t) for t in reader.tensors
+    rope_freqs = next((_dequantize(t, path) for t in reader.tensors
                        if t.name == gguf_file.ROPE_FREQS), None)
     try:
         args = hf_config_to_args(gguf_file.hf_config(path, meta, shapes, rope_freqs))
@@ -144,11 +144,16 @@ def _check_tensors(reader, names: dict, args: ModelArgs, path: str) -> None:
             gguf_file.check_shape(t.name, names[t.name].hf_name, _shape(t), args, path)
 
 
-def _dequantize(t) -> np.ndarray:
+def _dequantize(t, path: str) -> np.ndarray:
     """A GGUF tensor's values as float32, in its row-major shape."""
     from gguf import dequantize
 
-    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_shape(t))
+    try:
+        values = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(f"{path}: tensor {t.name} has quantization type "
+                             f"{t.tensor_type.name}, which Duplex cannot read") from None
+    return np.asarray(values, dtype=np.float32).reshape(_shape(t))
 
 
 def _gguf_experts(t, target, dtype: torch.dtype) -> dict[str, torch.Tensor]:

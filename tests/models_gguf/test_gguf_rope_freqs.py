@@ -77,3 +77,23 @@ def test_unusable_rope_freqs_is_one_load_error(tiny_model, kind):
     with pytest.raises(ModelLoadError) as error:
         loader.check(path)
     assert str(error.value) == f"{path}: {reason}"
+
+
+def test_quantized_llama3_rope_gguf_greedy_equals_transformers_on_its_weights(tiny_model):
+    """Through the engine (prefill, then decode steps): greedy tokens from position 150 on,
+    past the original context (without rope_freqs they part at the third token)."""
+    from transformers import AutoModelForCausalLM
+
+    from duplex.engine.sampling_params import SamplingParams
+    from tests.engine.conftest import hf_greedy, make_core, run_engine
+
+    model = tiny_model("llama3_rope")
+    tensors = gguf_tensors(model.state, model.config, model.arch)
+    tensors["rope_freqs.weight"] = llama3_rope_freqs(model.config)
+    path = model.gguf("Q8_0", tensors=tensors)
+    ids = prompt()[:150]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ours = run_engine(make_core(path, weights_dtype="float32"), [ids], params)["r0"][0]
+    reference = AutoModelForCausalLM.from_pretrained(model.reference_dir("Q8_0"),
+                                                     dtype=torch.float32).eval()
+    assert ours == hf_greedy(reference, ids, 8)[0]
