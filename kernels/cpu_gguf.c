@@ -376,6 +376,15 @@ ALWAYS_INLINE __m256i dot_u8(__m256i q, const int8_t *x, __m256i scale) {
                              scale);
 }
 
+/* Four sub-blocks' 8-lane sums p0..p3 -> lanes (p0, p1, p2, p3, p0, p1, p2, p3), each the
+ * sum of 4 of its lanes (in-lane unpacks: no cross-lane shuffle, no multiply), so that one
+ * conversion and one fmadd by (f0, f1, f2, f3, f0, f1, f2, f3) serve four sub-blocks. */
+ALWAYS_INLINE __m256i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+    __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
 /* Q4_K / Q5_K: the 12 scale bytes -> 8 6-bit scales and 8 6-bit mins, a byte each (the
  * bit layout of scale_min_k4, four sub-blocks a 32-bit word). */
 ALWAYS_INLINE void k4_scales(const uint8_t *s, __m256 *sc, __m256 *mn) {
@@ -482,17 +491,18 @@ ALWAYS_INLINE void kq_rows(int type, const uint8_t *row, int64_t k, const int8_t
             const float *xs = xsf + r * ld_xs + (six ? 16 : 8) * b;
             float f[8];
             _mm256_storeu_ps(f, _mm256_mul_ps(wd, _mm256_loadu_ps(dx + r * ld_dx + 8 * b)));
-            /* f's values are read back from memory (vbroadcastss m32): gcc's register
-             * shuffles for them (vpermilps + vperm2f128) cost 5x as much on Zen 1 */
+            /* f is read back from memory (vbroadcastf128 m128): gcc's register shuffles
+             * for it (vperm2f128) cost several times as much on Zen 1 */
             __asm__("" : "+m"(f));
             __m256 a0 = acc[2 * r], a1 = _mm256_fnmadd_ps(wm0, _mm256_loadu_ps(xs), acc[2 * r + 1]);
             if (six) a1 = _mm256_fnmadd_ps(wm1, _mm256_loadu_ps(xs + 8), a1);
-            for (int s = 0; s < 8; s += 2) {
-                __m256i p0 = dot_u8(q[s], x + 32 * s, scale[s]);
-                __m256i p1 = dot_u8(q[s + 1], x + 32 * s + 32, scale[s + 1]);
-                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(f[s]), a0);
-                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(f[s + 1]), a1);
-            }
+            __m256i g0 = sum4(dot_u8(q[0], x, scale[0]), dot_u8(q[1], x + 32, scale[1]),
+                              dot_u8(q[2], x + 64, scale[2]), dot_u8(q[3], x + 96, scale[3]));
+            __m256i g1 = sum4(dot_u8(q[4], x + 128, scale[4]), dot_u8(q[5], x + 160, scale[5]),
+                              dot_u8(q[6], x + 192, scale[6]), dot_u8(q[7], x + 224, scale[7]));
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), _mm256_broadcast_ps((const __m128 *)f), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), _mm256_broadcast_ps((const __m128 *)(f + 4)),
+                                 a1);
             acc[2 * r] = a0;
             acc[2 * r + 1] = a1;
         }
