@@ -320,14 +320,18 @@ def norm_offset(hf_name: str, args: ModelArgs) -> float:
     return NORM_OFFSET.get(args.arch, 0.0) if hf_name.endswith("norm.weight") else 0.0
 
 
-# ---------------------------------------------------------------------------- deepseek2 (MLA)
+# ---------------------------------------------------------------------------- completeness
 def check_complete(present: set[str], args: ModelArgs, path: str) -> None:
-    """An MLA (deepseek2) file has every tensor the model needs: else one ModelLoadError
-    naming the first one missing. Each need is a list of alternatives (kv_b_proj whole, or
+    """The file has every weight tensor the model needs: else one ModelLoadError naming the
+    first one missing. Each need is a list of alternatives (deepseek2's kv_b_proj whole, or
     split into k_b / v_b), each alternative a tuple of tensors all required."""
-    if args.mla is None:
-        return
-    for alternatives in _mla_needs(args):
+    needs = [[("token_embd.weight",)], [("output_norm.weight",)]]
+    for i in range(args.num_layers):
+        needs += [[(f"blk.{i}.{base}.weight",)] for base in _layer_needs(args, i)]
+        if args.mla is not None:
+            needs.append([(f"blk.{i}.attn_kv_b.weight",),
+                          (f"blk.{i}.attn_k_b.weight", f"blk.{i}.attn_v_b.weight")])
+    for alternatives in needs:
         best = max(alternatives, key=lambda names: sum(n in present for n in names))
         missing = [n for n in best if n not in present]
         if missing:
@@ -335,25 +339,25 @@ def check_complete(present: set[str], args: ModelArgs, path: str) -> None:
                                  f"implies it)")
 
 
-def _mla_needs(args: ModelArgs) -> list[list[tuple[str, ...]]]:
-    needs = [[("token_embd.weight",)], [("output_norm.weight",)]]
+def _layer_needs(args: ModelArgs, layer: int) -> list[str]:
+    """The GGUF base names (`blk.N.{base}.weight`) layer `layer` must have; biases and
+    deepseek2's exp_probs_b (see complete_mla) are not counted."""
+    needs = ["attn_norm", "attn_output"]
+    if args.mla is None:
+        needs += ["attn_q", "attn_k", "attn_v"] + (["attn_q_norm", "attn_k_norm"]
+                                                   if args.qk_norm else [])
+    else:
+        needs += ["attn_kv_a_mqa", "attn_kv_a_norm"] + (
+            ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if args.mla.q_lora_rank else ["attn_q"])
+    needs += ["post_attention_norm", "ffn_norm", "post_ffw_norm"] \
+        if args.arch == "gemma3_text" else ["ffn_norm"]
     moe = args.moe
-    for i in range(args.num_layers):
-        blk = [f"blk.{i}.{base}.weight" for base in (
-            "attn_norm", "ffn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output")]
-        blk += [f"blk.{i}.{base}.weight" for base in (
-            ("attn_q_a", "attn_q_a_norm", "attn_q_b") if args.mla.q_lora_rank else ("attn_q",))]
-        if i in moe.moe_layers:
-            blk += [f"blk.{i}.{base}.weight" for base in (  # exp_probs_b: see complete_mla
-                "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
-            if moe.shared_intermediate_size:
-                blk += [f"blk.{i}.ffn_{p}_shexp.weight" for p in ("gate", "up", "down")]
-        else:
-            blk += [f"blk.{i}.ffn_{p}.weight" for p in ("gate", "up", "down")]
-        needs += [[(name,)] for name in blk]
-        needs.append([(f"blk.{i}.attn_kv_b.weight",),
-                      (f"blk.{i}.attn_k_b.weight", f"blk.{i}.attn_v_b.weight")])
-    return needs
+    if moe is None or layer not in moe.moe_layers:
+        return needs + ["ffn_gate", "ffn_up", "ffn_down"]
+    needs += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+    if moe.shared_intermediate_size:
+        needs += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+    return needs + (["ffn_gate_inp_shexp"] if moe.shared_expert_gate else [])
 
 
 def complete_mla(state: dict[str, Any], args: ModelArgs) -> None:

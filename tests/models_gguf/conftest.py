@@ -453,6 +453,7 @@ BAD_FILES = {
                  "blk.2.attn_v.weight)",
     "bad_magic": "not a readable GGUF file (the magic is b'GGUX', not b'GGUF')",
     "bad_shape": "tensor blk.0.attn_q.weight has shape [32, 64], the metadata implies [64, 64]",
+    "missing_tensor": "tensor blk.1.attn_k.weight is missing (the metadata implies it)",
 }
 _Q8_1_BYTES_PER_32 = 40  # a Q8_1 block: 32 int8 values, fp16 scale and sum
 
@@ -471,6 +472,9 @@ def write_bad_file(model: TinyModel, kind: str) -> str:
         path.write_bytes(data[:-4096] if kind == "truncated" else b"GGUX" + data[4:])
     elif kind == "unknown_arch":
         write_gguf(path, "mamba", meta, tensors, tokenizer_from=tokenizer)
+    elif kind == "missing_tensor":
+        del tensors["blk.1.attn_k.weight"]
+        write_gguf(path, "llama", meta, tensors, tokenizer_from=tokenizer)
     elif kind == "bad_shape":
         q = tensors["blk.0.attn_q.weight"]
         write_gguf(path, "llama", meta, {**tensors, "blk.0.attn_q.weight": q[:q.shape[0] // 2]},

@@ -14,7 +14,8 @@ import pytest
 from duplex.engine.models.args import ModelLoadError
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ["unknown_arch", "no_quant_path", "truncated", "bad_magic", "bad_shape"]
+KINDS = ["unknown_arch", "no_quant_path", "truncated", "bad_magic", "bad_shape",
+         "missing_tensor"]
 READ_BY_THE_FRONTEND = ("truncated", "bad_magic")  # not a GGUF: refused before any worker
 # Every kind goes through LLM(...) in-process (the loader check all entry points share); the
 # commands are subprocesses of a few seconds each, so they run one kind per exit path: a
