@@ -403,111 +403,143 @@ ALWAYS_INLINE void k4_scales(const uint8_t *s, __m256 *sc, __m256 *mn) {
 /* Most rows of x one pass over a weight row's blocks serves (each block unpacked once). */
 #define KQ_ROWS 4
 
+/* One K-quant block unpacked: the 8 sub-blocks' bytes q[s] (0..63), the int16 scales of
+ * their products (ones; Q6_K: its per-16 scales), the per-sub-block factor wd (Q4_K /
+ * Q5_K: d sc, Q6_K: d) and the offset terms' factors wm0, wm1 (dmin m; Q6_K: 32 d sc). */
+typedef struct { __m256i q[8], scale[8]; __m256 wd, wm0, wm1; } kq_block;
+
+ALWAYS_INLINE void kq_unpack(int type, const uint8_t *blk, kq_block *u) {
+    const int six = type == GG_Q6_K;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i *q = u->q, *scale = u->scale;
+    u->wm1 = _mm256_setzero_ps();
+    if (six) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const __m256i bits = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h)),
+                    l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)),
+                    hi = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                       _mm256_and_si256(_mm256_slli_epi16(hi, 4), bits));
+            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(hi, 2), bits));
+            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                           _mm256_and_si256(hi, bits));
+            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                           _mm256_and_si256(_mm256_srli_epi16(hi, 2), bits));
+        }
+        /* scale[s]: int16 lanes, the first 16 products' scale sc[2s] in the low 128
+         * bits (vpmaddubsw's pairs 0-7), sc[2s + 1] in the high ones: in-lane byte
+         * shuffles of the half's 8 scales (int16) in both 128-bit lanes */
+        __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        for (int h = 0; h < 2; h++) {
+            __m128i s16 = _mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc, sc) : sc);
+            __m256i both = _mm256_set_m128i(s16, s16);
+            for (int t = 0; t < 4; t++) {
+                const __m256i pick = _mm256_setr_epi8(
+                    4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
+                    4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
+                    4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
+                    4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
+                    4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3);
+                scale[4 * h + t] = _mm256_shuffle_epi8(both, pick);
+            }
+        }
+        float d = f16_at(blk + 208);
+        u->wd = _mm256_set1_ps(d);
+        __m256 d32 = _mm256_set1_ps(32.0f * d);
+        u->wm0 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        u->wm1 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(
+                                     _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
+    } else {
+        const int five = type == GG_Q5_K;
+        const uint8_t *qs = blk + (five ? 48 : 16);
+        for (int p = 0; p < 4; p++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            q[2 * p] = _mm256_and_si256(v, low4);
+            q[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        if (five) {  /* bit 4 of sub-block s: bit s of qh[i] */
+            const __m256i bit4 = _mm256_set1_epi8(0x10);
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+            q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+            q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_slli_epi16(qh, 2), bit4));
+            q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_slli_epi16(qh, 1), bit4));
+            q[4] = _mm256_or_si256(q[4], _mm256_and_si256(qh, bit4));
+            q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_srli_epi16(qh, 1), bit4));
+            q[6] = _mm256_or_si256(q[6], _mm256_and_si256(_mm256_srli_epi16(qh, 2), bit4));
+            q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
+        }
+        __m256 sc, mn;
+        k4_scales(blk + 4, &sc, &mn);
+        u->wd = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), sc);
+        u->wm0 = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), mn);
+        for (int s = 0; s < 8; s++) scale[s] = ones;
+    }
+}
+
+/* One unpacked block against 256 inputs of one x row (x, dx [8], xs: xsf [8], Q6_K [16]):
+ *   Q4_K / Q5_K:  sum_s d sc_s dx_s dot(q_s, x_s) - dmin sum_s m_s xsf_s
+ *   Q6_K:         sum_s d dx_s dot_sc(q_s, x_s) - 32 d sum_g sc_g xsf_g
+ * (dot_sc: each half of 16 times its own int8 scale, in vpmaddwd), into a0 and a1. */
+ALWAYS_INLINE void kq_dot(int type, const kq_block *u, const int8_t *x, const float *dx,
+                          const float *xs, __m256 *a0, __m256 *a1) {
+    float f[8];
+    _mm256_storeu_ps(f, _mm256_mul_ps(u->wd, _mm256_loadu_ps(dx)));
+    /* f is read back from memory (vbroadcastf128 m128): gcc's register shuffles for it
+     * (vperm2f128) cost several times as much on Zen 1 */
+    __asm__("" : "+m"(f));
+    __m256 s1 = _mm256_fnmadd_ps(u->wm0, _mm256_loadu_ps(xs), *a1);
+    if (type == GG_Q6_K) s1 = _mm256_fnmadd_ps(u->wm1, _mm256_loadu_ps(xs + 8), s1);
+    const __m256i *q = u->q, *sc = u->scale;
+    __m256i g0 = sum4(dot_u8(q[0], x, sc[0]), dot_u8(q[1], x + 32, sc[1]),
+                      dot_u8(q[2], x + 64, sc[2]), dot_u8(q[3], x + 96, sc[3]));
+    __m256i g1 = sum4(dot_u8(q[4], x + 128, sc[4]), dot_u8(q[5], x + 160, sc[5]),
+                      dot_u8(q[6], x + 192, sc[6]), dot_u8(q[7], x + 224, sc[7]));
+    *a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), _mm256_broadcast_ps((const __m128 *)f), *a0);
+    *a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), _mm256_broadcast_ps((const __m128 *)(f + 4)),
+                          s1);
+}
+
 /* One weight row of K-quant blocks against `rows` (<= KQ_ROWS) quantized rows of x:
- * xq [rows, k], dx [rows, k/32], xsf [rows, k/32] (Q6_K: [rows, k/16]); out[r * ldo]. Per
- * block: the 8 sub-blocks' bytes q[s] (0..63), then for every row of x
- *   Q4_K / Q5_K:  sum = sum_s d sc_s dx_s dot(q_s, x_s) - dmin sum_s m_s xsf_s
- *   Q6_K:         sum = sum_s d dx_s dot_sc(q_s, x_s) - 32 d sum_g sc_g xsf_g
- * (dot_sc: each half of 16 times its own int8 scale, in vpmaddwd). */
+ * xq [rows, k], dx [rows, k/32], xsf [rows, k/32] (Q6_K: [rows, k/16]); out[r * ldo]. Each
+ * block is unpacked once for all the rows. */
 ALWAYS_INLINE void kq_rows(int type, const uint8_t *row, int64_t k, const int8_t *xq,
                            const float *dx, const float *xsf, int rows, float *out,
                            int64_t ldo) {
     const int six = type == GG_Q6_K, bb = block_bytes(type);
     const int64_t ld_dx = k / 32, ld_xs = six ? k / 16 : k / 32;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[2 * KQ_ROWS];
     for (int r = 0; r < 2 * rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *blk = row + b * bb;
-        __m256i q[8], scale[8];
-        __m256 wd, wm0, wm1 = _mm256_setzero_ps();  /* per-sub-block factor; offset terms */
-        if (six) {
-            const uint8_t *ql = blk, *qh = blk + 128;
-            const __m256i bits = _mm256_set1_epi8(0x30);
-            for (int h = 0; h < 2; h++) {
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h)),
-                        l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)),
-                        hi = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-                q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                           _mm256_and_si256(_mm256_slli_epi16(hi, 4), bits));
-                q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
-                                               _mm256_and_si256(_mm256_slli_epi16(hi, 2), bits));
-                q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                               _mm256_and_si256(hi, bits));
-                q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                               _mm256_and_si256(_mm256_srli_epi16(hi, 2), bits));
-            }
-            /* scale[s]: int16 lanes, the first 16 products' scale sc[2s] in the low 128
-             * bits (vpmaddubsw's pairs 0-7), sc[2s + 1] in the high ones: in-lane byte
-             * shuffles of the half's 8 scales (int16) in both 128-bit lanes */
-            __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-            for (int h = 0; h < 2; h++) {
-                __m128i s16 = _mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc, sc) : sc);
-                __m256i both = _mm256_set_m128i(s16, s16);
-                for (int t = 0; t < 4; t++) {
-                    const __m256i pick = _mm256_setr_epi8(
-                        4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
-                        4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
-                        4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
-                        4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
-                        4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3);
-                    scale[4 * h + t] = _mm256_shuffle_epi8(both, pick);
-                }
-            }
-            float d = f16_at(blk + 208);
-            wd = _mm256_set1_ps(d);
-            __m256 d32 = _mm256_set1_ps(32.0f * d);
-            wm0 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-            wm1 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(
-                                         _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
-        } else {
-            const int five = type == GG_Q5_K;
-            const uint8_t *qs = blk + (five ? 48 : 16);
-            for (int p = 0; p < 4; p++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-                q[2 * p] = _mm256_and_si256(v, low4);
-                q[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            }
-            if (five) {  /* bit 4 of sub-block s: bit s of qh[i] */
-                const __m256i bit4 = _mm256_set1_epi8(0x10);
-                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-                q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
-                q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
-                q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_slli_epi16(qh, 2), bit4));
-                q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_slli_epi16(qh, 1), bit4));
-                q[4] = _mm256_or_si256(q[4], _mm256_and_si256(qh, bit4));
-                q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_srli_epi16(qh, 1), bit4));
-                q[6] = _mm256_or_si256(q[6], _mm256_and_si256(_mm256_srli_epi16(qh, 2), bit4));
-                q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
-            }
-            __m256 sc, mn;
-            k4_scales(blk + 4, &sc, &mn);
-            wd = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), sc);
-            wm0 = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), mn);
-            for (int s = 0; s < 8; s++) scale[s] = ones;
-        }
-        for (int r = 0; r < rows; r++) {
-            const int8_t *x = xq + r * k + 256 * b;
-            const float *xs = xsf + r * ld_xs + (six ? 16 : 8) * b;
-            float f[8];
-            _mm256_storeu_ps(f, _mm256_mul_ps(wd, _mm256_loadu_ps(dx + r * ld_dx + 8 * b)));
-            /* f is read back from memory (vbroadcastf128 m128): gcc's register shuffles
-             * for it (vperm2f128) cost several times as much on Zen 1 */
-            __asm__("" : "+m"(f));
-            __m256 a0 = acc[2 * r], a1 = _mm256_fnmadd_ps(wm0, _mm256_loadu_ps(xs), acc[2 * r + 1]);
-            if (six) a1 = _mm256_fnmadd_ps(wm1, _mm256_loadu_ps(xs + 8), a1);
-            __m256i g0 = sum4(dot_u8(q[0], x, scale[0]), dot_u8(q[1], x + 32, scale[1]),
-                              dot_u8(q[2], x + 64, scale[2]), dot_u8(q[3], x + 96, scale[3]));
-            __m256i g1 = sum4(dot_u8(q[4], x + 128, scale[4]), dot_u8(q[5], x + 160, scale[5]),
-                              dot_u8(q[6], x + 192, scale[6]), dot_u8(q[7], x + 224, scale[7]));
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), _mm256_broadcast_ps((const __m128 *)f), a0);
-            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), _mm256_broadcast_ps((const __m128 *)(f + 4)),
-                                 a1);
-            acc[2 * r] = a0;
-            acc[2 * r + 1] = a1;
-        }
+        kq_block u;
+        kq_unpack(type, row + b * bb, &u);
+        for (int r = 0; r < rows; r++)
+            kq_dot(type, &u, xq + r * k + 256 * b, dx + r * ld_dx + 8 * b,
+                   xsf + r * ld_xs + (six ? 16 : 8) * b, &acc[2 * r], &acc[2 * r + 1]);
     }
     for (int r = 0; r < rows; r++) out[r * ldo] = hsum8(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
+}
+
+/* Two weight rows (row, row + row_bytes) against one row of x: out[0], out[1]. Two
+ * independent chains, and the per-row costs (set-up, the final sums) halved. */
+ALWAYS_INLINE void kq_two_rows(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
+                               const int8_t *xq, const float *dx, const float *xsf,
+                               float *out) {
+    const int six = type == GG_Q6_K, bb = block_bytes(type);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (int64_t b = 0; b < k / 256; b++) {
+        kq_block u, v;
+        const float *xs = xsf + (six ? 16 : 8) * b;
+        kq_unpack(type, row + b * bb, &u);
+        kq_dot(type, &u, xq + 256 * b, dx + 8 * b, xs, &a0, &a1);
+        kq_unpack(type, row + row_bytes + b * bb, &v);
+        kq_dot(type, &v, xq + 256 * b, dx + 8 * b, xs, &b0, &b1);
+    }
+    out[0] = hsum8(_mm256_add_ps(a0, a1));
+    out[1] = hsum8(_mm256_add_ps(b0, b1));
 }
 
 /* Q5_0 / Q5_1: bit j of qh as 0x10 in byte j (the fifth bit of weight j). */
@@ -599,6 +631,16 @@ static void row_avx2(int type, const uint8_t *row, int64_t k, const int8_t *xq, 
     }
 }
 
+/* kq_two_rows for the K-quants: out[0], out[1] from rows row and row + row_bytes. */
+static void two_rows_avx2(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
+                          const int8_t *xq, const float *dx, const float *xsf, float *out) {
+    switch (type) {
+    case GG_Q4_K: kq_two_rows(GG_Q4_K, row, row_bytes, k, xq, dx, xsf, out); break;
+    case GG_Q5_K: kq_two_rows(GG_Q5_K, row, row_bytes, k, xq, dx, xsf, out); break;
+    default: kq_two_rows(GG_Q6_K, row, row_bytes, k, xq, dx, xsf, out); break;
+    }
+}
+
 static int avx2_type(int type) {
     return block_size(type) >= 32;  /* every block type */
 }
@@ -623,6 +665,8 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
                  int64_t ldo, int threads) {
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
     int failed = 0, direct = avx2_type(type);
+    /* one row of x against K-quants: weight rows two at a time (AVX2) */
+    const int64_t step = direct && m == 1 && block_size(type) == 256 ? 2 : 1;
     float *xsf = direct ? malloc((size_t)(m * (k / 16)) * sizeof(float)) : NULL;
     if (direct && !xsf) return -1;
     if (direct) x_sums(type, m, k, dx, xs, xsf);
@@ -636,9 +680,14 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
+        for (int64_t p = 0; p < (n + step - 1) / step; p++) {
+            int64_t r = p * step;
             if (!ok) continue;
 #if defined(__AVX2__)
+            if (step == 2 && r + 1 < n) {
+                two_rows_avx2(type, w + r * row_bytes, row_bytes, k, xq, dx, xsf, out + r);
+                continue;
+            }
             if (direct) {
                 row_avx2(type, w + r * row_bytes, k, xq, dx, xsf, m, out + r, ldo);
                 continue;
