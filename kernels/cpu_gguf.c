@@ -36,11 +36,12 @@
  *
  * With AVX2 every block type is read straight from its bytes (the "AVX2" section below):
  * nibbles and high bits unpacked from 256-bit loads with and / shift, 32 products a
- * vpmaddubsw, vpmaddwd to 8 int32 lanes (Q6_K: times its per-16 scales), one int32 -> fp32
- * conversion and one fmadd per 32 weights (the factor d sc dx), the offset terms (c sum xq:
- * Q4_1's m, the K-quants' dmin m, Q6_K's -32) one fmadd per block from float sums of x
- * per 32 (per 16), and one horizontal sum per output. A K-quant block is unpacked once for
- * up to 4 rows of x. Without AVX2 the blocks go through expand_block (bytes q and factors a,
+ * vpmaddubsw, vpmaddwd to 8 int32 lanes, one int32 -> fp32 conversion and one fmadd by the
+ * factors d sc dx per 32 weights (K-quants: per 128, four sub-blocks' sums folded into one
+ * vector by in-lane unpacks), the offset terms (c sum xq: Q4_1's m, the K-quants' dmin m,
+ * Q6_K's -32) one fmadd per block from float sums of x per 32 (per 16), and one horizontal
+ * sum per output. A K-quant block is unpacked once for up to 4 rows of x; one row of x
+ * takes the weight rows two at a time. Without AVX2 the blocks go through expand_block (bytes q and factors a,
  * c) and the same sums run as plain C.
  *
  * expand_block also serves the dequantizer (w = a q + c).
@@ -358,8 +359,9 @@ static void row_q8(int type, const uint8_t *row, int64_t k, const int8_t *xq, co
  *
  * The activations' sums come in as floats, xsf = dx xs (per 32 inputs, Q6_K: per 16), so
  * every offset term (Q4_1's m, the K-quants' dmin m and Q6_K's -32) is one vector fmadd per
- * block, and a 32-sub-block's integer dot sum_j q_j xq_j takes vpmaddubsw + vpmaddwd, one
- * int32 -> fp32 conversion and one fmadd in 8 lanes; the lanes are summed once per row. */
+ * block, and a 32-sub-block's integer dot sum_j q_j xq_j takes vpmaddubsw + vpmaddwd (on
+ * Zen 1 these two bound the loop: 16 of them a 256-block), then a conversion and an fmadd
+ * in 8 lanes (K-quants: one for four sub-blocks); the lanes are summed once per row. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE float hsum8(__m256 v) {
@@ -369,11 +371,11 @@ ALWAYS_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* 8 int32 lanes of sum q_j x_j (pairs of 16-bit products): q unsigned bytes (<= 63), x
- * int8; `scale` int16 per pair of products (ones, or Q6_K's per-16 scales). */
-ALWAYS_INLINE __m256i dot_u8(__m256i q, const int8_t *x, __m256i scale) {
+/* 8 int32 lanes of sum q_j x_j, each over 4 products: q unsigned bytes (<= 63), x int8
+ * (the 16-bit pair sums cannot saturate: 2 * 63 * 127 < 32767). */
+ALWAYS_INLINE __m256i dot_u8(__m256i q, const int8_t *x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)),
-                             scale);
+                             _mm256_set1_epi16(1));
 }
 
 /* Four sub-blocks' 8-lane sums p0..p3 -> lanes (p0, p1, p2, p3, p0, p1, p2, p3), each the
@@ -403,15 +405,15 @@ ALWAYS_INLINE void k4_scales(const uint8_t *s, __m256 *sc, __m256 *mn) {
 /* Most rows of x one pass over a weight row's blocks serves (each block unpacked once). */
 #define KQ_ROWS 4
 
-/* One K-quant block unpacked: the 8 sub-blocks' bytes q[s] (0..63), the int16 scales of
- * their products (ones; Q6_K: its per-16 scales), the per-sub-block factor wd (Q4_K /
- * Q5_K: d sc, Q6_K: d) and the offset terms' factors wm0, wm1 (dmin m; Q6_K: 32 d sc). */
-typedef struct { __m256i q[8], scale[8]; __m256 wd, wm0, wm1; } kq_block;
+/* One K-quant block unpacked: the 8 sub-blocks' bytes q[s] (0..63); Q4_K / Q5_K: the
+ * per-sub-block factors wd = d sc and the offset term's wm0 = dmin m; Q6_K: the factors
+ * d sc per 16 in sum4's lane order (wg) and the offset term's 32 d sc (wm0, wm1). */
+typedef struct { __m256i q[8]; __m256 wd, wm0, wm1, wg[2]; } kq_block;
 
 ALWAYS_INLINE void kq_unpack(int type, const uint8_t *blk, kq_block *u) {
     const int six = type == GG_Q6_K;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256i *q = u->q, *scale = u->scale;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i *q = u->q;
     u->wm1 = _mm256_setzero_ps();
     if (six) {
         const uint8_t *ql = blk, *qh = blk + 128;
@@ -429,26 +431,17 @@ ALWAYS_INLINE void kq_unpack(int type, const uint8_t *blk, kq_block *u) {
             q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                            _mm256_and_si256(_mm256_srli_epi16(hi, 2), bits));
         }
-        /* scale[s]: int16 lanes, the first 16 products' scale sc[2s] in the low 128
-         * bits (vpmaddubsw's pairs 0-7), sc[2s + 1] in the high ones: in-lane byte
-         * shuffles of the half's 8 scales (int16) in both 128-bit lanes */
+        /* sum4 keeps each sub-block's first 16 products in the low 128 bits and the other
+         * 16 in the high ones, so its lanes take the per-16 scales in the order (0 2 4 6 |
+         * 1 3 5 7), then (8 10 12 14 | 9 11 13 15), as floats in the factors wg */
         __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-        for (int h = 0; h < 2; h++) {
-            __m128i s16 = _mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc, sc) : sc);
-            __m256i both = _mm256_set_m128i(s16, s16);
-            for (int t = 0; t < 4; t++) {
-                const __m256i pick = _mm256_setr_epi8(
-                    4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
-                    4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1, 4 * t, 4 * t + 1,
-                    4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
-                    4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3,
-                    4 * t + 2, 4 * t + 3, 4 * t + 2, 4 * t + 3);
-                scale[4 * h + t] = _mm256_shuffle_epi8(both, pick);
-            }
-        }
+        __m128i order = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14,
+                                                           9, 11, 13, 15));
         float d = f16_at(blk + 208);
-        u->wd = _mm256_set1_ps(d);
-        __m256 d32 = _mm256_set1_ps(32.0f * d);
+        __m256 vd = _mm256_set1_ps(d), d32 = _mm256_set1_ps(32.0f * d);
+        u->wg[0] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(order)));
+        u->wg[1] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(
+                                         _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(order, order))));
         u->wm0 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
         u->wm1 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(
                                      _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
@@ -476,31 +469,38 @@ ALWAYS_INLINE void kq_unpack(int type, const uint8_t *blk, kq_block *u) {
         k4_scales(blk + 4, &sc, &mn);
         u->wd = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), sc);
         u->wm0 = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), mn);
-        for (int s = 0; s < 8; s++) scale[s] = ones;
     }
 }
 
 /* One unpacked block against 256 inputs of one x row (x, dx [8], xs: xsf [8], Q6_K [16]):
  *   Q4_K / Q5_K:  sum_s d sc_s dx_s dot(q_s, x_s) - dmin sum_s m_s xsf_s
- *   Q6_K:         sum_s d dx_s dot_sc(q_s, x_s) - 32 d sum_g sc_g xsf_g
- * (dot_sc: each half of 16 times its own int8 scale, in vpmaddwd), into a0 and a1. */
+ *   Q6_K:         sum_g d sc_g dx_g/2 dot(q_g, x_g) - 32 d sum_g sc_g xsf_g  (g: per 16)
+ * into a0 and a1: the integer dots of four sub-blocks a vector (sum4), one conversion and
+ * one fmadd by their factors. */
 ALWAYS_INLINE void kq_dot(int type, const kq_block *u, const int8_t *x, const float *dx,
                           const float *xs, __m256 *a0, __m256 *a1) {
     float f[8];
-    _mm256_storeu_ps(f, _mm256_mul_ps(u->wd, _mm256_loadu_ps(dx)));
-    /* f is read back from memory (vbroadcastf128 m128): gcc's register shuffles for it
-     * (vperm2f128) cost several times as much on Zen 1 */
-    __asm__("" : "+m"(f));
+    __m256 f0, f1;
+    if (type == GG_Q6_K) {  /* (dx0 dx1 dx2 dx3 | dx0 dx1 dx2 dx3) times the scales */
+        f0 = _mm256_mul_ps(u->wg[0], _mm256_broadcast_ps((const __m128 *)dx));
+        f1 = _mm256_mul_ps(u->wg[1], _mm256_broadcast_ps((const __m128 *)(dx + 4)));
+    } else {
+        _mm256_storeu_ps(f, _mm256_mul_ps(u->wd, _mm256_loadu_ps(dx)));
+        /* f is read back from memory (vbroadcastf128 m128): gcc's register shuffles for
+         * it (vperm2f128) cost several times as much on Zen 1 */
+        __asm__("" : "+m"(f));
+        f0 = _mm256_broadcast_ps((const __m128 *)f);
+        f1 = _mm256_broadcast_ps((const __m128 *)(f + 4));
+    }
     __m256 s1 = _mm256_fnmadd_ps(u->wm0, _mm256_loadu_ps(xs), *a1);
     if (type == GG_Q6_K) s1 = _mm256_fnmadd_ps(u->wm1, _mm256_loadu_ps(xs + 8), s1);
-    const __m256i *q = u->q, *sc = u->scale;
-    __m256i g0 = sum4(dot_u8(q[0], x, sc[0]), dot_u8(q[1], x + 32, sc[1]),
-                      dot_u8(q[2], x + 64, sc[2]), dot_u8(q[3], x + 96, sc[3]));
-    __m256i g1 = sum4(dot_u8(q[4], x + 128, sc[4]), dot_u8(q[5], x + 160, sc[5]),
-                      dot_u8(q[6], x + 192, sc[6]), dot_u8(q[7], x + 224, sc[7]));
-    *a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), _mm256_broadcast_ps((const __m128 *)f), *a0);
-    *a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), _mm256_broadcast_ps((const __m128 *)(f + 4)),
-                          s1);
+    const __m256i *q = u->q;
+    __m256i g0 = sum4(dot_u8(q[0], x), dot_u8(q[1], x + 32), dot_u8(q[2], x + 64),
+                      dot_u8(q[3], x + 96));
+    __m256i g1 = sum4(dot_u8(q[4], x + 128), dot_u8(q[5], x + 160), dot_u8(q[6], x + 192),
+                      dot_u8(q[7], x + 224));
+    *a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), f0, *a0);
+    *a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), f1, s1);
 }
 
 /* One weight row of K-quant blocks against `rows` (<= KQ_ROWS) quantized rows of x:
