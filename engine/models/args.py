@@ -8,6 +8,7 @@ same config dict and hands it to `hf_config_to_args`, so both formats share one 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # config.json model_type
@@ -135,6 +136,7 @@ def _dense_config_to_args(config: dict[str, Any]) -> ModelArgs:
         rope_theta, rope_scaling, extra = _gemma3_args(config)
     else:
         rope_theta, rope_scaling = parse_rope(config)
+        rope_scaling = dense_rope_scaling(config, float(rope_theta), rope_scaling)
         extra = {}
     window, layer_types = _sliding_layers(arch, config)
     return ModelArgs(
@@ -156,6 +158,83 @@ def parse_rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     theta = config.get("rope_theta") or params.get("rope_theta", 10000.0)
     kind = _rope_type(params)
     return theta, ({**params, "rope_type": kind} if kind != "default" else None)
+
+
+DENSE_ROPE_TYPES = ("linear", "llama3", "yarn")  # llama / mistral / qwen2 / qwen3
+
+
+def dense_rope_scaling(config: dict[str, Any], theta: float, scaling: dict | None
+                       ) -> dict | None:
+    """A Llama-shaped model's rope scaling with what engine/models/llama.py applies added:
+    `freq_factors`, one divisor of the default frequency per rotary pair, and, for yarn,
+    `attention_factor`, the cos/sin scale; both as transformers computes them. Scaling that
+    depends on the sequence ("dynamic", "longrope") or is unknown is refused, not ignored."""
+    if scaling is None or "freq_factors" in scaling:  # a GGUF file's rope_freqs: given
+        return scaling
+    kind, arch = scaling["rope_type"], config["model_type"]
+    if kind not in DENSE_ROPE_TYPES:
+        raise ModelLoadError(f"{arch} with rope_type {kind!r} is not supported (rope_scaling "
+                             f"in config.json); supported: default, {', '.join(DENSE_ROPE_TYPES)}")
+    if scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError(f"{arch} with partial_rotary_factor is not supported")
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if kind == "linear":
+        return {**scaling, "freq_factors": (float(scaling["factor"]),) * (dim // 2)}
+    if kind == "llama3":
+        return {**scaling, "freq_factors": llama3_freq_factors(dim, theta, scaling)}
+    factors, attention_factor = yarn_freq_factors(
+        dim, theta, scaling, config.get("max_position_embeddings", 2048))
+    return {**scaling, "freq_factors": factors, "attention_factor": attention_factor}
+
+
+def llama3_freq_factors(dim: int, theta: float, scaling: dict[str, Any]) -> tuple[float, ...]:
+    """Llama 3.1's rope, per rotary pair: 1 for short wavelengths (< original /
+    high_freq_factor), `factor` for long ones (> original / low_freq_factor), between them
+    the inverse of the blend (1 - s) / factor + s, s = (original / wavelength - low) /
+    (high - low) (what llama.cpp stores as rope_freqs.weight)."""
+    original = scaling["original_max_position_embeddings"]
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / dim)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(float(factor))
+        else:
+            s = (original / wavelength - low) / (high - low)
+            out.append(1.0 / ((1 - s) / factor + s))
+    return tuple(out)
+
+
+def yarn_freq_factors(dim: int, theta: float, scaling: dict[str, Any], max_positions: int
+                      ) -> tuple[tuple[float, ...], float]:
+    """YaRN as transformers computes it, as (per-pair divisors, cos/sin scale): pair i's
+    frequency is blended from the interpolated (/ factor) and the original one by a ramp
+    over the pairs between the beta_fast and beta_slow correction dims."""
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                            if mscale and mscale_all else _yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramps = [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(dim // 2)]
+    return tuple(1.0 / (r / factor + 1 - r) for r in ramps), float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _sliding_layers(arch: str, config: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:

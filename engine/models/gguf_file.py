@@ -369,11 +369,12 @@ def complete_mla(state: dict[str, Any], args: ModelArgs) -> None:
 
     if args.mla is None:
         return
-    dtype = state["model.embed_tokens.weight"].dtype
+    embed = state["model.embed_tokens.weight"]
     for i in args.moe.moe_layers:
         bias = f"model.layers.{i}.{_ROUTER_BIAS[1]}"
-        if bias not in state:
-            state[bias] = torch.zeros(args.moe.num_experts, dtype=dtype)
+        if bias not in state:  # made where the weights are, placed with them
+            state[bias] = torch.zeros(args.moe.num_experts, dtype=embed.dtype,
+                                      device=embed.device)
     for i in range(args.num_layers):
         prefix = f"model.layers.{i}.self_attn"
         if f"{prefix}.k_b_proj.weight" not in state:

@@ -221,17 +221,21 @@ class LlamaForCausalLM:
 
     @staticmethod
     def rope_cache(args: ModelArgs) -> torch.Tensor:
-        """The cos/sin cache; a GGUF file's per-pair rope divisors (`freq_factors`, its
-        rope_freqs tensor: Llama 3.1 / 3.2) divide the default frequencies."""
-        factors = (args.rope_scaling or {}).get("freq_factors")
+        """The cos/sin cache. Scaled rope (linear, llama3, yarn: engine/models/args.py
+        `dense_rope_scaling`; a GGUF file's rope_freqs tensor) comes as per-pair divisors
+        of the default frequencies (`freq_factors`) and, for yarn, a cos/sin scale."""
+        scaling = args.rope_scaling or {}
+        factors = scaling.get("freq_factors")
         if factors is None:
             return rope_cos_sin_cache(args.head_dim, args.max_position_embeddings,
                                       args.rope_theta)
-        dim = args.head_dim
-        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
-                                              / dim))
-        return rope_cos_sin_cache(dim, args.max_position_embeddings,
-                                  inv_freq=inv_freq / torch.tensor(factors, dtype=torch.float32))
+        dim, host = args.head_dim, torch.device("cpu")  # load time: placed with the weights
+        pairs = torch.arange(0, dim, 2, dtype=torch.int64, device=host).float()
+        inv_freq = 1.0 / (args.rope_theta ** (pairs / dim))
+        divisors = torch.tensor(factors, dtype=torch.float32, device=host)
+        cache = rope_cos_sin_cache(dim, args.max_position_embeddings, inv_freq=inv_freq / divisors)
+        scale = scaling.get("attention_factor", 1.0)
+        return cache * scale if scale != 1.0 else cache
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
