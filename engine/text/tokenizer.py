@@ -64,13 +64,28 @@ def _load_gguf(path: str):
             return _load_saved(cached)
         except Exception as error:  # a damaged cache entry is a miss
             log.warning("ignoring tokenizer cache %s: %s", cached, error)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True)
+    tokenizer = _convert_gguf(path)
     if cached is not None:
         _store_in_cache(tokenizer, cached)
     return tokenizer
+
+
+def _convert_gguf(path: str):
+    """The file's tokenizer as transformers converts it. AutoTokenizer first builds a model
+    config from the file and refuses architectures transformers cannot load as models
+    (deepseek2: "GGUF model with architecture deepseek2 is not supported yet."); the
+    tokenizer itself reads only the tokenizer.* entries, so those files load through the
+    fast tokenizer class directly."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    where = dict(gguf_file=os.path.basename(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), **where)
+    except ValueError as error:
+        if "is not supported yet" not in str(error):
+            raise
+        log.info("%s: %s; loading its tokenizer alone", path, error)
+    return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path), **where)
 
 
 def _gguf_cache_dir(path: str) -> Path | None:
