@@ -18,6 +18,7 @@ MODEL_CLASSES = {
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v2": DeepseekV3ForCausalLM,  # softmax routing (MoEArgs.scoring)
     "deepseek_v3": DeepseekV3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
 }

@@ -12,7 +12,9 @@ import math
 from typing import Any
 
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # config.json model_type
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")  # engine/models/moe.py
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",  # engine/models/moe.py
+             "deepseek_v3")
+DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")  # MLA: engine/models/deepseek_v3.py
 SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types values
 
@@ -33,6 +35,9 @@ class MoEArgs:
     num_groups: int = 1  # DeepSeek-V3 grouped routing: experts split into groups, ...
     topk_groups: int = 1  # ... tokens pick experts from their best `topk_groups` groups only
     routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalising)
+    # DeepSeek routing scores: "sigmoid" (V3: groups ranked by their two best biased scores)
+    # or "softmax" (V2 / V2.5: groups ranked by their best score)
+    scoring: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -40,6 +45,9 @@ class MoEArgs:
         if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
             raise ModelLoadError(f"{self.num_experts} experts cannot form {self.num_groups} "
                                  f"groups with {self.topk_groups} chosen")
+        if self.scoring not in ("sigmoid", "softmax"):
+            raise ModelLoadError(f"routing scoring {self.scoring!r} is not supported; "
+                                 "sigmoid or softmax is")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +306,8 @@ def _moe_config_to_args(config: dict[str, Any]) -> ModelArgs:
     if config.get("sliding_window") and config.get("use_sliding_window", arch == "mixtral"):
         raise ModelLoadError(f"{arch} with a sliding window is not supported")
     rope_theta, rope_scaling = parse_rope(config)
-    if rope_scaling is not None and (arch != "deepseek_v3" or rope_scaling["rope_type"] != "yarn"):
+    if rope_scaling is not None and (arch not in DEEPSEEK_ARCHS
+                                     or rope_scaling["rope_type"] != "yarn"):
         raise ModelLoadError(f"{arch} with rope scaling {rope_scaling} is not supported")
     fields = dict(
         **_common_fields(config), intermediate_size=config.get("intermediate_size", 0),
@@ -307,7 +316,7 @@ def _moe_config_to_args(config: dict[str, Any]) -> ModelArgs:
         attention_bias=config.get("qkv_bias", True) if arch == "qwen2_moe"
         else config.get("attention_bias", False),
         qk_norm=arch == "qwen3_moe", rope_scaling=rope_scaling, moe=_moe_args(arch, config))
-    if arch == "deepseek_v3":
+    if arch in DEEPSEEK_ARCHS:
         fields.update(_mla_fields(config))
     return ModelArgs(**fields)
 
@@ -320,16 +329,8 @@ def _moe_args(arch: str, config: dict[str, Any]) -> MoEArgs:
     if arch == "mixtral":
         return MoEArgs(**common, intermediate_size=config["intermediate_size"],
                        moe_layers=tuple(range(num_layers)), norm_topk_prob=True)
-    if arch == "deepseek_v3":
-        first_moe = config.get("first_k_dense_replace", 0)
-        return MoEArgs(
-            **common, intermediate_size=config["moe_intermediate_size"],
-            moe_layers=tuple(range(first_moe, num_layers)),
-            norm_topk_prob=config.get("norm_topk_prob", True),
-            shared_intermediate_size=config["moe_intermediate_size"]
-            * config.get("n_shared_experts", 0),
-            num_groups=config.get("n_group", 1), topk_groups=config.get("topk_group", 1),
-            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
+    if arch in DEEPSEEK_ARCHS:
+        return _deepseek_moe_args(arch, config, common)
     dense = set(config.get("mlp_only_layers") or ())
     step = config.get("decoder_sparse_step", 1)
     moe_layers = tuple(i for i in range(num_layers)
@@ -338,6 +339,31 @@ def _moe_args(arch: str, config: dict[str, Any]) -> MoEArgs:
     return MoEArgs(**common, intermediate_size=config["moe_intermediate_size"],
                    moe_layers=moe_layers, norm_topk_prob=config.get("norm_topk_prob", False),
                    shared_intermediate_size=shared, shared_expert_gate=bool(shared))
+
+
+def _deepseek_moe_args(arch: str, config: dict[str, Any], common: dict[str, Any]) -> MoEArgs:
+    """V3: sigmoid scores (config.json's scoring_func), grouped. V2 / V2.5: softmax scores,
+    grouped only with topk_method group_limited_greedy; top-k weights times
+    routed_scaling_factor, never renormalised (DeepSeek's V2 code renormalises and then
+    skips the scaling, transformers' ignores norm_topk_prob: such a config is refused)."""
+    scoring = (config.get("scoring_func") or "sigmoid") if arch == "deepseek_v3" else "softmax"
+    groups = (config.get("n_group") or 1, config.get("topk_group") or 1)
+    if arch == "deepseek_v2":
+        method = config.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ModelLoadError(f"deepseek_v2 with topk_method {method!r} is not supported")
+        if config.get("norm_topk_prob"):
+            raise ModelLoadError("deepseek_v2 with norm_topk_prob is not supported")
+        groups = groups if method == "group_limited_greedy" else (1, 1)
+    return MoEArgs(
+        **common, intermediate_size=config["moe_intermediate_size"],
+        moe_layers=tuple(range(config.get("first_k_dense_replace", 0),
+                               config["num_hidden_layers"])),
+        norm_topk_prob=config.get("norm_topk_prob", arch == "deepseek_v3") or False,
+        shared_intermediate_size=config["moe_intermediate_size"]
+        * (config.get("n_shared_experts") or 0),
+        num_groups=groups[0], topk_groups=groups[1], scoring=scoring,
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
 
 
 def _mla_fields(config: dict[str, Any]) -> dict[str, Any]:

@@ -161,7 +161,8 @@ class DeepseekV3MoE(MoEBlock):
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], prefix: str,
                  moe_layer: int) -> None:
         super().__init__(args, state, prefix, moe_layer)
-        self.bias = state.pop(f"{prefix}.gate.e_score_correction_bias")  # [num_experts]
+        # [num_experts]; DeepSeek V2 checkpoints have none
+        self.bias = state.pop(f"{prefix}.gate.e_score_correction_bias", None)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_topk(logits, self.bias, self.moe)

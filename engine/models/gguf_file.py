@@ -187,10 +187,10 @@ def _gemma3_config(config: dict[str, Any], get) -> dict[str, Any]:
 def _deepseek2_config(path: str, config: dict[str, Any], get) -> dict[str, Any]:
     """DeepSeek V2 / V3 metadata as DeepseekV3Config keys (MLA sizes, routed experts, yarn)."""
     gating = int(get("expert_gating_func") or GATING_SOFTMAX)
-    if gating != GATING_SIGMOID:
-        raise ModelLoadError(f"{path}: deepseek2 with expert_gating_func {gating} (softmax "
-                             "routing: DeepSeek V2 / V2.5) is not supported; sigmoid (2, "
-                             "DeepSeek V3 / R1) is")
+    if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+        raise ModelLoadError(f"{path}: deepseek2 with expert_gating_func {gating} is not "
+                             "supported; softmax (1, DeepSeek V2 / V2.5) and sigmoid (2, "
+                             "DeepSeek V3 / R1) are")
     rope = int(get("rope.dimension_count"))
     qk_head = int(get("attention.key_length_mla") or get("attention.key_length"))
     config = dict(
@@ -205,7 +205,8 @@ def _deepseek2_config(path: str, config: dict[str, Any], get) -> dict[str, Any]:
         routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0),
         norm_topk_prob=bool(get("expert_weights_norm", False)),
         n_group=int(get("expert_group_count", 0) or 1),
-        topk_group=int(get("expert_group_used_count", 0) or 1))
+        topk_group=int(get("expert_group_used_count", 0) or 1),
+        scoring_func="softmax" if gating == GATING_SOFTMAX else "sigmoid")
     scaling = _rope_scaling(get)
     if scaling is not None and scaling["rope_type"] == "yarn":
         # llama.cpp keeps one mscale: the cos/sin factor mscale / mscale_all_dim is 1

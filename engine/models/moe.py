@@ -206,18 +206,24 @@ def softmax_topk(logits: torch.Tensor, moe: MoEArgs) -> tuple[torch.Tensor, torc
     return weights, ids
 
 
-def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, moe: MoEArgs
+def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEArgs
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 router: logits [T, E] -> (fp32 weights [T, k], ids [T, k]).
+    """DeepSeek router: logits [T, E] -> (fp32 weights [T, k], ids [T, k]).
 
-    Experts are chosen on sigmoid scores plus the load-balancing `bias` (e_score_correction_bias),
-    only from the `topk_groups` groups whose two best biased scores sum highest; the weights
-    are the unbiased scores, optionally renormalised, times routed_scaling_factor."""
-    scores = sigmoid(logits)  # [T, E]
-    choice = scores + bias.float()
+    V3 (scoring "sigmoid"): experts are chosen on sigmoid scores plus the load-balancing
+    `bias` (e_score_correction_bias), only from the `topk_groups` groups whose two best biased
+    scores sum highest. V2 / V2.5 ("softmax"): on softmax scores (plus `bias` if a file has
+    one), from the groups whose best score is highest. The weights are the unbiased scores,
+    optionally renormalised, times routed_scaling_factor."""
+    softmax = moe.scoring == "softmax"
+    scores = logits.float().softmax(dim=-1) if softmax else sigmoid(logits)  # [T, E]
+    choice = scores if bias is None else scores + bias.float()
     num_tokens = logits.shape[0]
     grouped = choice.view(num_tokens, moe.num_groups, -1)  # [T, groups, experts per group]
-    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    if softmax:
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
     groups = torch.topk(group_scores, moe.topk_groups, dim=-1)[1]  # [T, topk_groups]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
     choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape_as(choice),

@@ -53,6 +53,12 @@ TINY["deepseek_lite_yarn"] = ("DeepseekV3", "deepseek2", dict(
     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                          original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
                          beta_fast=32, beta_slow=1)))
+# DeepSeek V2 / V2.5 (softmax routing, unnormalised top-k times routed_scaling_factor): one
+# group-limited by each group's best score, one V2-Lite-shaped (plain top-k) with yarn rope
+TINY["deepseek_v2"] = ("DeepseekV2", "deepseek2", dict(
+    _DEEPSEEK, topk_method="group_limited_greedy", norm_topk_prob=False))
+TINY["deepseek_v2_lite_yarn"] = ("DeepseekV2", "deepseek2", dict(
+    TINY["deepseek_lite_yarn"][2], topk_method="greedy", routed_scaling_factor=1.5))
 _GEMMA_NORM_OFFSET = 1.0  # llama.cpp stores Gemma norms as 1 + weight
 
 

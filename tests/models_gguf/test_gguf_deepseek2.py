@@ -87,12 +87,12 @@ def test_quantized_deepseek2_gguf_greedy_equals_transformers_on_its_weights(tiny
     assert duplex_greedy(path) == reference(str(model.reference_dir("Q8_0")))
 
 
-def test_softmax_routing_is_refused(tiny_model):
-    """DeepSeek V2 / V2.5 files route with softmax (expert_gating_func 1, or the key absent
-    in files older than it), which the V3 model does not run."""
-    path = deepseek_file(tiny_model("deepseek_v3"), False, expert_gating_func=1)
+def test_unknown_gating_is_refused(tiny_model):
+    """expert_gating_func 1 (softmax: DeepSeek V2 / V2.5, tests/models_gguf/test_deepseek_v2.py)
+    and 2 (sigmoid: V3 / R1) run; any other is refused by name."""
+    path = deepseek_file(tiny_model("deepseek_v3"), False, expert_gating_func=3)
     with pytest.raises(ModelLoadError) as error:
         loader.check(path)
     assert str(error.value) == (
-        f"{path}: deepseek2 with expert_gating_func 1 (softmax routing: DeepSeek V2 / V2.5) "
-        "is not supported; sigmoid (2, DeepSeek V3 / R1) is")
+        f"{path}: deepseek2 with expert_gating_func 3 is not supported; softmax (1, DeepSeek "
+        "V2 / V2.5) and sigmoid (2, DeepSeek V3 / R1) are")
