@@ -17,7 +17,8 @@ block-byte accounting and the host/disk tiers work unchanged with no byte wasted
 reads both planes (`mla_attention`) instead of treating them as k and v.
 
 Rope: the first `first_k_dense_replace` layers have a dense MLP; the rest a MoE with shared
-experts (engine/models/moe.py, `grouped_topk`). Rope covers the qk_rope_head_dim dims only;
+experts (engine/models/moe.py, `grouped_topk`: V3's sigmoid scores with a correction bias,
+or V2 / V2.5's softmax, model_type deepseek_v2 and softmax-gated GGUFs). Rope covers the qk_rope_head_dim dims only;
 checkpoints with rope_interleave have those dims in (even, odd) pairs, which the loader
 reorders (q_b_proj / kv_a_proj rows) to halves so the standard neox rotary applies and
 gives transformers' values bit for bit. YaRN scaling (rope_type "yarn") is supported: its
