@@ -11,7 +11,9 @@ from duplex.engine.sampling_params import SamplingParams
 from duplex.engine.text.tokenizer import load_tokenizer
 from tests.engine.conftest import hf_greedy, hf_model, make_core, run_engine
 
-NUM_NEW = 64
+# 32 new tokens: long enough that a wrong KV entry or position shows in the greedy tokens and
+# logprobs of every layout, short enough for the suite's budget (the reference is 8 x 32 steps)
+NUM_NEW = 32
 TEXTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -42,9 +44,9 @@ def prompts_and_reference(path: str):
     return prompts, [hf_greedy(model, p, NUM_NEW) for p in prompts]
 
 
-# batch 1: a short and the long raw prompt, a short and the shortest chat (each prompt is
-# a whole engine run of its own; the batched layouts take all eight)
-ALONE = (0, 1, 6, 7)
+# batch 1: the long raw prompt and the shortest chat (each prompt is a whole engine run of
+# its own; the batched layouts take all eight)
+ALONE = (6, 7)
 
 
 def assert_matches(results, reference, which):

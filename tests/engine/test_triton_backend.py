@@ -218,7 +218,7 @@ def graphed(core, capture: bool):
 def test_decode_steps_through_the_graphs_static_buffers(llama, launches):
     """The decode-graph path on the device kernels (padded to a captured size, the attention
     grid sized for the graphs' longest context, inputs copied into static buffers): greedy
-    tokens equal to the plain path's, logprobs within rounding; prefill and mixed steps
+    tokens equal to the plain torch path's, logprobs within rounding; prefill and mixed steps
     still run eagerly."""
     prompts = [tokens(n, 20 + n) for n in (5, 9, 14)]  # 3 rows: padded to a batch of 4
     cores = []
@@ -227,8 +227,8 @@ def test_decode_steps_through_the_graphs_static_buffers(llama, launches):
         cores.append(graphed(core, capture=False))
         return run_engine(core, prompts, GREEDY)
 
+    reference = run_engine(make_core(llama), prompts, GREEDY)  # the torch path
     with _triton.on_cpu():
-        reference = run_engine(make_core(llama), prompts, GREEDY)
         got = run(make_core(llama))
     assert cores[0].runner.graphs.replays >= 4  # the decode steps went through it
     for name, (ids, logprobs) in reference.items():
@@ -244,9 +244,9 @@ def test_a_moe_model_through_the_graphs_static_buffers(tmp_path_factory):
     from tests.moe.conftest import build_tiny_moe
     path = build_tiny_moe(tmp_path_factory.mktemp("mixtral_graphs"), "mixtral")
     prompts = [tokens(n, 40 + n) for n in (5, 9, 14)]
+    plain = make_core(path)  # the torch path (the interpreter runs only the graphed one)
+    reference = run_engine(plain, prompts, GREEDY)
     with _triton.on_cpu():
-        plain = make_core(path)
-        reference = run_engine(plain, prompts, GREEDY)
         core = graphed(make_core(path), capture=False)
         got = run_engine(core, prompts, GREEDY)
     assert core.runner.graphs.replays >= 4

@@ -144,13 +144,11 @@ def test_device_path_routes_on_the_device_and_matches_single_process(tiny_moe, t
     """Mixtral on 2 ranks through the fused MoE kernels (the GPU path, run by the
     interpreter): routing, the fixed-capacity exchange (empty rows with no expert) and the
     counters read nothing back in a decode forward; tokens equal the single-process
-    device path's, logprobs within fp32 rounding."""
-    from duplex.kernels import _triton
+    torch path's, logprobs within fp32 rounding."""
     path = tiny_moe("mixtral")
-    with _triton.on_cpu():
-        core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)
-        single = dict(outputs=run_engine(core, _device_prompts(), DEVICE_PARAMS,
-                                         DEVICE_ARRIVALS))
+    core = make_core(path, num_threads=1, max_num_batched_tokens=16, block_size=8)
+    single = dict(outputs=run_engine(core, _device_prompts(), DEVICE_PARAMS,  # torch path
+                                     DEVICE_ARRIVALS))
     launch(_device_path_rank, 2, path, str(tmp_path))
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())

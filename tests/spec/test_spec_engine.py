@@ -14,7 +14,7 @@ from duplex.engine.sampling_params import SamplingParams
 from tests.engine.conftest import make_core
 
 VOCAB = 384
-NUM_NEW = 40
+NUM_NEW = 24  # enough steps for drafts to be accepted, rejected and rolled back in every case
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
 
 
