@@ -6,7 +6,8 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
 
     path                   when                                   reads
     VNNI int4 (qgemv)      Q4_0/Q4_1/Q4_K, AVX512-VNNI, M <= 12/64  its int4 layout (built once)
-    row kernel (cpu_gguf)  M <= GEMV_ROWS, not a prompt step      raw: a row at a time into L1
+    row kernel (cpu_gguf)  M <= row_limit (16; K-quants 48), not   raw: a row at a time into L1
+                           a prompt step
     tiled GEMM             otherwise (prompt steps, big batches)  raw: TILE_BYTES of fp32 rows
                                                                   at a time, then torch's GEMM
 
@@ -34,7 +35,12 @@ from duplex.kernels.quant import QuantWeight
 
 log = logging.getLogger("duplex.kernels")
 
-GEMV_ROWS = 8  # the row kernel's limit: from here the tiled GEMM is faster (measured)
+# The row kernel's limit, from where the tiled GEMM is faster (measured on an AVX2 EPYC, 2
+# threads, docs/BENCHMARKS.md): 32-weight blocks (Q4_0 .. Q8_0) are cheap to unpack and their
+# rows cost the same per x row, so tiles win past ~20 rows; a K-quant block is unpacked once
+# for up to 4 x rows, so its rows win up to ~64 (Q4_K 2048x2048 at 16 rows: 1.6x the tiles).
+GEMV_ROWS = 16
+K_QUANT_ROW_FACTOR = 3  # K-quants: GEMV_ROWS * this
 TILE_BYTES = 1 << 20  # fp32 rows dequantized at a time: about an L2 cache
 MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
 _BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
@@ -124,7 +130,11 @@ class GGUFWeight(QuantWeight):
         if self._packed is None:
             self.pack()
         return None if self.dense is None else \
-            (GEMV_ROWS if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
+            (self.row_limit() if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
+
+    def row_limit(self) -> int:
+        """The most rows a decode step runs through the row kernel (GEMV_ROWS)."""
+        return row_limit(self.type_id)
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +162,7 @@ class GGUFWeight(QuantWeight):
             return quant.dense_linear(rows.to(torch.bfloat16), self.dense)
         if not prompt and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
-        if not prompt and m <= GEMV_ROWS:
+        if not prompt and m <= self.row_limit():
             return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows))
         return self._tiled(_fp32(rows))
 
@@ -181,3 +191,8 @@ class GGUFWeight(QuantWeight):
 def _fp32(rows: torch.Tensor) -> torch.Tensor:
     rows = rows.float()
     return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+def row_limit(type_id: int) -> int:
+    """The most rows of a decode step the row kernel takes for this block type."""
+    return GEMV_ROWS * (K_QUANT_ROW_FACTOR if cpu_gguf.TYPES[type_id][1] == 256 else 1)

@@ -54,7 +54,8 @@ def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def on_int8_rows(type_name: str, m: int) -> bool:
     """Whether a decode step of m rows takes the row kernel on int8 activations."""
-    return cpu_gguf.TYPES[cpu_gguf.TYPE_IDS[type_name]][1] > 1 and m <= gguf_weight.GEMV_ROWS
+    type_id = cpu_gguf.TYPE_IDS[type_name]
+    return cpu_gguf.TYPES[type_id][1] > 1 and m <= gguf_weight.row_limit(type_id)
 
 
 def reference(type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor,
@@ -134,7 +135,8 @@ def test_bias_out_dtype_and_leading_dims():
     x, bias = torch.randn(2, 5, k), torch.randn(48)
     out = ops.linear(x, w, bias, out_dtype=torch.bfloat16)
     assert out.shape == (2, 5, 48) and out.dtype == torch.bfloat16
-    ref = reference("Q8_0", raw, k, x.reshape(-1, k)).reshape(2, 5, 48) + bias.double()
+    ref = reference("Q8_0", raw, k, x.reshape(-1, k), int8_x=on_int8_rows("Q8_0", 10)  # the path
+                    ).reshape(2, 5, 48) + bias.double()  # its 10 rows take
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
 
 
@@ -145,7 +147,7 @@ def test_dense_copy_is_opt_in(monkeypatch):
     monkeypatch.setenv("DUPLEX_DENSE_WEIGHTS", "1")
     w = GGUFWeight(cpu_gguf.TYPE_IDS["Q4_K"], raw, k).pack()
     assert w.dense is not None and w.nbytes == raw.numel() + 32 * k * 2
-    x = torch.randn(gguf_weight.GEMV_ROWS + 1, k)
+    x = torch.randn(gguf_weight.row_limit(cpu_gguf.TYPE_IDS["Q4_K"]) + 1, k)
     ref = reference("Q4_K", raw, k, x)
     err = (ops.linear(x, w).double() - ref).norm() / ref.norm()
     assert err < 1e-2, err  # bf16 weights and inputs: ~0.4 % expected
