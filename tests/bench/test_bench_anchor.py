@@ -390,8 +390,21 @@ def test_isolated_gemm_flop_count_covers_every_layer():
     assert seconds > 0
 
 
-def test_group_rss_counts_a_process_group():
+def test_tree_rss_counts_a_group_and_descendants_in_sessions_of_their_own():
     import os
-    own = anchor.group_rss_mb(os.getpgid(0))
+    own = anchor.tree_rss_mb(os.getpgid(0))
     assert own is not None and own > 10  # this interpreter alone holds more than 10 MB
-    assert anchor.group_rss_mb(2**22 + 12345) is None  # no such group
+    assert anchor.tree_rss_mb(2**22 + 12345) is None  # no such process or group
+    # a parent in a group of its own, its child in a new session holding ~200 MB
+    code = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', "
+            "'import sys; b = bytearray(200 * 2**20); print(1, flush=True); sys.stdin.read()'], "
+            "start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE); "
+            "child.stdout.readline(); print(1, flush=True); sys.stdin.read(); child.kill()")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert parent.stdout.readline() == b"1\n"
+        assert anchor.tree_rss_mb(parent.pid) > 200
+    finally:
+        parent.kill()
+        parent.wait()

@@ -1,0 +1,169 @@
+"""`duplex bench anchor --vllm-python`: vLLM's CPU build as the second anchor, without vLLM.
+
+A fake `vllm` package (an OpenAI-style streaming server behind the real module path) stands in
+for the CPU build: the command line, its environment, the prompts it gets (the same as the
+pair's) and the table's vLLM column are checked; where vLLM cannot run, the reason is kept."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from duplex.bench import anchor, vllm_anchor
+
+_SERVER = '''
+import json, os, sys
+from aiohttp import web
+sys.path.insert(0, os.environ["FAKE_VLLM_FAKES"])
+from bench_fakes import FakeOpenAI
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+name = argv[argv.index("--served-model-name") + 1]
+log = open(os.environ["FAKE_VLLM_LOG"], "a")
+log.write(json.dumps({"argv": argv, "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                      "kv": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}) + "\\n")
+log.flush()
+fake = FakeOpenAI(chunk_delay_s=0.001)
+
+async def chat(request):
+    response = await fake._chat(request)
+    log.write(json.dumps({"body": fake.bodies[-1]}) + "\\n")
+    log.flush()
+    return response
+
+async def health(request):
+    return web.Response(text="ok")
+
+async def models(request):
+    return web.json_response({"data": [{"id": name}]})
+
+app = web.Application()
+app.router.add_post("/v1/chat/completions", chat)
+app.router.add_get("/health", health)
+app.router.add_get("/v1/models", models)
+web.run_app(app, host="127.0.0.1", port=port, print=None)
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A `python` whose `vllm` is the fake above; returns (its path, the log of its calls)."""
+    package = tmp_path / "site" / "vllm"
+    (package / "entrypoints" / "openai").mkdir(parents=True)
+    (package / "__init__.py").write_text('__version__ = "0.0.fake"\n')
+    (package / "entrypoints" / "__init__.py").write_text("")
+    (package / "entrypoints" / "openai" / "__init__.py").write_text("")
+    (package / "entrypoints" / "openai" / "api_server.py").write_text(_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}:$PYTHONPATH" '
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.setenv("FAKE_VLLM_FAKES", str(Path(__file__).parent))
+    return str(python), log
+
+
+def test_unavailable_says_why(tmp_path):
+    assert vllm_anchor.unavailable(None) == "no --vllm-python given"
+    assert "does not exist" in vllm_anchor.unavailable(str(tmp_path / "nope"))
+    reason = vllm_anchor.unavailable(sys.executable)  # the project's venv has no vllm
+    assert reason.startswith(f"vllm does not import in {sys.executable}")
+    assert "vllm" in reason.split(":", 1)[1]
+
+
+def test_a_quantized_shape_file_hands_vllm_the_f16_file_it_came_from(tmp_path):
+    quantized = tmp_path / "random-1b-Q4_K_M.gguf"
+    quantized.touch()
+    assert vllm_anchor.source_gguf(str(quantized)) == str(quantized)  # no F16 beside it
+    (tmp_path / "random-1b-F16.gguf").touch()
+    assert vllm_anchor.source_gguf(str(quantized)) == str(tmp_path / "random-1b-F16.gguf")
+    assert vllm_anchor.source_gguf(str(tmp_path / "random-1b-F16.gguf")) == \
+        str(tmp_path / "random-1b-F16.gguf")
+    plain = tmp_path / "SmolLM2.Q4_1.gguf"
+    assert vllm_anchor.source_gguf(str(plain)) == str(plain)
+
+
+def test_a_made_directory_is_reused(tmp_path):
+    made = tmp_path / "m.hf"
+    made.mkdir()
+    (made / "config.json").write_text("{}")
+    assert vllm_anchor.hf_dir(str(tmp_path / "m.gguf")) == made
+
+
+def _args(tmp_path, python):
+    return anchor_args(["--vllm-python", python, "--out", str(tmp_path / "out"),
+                        "--threads", "2", "--repeats", "2"])
+
+
+def anchor_args(argv):
+    import argparse
+    parser = argparse.ArgumentParser()
+    anchor.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_vllm_runs_the_pairs_prompts_alone_and_gets_a_column(tmp_path, fake_vllm, tokenizer,
+                                                             monkeypatch):
+    python, log = fake_vllm
+    model_dir = tmp_path / "weights.hf"
+    monkeypatch.setattr(vllm_anchor, "hf_dir", lambda gguf: model_dir)
+    spec = anchor.Spec("tiny", (anchor.OUT_TOK_S, anchor.RSS), "random",
+                       {"num_requests": 2, "input_len": 8, "output_len": 3})
+    result = {"runs": [], "workloads": ["single"], "repeats": 2, "model": "m.gguf",
+              "threads": 2}
+    monkeypatch.setattr(anchor, "load_tokenizer", lambda model: tokenizer, raising=False)
+    import duplex.bench.hf as hf
+    monkeypatch.setattr(hf, "load_tokenizer", lambda model=None: tokenizer)
+    anchor.serve_vllm(_args(tmp_path, python), "m.gguf", {"single": spec}, result)
+
+    assert result["vllm_version"] == "0.0.fake"
+    runs = result["runs"]
+    assert [(r["workload"], r["server"], r["repeat"]) for r in runs] == \
+        [("single", "vllm", 0), ("single", "vllm", 1)]
+    assert all(r["summary"]["completed"] == 2 and r["summary"]["rss_mb"] > 0 for r in runs)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    start = calls[0]
+    assert start["argv"][start["argv"].index("--model") + 1] == str(model_dir)
+    assert start["argv"][start["argv"].index("--dtype") + 1] == "bfloat16"
+    assert start["argv"][start["argv"].index("--host") + 1] == "127.0.0.1"
+    assert (start["bind"], start["kv"]) == ("0-1", str(vllm_anchor.KV_CACHE_GIB))
+    bodies = [c["body"] for c in calls[1:]]
+    assert len(bodies) == 2 + 4                               # warm-up, then two repeats
+    # the prompts the pair got in the same repeat: the same seeds
+    from duplex.bench.text import TextSource
+    expected = anchor.spec_workload(spec, TextSource(tokenizer, seed=0),
+                                    anchor.workload_seed("single", 0, 0))
+    assert {b["messages"][-1]["content"] for b in bodies[2:4]} == \
+        {c.turns[0].messages[-1]["content"] for c in expected.conversations}
+    assert (tmp_path / "out" / "vllm.log").is_file()
+
+
+def test_the_table_gets_a_vllm_column_and_duplex_over_vllm_ratios():
+    summary = {"output_throughput": 0.0, "tpot_ms": {"p50": None}, "rss_mb": None,
+               "num_planned": 1, "completed": 1, "failure_reasons": {}}
+    runs = [{"workload": "single", "server": s, "repeat": 0,
+             "summary": summary | {"output_throughput": out, "tpot_ms": {"p50": tpot},
+                                   "rss_mb": rss}}
+            for s, out, tpot, rss in (("llama", 10.0, 100.0, 1000.0),
+                                      ("duplex", 20.0, 50.0, 1200.0),
+                                      ("vllm", 5.0, 200.0, 3000.0))]
+    result = {"workloads": ["single"], "runs": runs, "repeats": 1, "model": "m.gguf",
+              "threads": 2, "vllm_version": "0.32.0"}
+    table = anchor.markdown(result)
+    assert table.splitlines()[:3] == [
+        "| workload | llama-server | Duplex | ratio | vLLM CPU | Duplex / vLLM |",
+        "|---|---|---|---|---|---|",
+        "| one stream, ~60-word prompts, 128 tokens out | 10.0 out tok/s, TPOT 100.0 ms, "
+        "RSS 1000 MB | 20.0 out tok/s, TPOT 50.0 ms, RSS 1200 MB | out tok/s 2.00x, "
+        "TPOT 0.50x, RSS 1.20x | 5.0 out tok/s, TPOT 200.0 ms, RSS 3000 MB | "
+        "out tok/s 4.00x, TPOT 0.25x |"]
+    assert "vLLM 0.32.0 (CPU build) ran the same prompts alone" in table
+    skipped = anchor.markdown({**result, "runs": runs[:2], "vllm_skipped": "no vllm here"})
+    assert "vLLM CPU" not in skipped.splitlines()[0]
+    assert "vLLM not run: no vllm here." in skipped
