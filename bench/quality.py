@@ -3,9 +3,12 @@
 Each precision (a `--dtype` value, or `DTYPE:KV` for a `--kv-cache-dtype` other than its
 auto, e.g. `auto:float32`) reads the same fixed text in one teacher-forced pass; the
 figures are its perplexity on that text and its greedy top-1 agreement with float32 (the
-exact mode: every weight dequantized): the share of positions where both pick the same next
-token given the same context. Free-running greedy outputs are not compared: one near-tie
-flips the rest of a sequence, which says little about the weights.
+exact mode: every weight dequantized; `--reference` picks another, e.g. `auto:bfloat16`
+against `auto:int8` for what the int8 KV cache costs): the share of positions where both
+pick the same next token given the same context. Every position's query reads the keys and
+values back from the KV cache, so a KV precision is measured as decoding would see it.
+Free-running greedy outputs are not compared: one near-tie flips the rest of a sequence,
+which says little about the weights.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ FIXED_TEXT = (
 class Quality(NamedTuple):
     dtype: str  # the precision as given: DTYPE or DTYPE:KV
     perplexity: float
-    top1_agreement: float  # with float32, over the text's positions
+    top1_agreement: float  # with the reference precision (float32), over the text's positions
     weight_bytes: int
 
 
@@ -94,13 +97,14 @@ def _weights(obj, depth: int = 0):
 
 
 def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
-            num_threads: int = 0) -> list[Quality]:
-    """Perplexity and top-1 agreement with float32 of each precision on `text`."""
+            num_threads: int = 0, reference: str = "float32") -> list[Quality]:
+    """Perplexity and top-1 agreement with `reference` (a precision, DTYPE or DTYPE:KV;
+    float32 by default) of each precision on `text`."""
     from duplex.engine.core import EngineCore
     from duplex.engine.text.tokenizer import load_tokenizer
 
     reference, out = None, []
-    for dtype in ["float32", *[d for d in dtypes if d != "float32"]]:
+    for dtype in [reference, *[d for d in dtypes if d != reference]]:
         weights, _, kv = dtype.partition(":")
         core = EngineCore(EngineConfig.of(model=model, weights_dtype=weights,
                                           kv_cache_dtype=kv or "auto", num_threads=num_threads,
@@ -121,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", default="float32,auto,int8,int4,bfloat16",
                         help=f"comma-separated, from {', '.join(WEIGHT_DTYPES)}; DTYPE:KV sets "
                              f"the KV cache's dtype too (KV from {', '.join(KV_CACHE_DTYPES)})")
+    parser.add_argument("--reference", default="float32",
+                        help="the precision (DTYPE or DTYPE:KV) top-1 agreement is measured "
+                             "against, e.g. auto:bfloat16 to see what an int8 KV cache costs "
+                             "beside the bfloat16 one")
     parser.add_argument("--num-threads", type=int, default=0)
     parser.add_argument("--decode-path", action="store_true",
                         help="run every position through the small-batch kernels (int4 / "
@@ -130,7 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
-    unknown = sorted(d for d in dtypes if d.partition(":")[0] not in WEIGHT_DTYPES
+    unknown = sorted(d for d in {*dtypes, args.reference}
+                     if d.partition(":")[0] not in WEIGHT_DTYPES
                      or d.partition(":")[2] not in ("", *KV_CACHE_DTYPES))
     if unknown:
         print(f"duplex bench quality: unknown dtypes {unknown}", file=sys.stderr)
@@ -138,11 +147,12 @@ def run(args: argparse.Namespace) -> int:
     if args.decode_path:
         from duplex.kernels import quant
         quant.MAX_PACKED_ROWS = quant.MAX_VNNI_ROWS = 10**9
-    results = measure(args.model, dtypes, num_threads=args.num_threads)
+    results = measure(args.model, dtypes, num_threads=args.num_threads,
+                      reference=args.reference)
     if args.json:
         print(json.dumps([q._asdict() for q in results], indent=2))
         return 0
-    print("| --dtype[:kv] | perplexity | top-1 agreement with float32 | weights (MB) |")
+    print(f"| --dtype[:kv] | perplexity | top-1 agreement with {args.reference} | weights (MB) |")
     print("| --- | --- | --- | --- |")
     for q in results:
         print(f"| {q.dtype} | {q.perplexity:.3f} | {100 * q.top1_agreement:.1f} % | "

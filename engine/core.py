@@ -68,6 +68,8 @@ log = logging.getLogger("duplex.engine")
 KV_LAYOUT = "kv[layer,2,block,slot,kv_head,head_dim]"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # int8: packed rows with a scale (kernels.kv_store)
+_KV_DTYPE_NAMES = {v: k for k, v in _KV_DTYPES.items()}
 
 
 def step_policies(config: SchedulerConfig, cost_model: CostModel) -> dict:
@@ -128,18 +130,21 @@ def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype, quant: str) -> to
     """The KV pool's element type: `config.cache.kv_cache_dtype`, where auto is bf16 beside
     quantized weights (the CPU's fast, not bitwise-exact mode: decode attention then reads
     half the bytes, kernels/cpu_attention.c) and the activations' dtype otherwise (the exact
-    float32 mode and batch invariance keep fp32 KV)."""
+    float32 mode and batch invariance keep fp32 KV). int8 is never auto: it is an opt-in that
+    trades a measured bit of quality (bench/quality.py) for ~1.9x the context per byte; the
+    model refuses it where its attention cannot read it (model_runner.check_kv_dtype)."""
     name = config.cache.kv_cache_dtype
     if name == "auto":
         return torch.bfloat16 if quant != "none" else dtype
-    return _DTYPES[name]
+    return _KV_DTYPES[name]
 
 
 def kv_format(config: EngineConfig, quant: str, dtype: torch.dtype,
               kv_dtype: torch.dtype) -> str:
     """What the KV's values depend on besides the model: key namespaces and the hand-off's
-    compatibility check carry it, so blocks of another precision are never mixed in."""
-    return f"{config.weights_dtype}/{quant}/{_DTYPE_NAMES[dtype]}/kv={_DTYPE_NAMES[kv_dtype]}"
+    compatibility check carry it, so blocks of another precision (int8 rows among bf16 ones)
+    are never mixed in."""
+    return f"{config.weights_dtype}/{quant}/{_DTYPE_NAMES[dtype]}/kv={_KV_DTYPE_NAMES[kv_dtype]}"
 
 
 def _build_kv(config: EngineConfig, runner: ModelRunner, tiers: KVTiers | None,

@@ -44,6 +44,7 @@ from duplex.engine.kv_manager import KVCacheManager, KVTables, RestorePoint, cdi
 from duplex.engine.kv_tiers import TierHit, TierLink
 from duplex.engine.request import Request
 from duplex.engine.stats import HybridKVStats
+from duplex.kernels.kv_store import row_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +80,9 @@ class HybridLayout:
 
     def allocate(self, args, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        """(full kv, swa kv, per-layer (k_cache, v_cache)) tensors on `device`, zeroed."""
-        shape = (block_size, args.num_kv_heads, args.head_dim)
+        """(full kv, swa kv, per-layer (k_cache, v_cache)) tensors on `device`, zeroed (an int8
+        pool's rows: head_dim values and a scale, kernels.kv_store; NULL dequantizes to 0)."""
+        shape = (block_size, args.num_kv_heads, row_width(args.head_dim, dtype))
         kv = torch.zeros(len(self.full_layers), 2, self.num_full_blocks, *shape, dtype=dtype,
                          device=device)
         swa_kv = torch.zeros(len(self.swa_layers), 2, self.num_swa_blocks + 1, *shape,
@@ -94,7 +96,8 @@ class HybridLayout:
 
     def bytes_per_block(self, args, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
         """Bytes of one full-group block and one SWA-group block."""
-        layer = 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+        row = row_width(args.head_dim, dtype) * dtype.itemsize
+        layer = 2 * block_size * args.num_kv_heads * row
         return layer * len(self.full_layers), layer * len(self.swa_layers)
 
 

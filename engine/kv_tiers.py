@@ -40,6 +40,7 @@ import torch
 from duplex.engine.config import EngineConfig
 from duplex.engine.platform import HostCopy, Platform, cpu
 from duplex.engine.stats import KVStats, KVTierStats, SharedTierStats
+from duplex.kernels.kv_store import kv_encoding
 from duplex.kvstore.disk import DiskConfig, DiskTier
 from duplex.kvstore.entry import BlockEntry
 from duplex.kvstore.errors import KVStoreError
@@ -240,17 +241,20 @@ class BlockCodec:
     """Copies device blocks to and from BlockEntry payloads.
 
     One block of every layer is kv[:, :, block_id]: [num_layers, 2, block_size, kv_heads,
-    head_dim]; its payload is that view made contiguous, as raw bytes. Several blocks move
-    as one batch on a device (`gather`): one gather kernel and one copy into a pinned host
-    buffer queued on the current stream (`platform.HostCopy`), instead of a strided copy
-    and a wait per block; `save_many_later` does not even wait for that copy (the tiers'
-    thread does), so a spill never stalls the step thread behind the step in flight. On the
-    CPU there is no transfer to save, so each block is one copy, made at once."""
+    row]; its payload is that view made contiguous, as raw bytes (an int8 pool's rows keep
+    their scales: entries say so, `encoding`, and only a pool of that encoding takes them).
+    Several blocks move as one batch on a device (`gather`): one gather kernel and one copy
+    into a pinned host buffer queued on the current stream (`platform.HostCopy`), instead of
+    a strided copy and a wait per block; `save_many_later` does not even wait for that copy
+    (the tiers' thread does), so a spill never stalls the step thread behind the step in
+    flight. On the CPU there is no transfer to save, so each block is one copy, made at
+    once."""
 
     def __init__(self, kv: torch.Tensor, platform: Platform | None = None) -> None:
-        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, row]
         self.platform = platform or cpu()  # only decides whether batches gather
         self.dtype = str(kv.dtype).removeprefix("torch.")
+        self.encoding = kv_encoding(kv.dtype)
         self.shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
         self.block_size = kv.shape[3]
         self.nbytes = math.prod(self.shape) * kv.element_size()
@@ -259,7 +263,8 @@ class BlockCodec:
         """A private copy of the block (the entry never aliases the pool)."""
         block = self.kv[:, :, block_id].clone(memory_format=torch.contiguous_format)
         payload = block.reshape(-1).view(torch.uint8).cpu().numpy()  # .cpu(): no copy on a CPU
-        return BlockEntry(payload, self.dtype, self.shape, self.block_size, expires_at)
+        return BlockEntry(payload, self.dtype, self.shape, self.block_size, expires_at,
+                          self.encoding)
 
     def save_many(self, block_ids: Sequence[int], expires_at: Sequence[float],
                   gather: bool | None = None) -> list[BlockEntry]:
@@ -284,12 +289,13 @@ class BlockCodec:
 
     def _entries(self, copy: HostCopy, expires_at: list[float]) -> list[BlockEntry]:
         flat = copy.wait().reshape(len(expires_at), -1).view(torch.uint8).numpy()
-        return [BlockEntry(flat[i].copy(), self.dtype, self.shape, self.block_size, e)
-                for i, e in enumerate(expires_at)]
+        return [BlockEntry(flat[i].copy(), self.dtype, self.shape, self.block_size, e,
+                           self.encoding) for i, e in enumerate(expires_at)]
 
     def fits(self, entry: BlockEntry) -> bool:
         """Whether `entry` is a block of this pool's layout (anything else is a miss)."""
-        return (entry.dtype == self.dtype and tuple(entry.shape) == self.shape
+        return (entry.dtype == self.dtype and entry.encoding == self.encoding
+                and tuple(entry.shape) == self.shape
                 and entry.nbytes == self.nbytes and entry.num_tokens == self.block_size)
 
     def load(self, block_id: int, entry: BlockEntry) -> None:
@@ -437,7 +443,7 @@ class TierLink:
         block of this pool's layout (the caller checked its size); the tiers own it now."""
         codec = self.codec
         self.tiers.put(key, BlockEntry(payload, codec.dtype, codec.shape, codec.block_size,
-                                       self._expiry(retention)))
+                                       self._expiry(retention), codec.encoding))
 
     def num_stored(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of `keys` the host, disk or shared tiers hold."""

@@ -62,7 +62,10 @@ _LOG_FIRST, _LOG_EVERY = 20, 1000
 
 
 class BlockLayout(NamedTuple):
-    """One block of every layer as it travels: [layers, 2, block_size, kv_heads, head_dim]."""
+    """One block of every layer as it travels: [layers, 2, block_size, kv_heads, row] (row:
+    head_dim, or head_dim + 4 bytes for an int8 pool's packed rows, kernels.kv_store); the
+    dtype and shape checks and the key namespaces (kv_format) keep pools of another
+    precision apart."""
     dtype: str
     shape: tuple[int, ...]
     nbytes: int

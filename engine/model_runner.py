@@ -7,7 +7,9 @@ final hidden states of the positions the caller wants logits for.
 KV cache layout, one tensor for all layers:
     kv [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
 so kv[l, 0] / kv[l, 1] are layer l's contiguous k / v caches, and one block of every layer
-is kv[:, :, block_id] (what the host/disk tiers and KV transfer move).
+is kv[:, :, block_id] (what the host/disk tiers and KV transfer move). An int8 pool
+(`--kv-cache-dtype int8`) keeps that layout with a last dimension of head_dim + 4 bytes: each
+row's int8 values, then its fp32 scale (kernels/kv_store.py), so blocks stay plain bytes.
 With a hybrid layout (engine/hybrid_kv.py: a model with sliding-window layers) `kv` holds the
 full-attention layers only and `swa_kv` the sliding-window layers, each with its own block
 ids; the step then carries a second block table and slot mapping for the SWA layers.
@@ -31,6 +33,7 @@ from duplex.engine.kv_manager import KVTables
 from duplex.engine.models import ForwardContext
 from duplex.engine.platform import Platform, cpu, place
 from duplex.engine.scheduler import ScheduledRequest
+from duplex.kernels.kv_store import check_cache_dtype, row_width
 from duplex.kernels.quant import prompt_step
 
 
@@ -105,6 +108,18 @@ class StepTransfer:
 _TORCH_INT = {np.int32: torch.int32, np.int64: torch.int64}
 
 
+def check_kv_dtype(args, dtype: torch.dtype) -> None:
+    """Refuse, when the model loads, a KV pool its attention cannot use: an int8 pool packs
+    each (token, kv head) row as int8 values and a scale (kernels.kv_store), which the MLA
+    latent cache (DeepSeek V2 / V3: its kernels read the latent as float) does not take."""
+    if dtype != torch.int8:
+        return
+    if getattr(args, "mla", None) is not None:
+        raise ValueError("--kv-cache-dtype int8 does not cover the MLA latent cache of "
+                         f"{args.arch}; use auto, bfloat16 or float32")
+    check_cache_dtype(dtype, args.head_dim)
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  layout: HybridLayout | None = None, platform: Platform | None = None) -> None:
@@ -119,13 +134,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.layout = layout
         self.swa_kv = None
+        check_kv_dtype(args, dtype)
         if layout is not None:
             self.kv, self.swa_kv, self.kv_caches = layout.allocate(args, block_size, dtype,
                                                                    self.device)
             return
         # CPU: huge-page advised, then zeroed
         self.kv = self.platform.empty((args.num_layers, 2, num_blocks, block_size,
-                                       args.num_kv_heads, args.head_dim), dtype).zero_()
+                                       args.num_kv_heads, row_width(args.head_dim, dtype)),
+                                      dtype).zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(args.num_layers)]
 
     def capture_decode_graphs(self, max_model_len: int, max_batch: int) -> None:
@@ -138,8 +155,9 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(args, block_size: int, dtype: torch.dtype) -> int:
-        elem = dtype.itemsize
-        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
+        """Bytes of one block of every layer (an int8 row: head_dim values and its scale)."""
+        row = row_width(args.head_dim, dtype) * dtype.itemsize
+        return args.num_layers * 2 * block_size * args.num_kv_heads * row
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], tables: KVTables,
                 feed: Feed | None = None) -> StepInputs:

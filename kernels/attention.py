@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from duplex.kernels import cpu_attention, cpu_fused
+from duplex.kernels.kv_store import cache_head_dim, dequantize_rows, load_int8_rows
 from duplex.kernels._triton import require_triton, tl, triton
 
 
@@ -56,15 +57,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_positions: int) -> torch.Tensor:
     """fp32 `[B, L, num_kv_heads, head_dim]` copy of the blocks holding the first
-    `num_positions` positions of each row of `block_tables [B, *]`; L is `num_positions`
-    rounded up to whole blocks. Positions past a sequence's length hold whatever the cache
-    (or the block-table padding) points at: callers mask them."""
+    `num_positions` positions of each row of `block_tables [B, *]` (an int8 cache's rows
+    dequantized); L is `num_positions` rounded up to whole blocks. Positions past a
+    sequence's length hold whatever the cache (or the block-table padding) points at:
+    callers mask them."""
     block_size = cache.shape[1]
     num_blocks = -(-num_positions // block_size)
     blocks = block_tables[:, :num_blocks].long().clamp(0, cache.shape[0] - 1)
     # index_select of whole blocks as rows is several times faster than cache[blocks]
     rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.flatten())
-    return rows.view(blocks.shape[0], blocks.shape[1] * block_size, *cache.shape[2:]).float()
+    return dequantize_rows(rows.view(blocks.shape[0], blocks.shape[1] * block_size,
+                                     *cache.shape[2:]))
 
 
 def attention_mask(q_pos: torch.Tensor, num_positions: int,
@@ -226,10 +229,12 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             plan: AttentionPlan, scale: float,
                             soft_cap: float | None = None) -> torch.Tensor:
     """The reference's result (same conventions) from a prebuilt plan: per layer, only the
-    key gathers and the attention itself run."""
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
-    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    key gathers and the attention itself run (an int8 cache's gathered rows dequantized;
+    the C decode kernel takes float caches only, cpu_attention.fits)."""
+    num_kv_heads, width = k_cache.shape[2:]
+    head_dim = cache_head_dim(k_cache)
+    k_slots = k_cache.view(-1, num_kv_heads, width)  # [num_slots, KVH, row]
+    v_slots = v_cache.view(-1, num_kv_heads, width)
     decode_out = None
     if plan.decode_keys is not None and plan.decode_counts is not None \
             and cpu_fused.is_enabled() and cpu_attention.available() \
@@ -260,8 +265,9 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _gather(slots: torch.Tensor, keys: torch.Tensor, span: slice | None) -> torch.Tensor:
-    """Rows `keys` of `slots [num_slots, KVH, D]`: a view when they are one span."""
-    return slots[span] if span is not None else slots.index_select(0, keys)
+    """Rows `keys` of `slots [num_slots, KVH, row]` as `[len(keys), KVH, D]`: a view when
+    they are one span of a float32 cache, else an fp32 copy (dequantized from int8)."""
+    return dequantize_rows(slots[span] if span is not None else slots.index_select(0, keys))
 
 
 def check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:
@@ -272,7 +278,8 @@ def check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -
         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    assert k_cache.shape[3] == head_dim, f"cache head_dim {k_cache.shape[3]} != q's {head_dim}"
+    assert cache_head_dim(k_cache) == head_dim, (
+        f"cache head_dim {cache_head_dim(k_cache)} ({k_cache.dtype}) != q's {head_dim}")
     assert num_heads % num_kv_heads == 0, (
         f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, (
@@ -297,7 +304,8 @@ def _paged_attention_kernel(
         stride_cache_head, stride_block_table, block_size,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr, SKIP_DECODE: tl.constexpr):
+        HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr, SKIP_DECODE: tl.constexpr,
+        INT8_KV: tl.constexpr):
     """Program (sequence, kv head, row tile). A row is a (query, head in the kv head's group)
     pair, so decode (one query, GROUP heads) and prefill share the kernel and a kv tile is
     loaded once for the whole group. Online softmax over key tiles of BLOCK_N positions,
@@ -338,7 +346,7 @@ def _paged_attention_kernel(
         k, v, s = kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
                                  k_pos, k_ok, dims, dim_ok, scale, soft_cap, block_size,
                                  stride_block_table, stride_cache_block, stride_cache_slot,
-                                 stride_cache_head, HAS_SOFT_CAP, FP32_DOT)
+                                 stride_cache_head, HAS_SOFT_CAP, FP32_DOT, HEAD_DIM, INT8_KV)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -354,19 +362,25 @@ def _paged_attention_kernel(
 def kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, k_pos, k_ok,
                    dims, dim_ok, scale, soft_cap, block_size, stride_block_table,
                    stride_cache_block, stride_cache_slot, stride_cache_head,
-                   HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+                   HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, INT8_KV: tl.constexpr):
     """One tile of a sequence's paged keys and values at positions k_pos (k_ok: inside the
-    sequence) and the scaled, soft-capped scores of q against them: (k, v, s)."""
+    sequence) and the scaled, soft-capped scores of q against them: (k, v, s). INT8_KV: the
+    cache holds packed int8 rows (kernels.kv_store), dequantized here."""
     block = tl.load(block_tables_ptr + seq * stride_block_table + k_pos // block_size,
                     mask=k_ok, other=0)
     slot_off = (block.to(tl.int64) * stride_cache_block
                 + (k_pos % block_size) * stride_cache_slot + kv_head * stride_cache_head)
     kv_mask = k_ok[:, None] & dim_ok[None, :]
     # a cache of another dtype than q (bf16 KV beside fp32 activations) is read as q's
-    k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask,
-                other=0.0).to(q.dtype)
-    v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask,
-                other=0.0).to(q.dtype)
+    if INT8_KV:
+        k = load_int8_rows(k_cache_ptr, slot_off, dims, kv_mask, k_ok, HEAD_DIM).to(q.dtype)
+        v = load_int8_rows(v_cache_ptr, slot_off, dims, kv_mask, k_ok, HEAD_DIM).to(q.dtype)
+    else:
+        k = tl.load(k_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + slot_off[:, None] + dims[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -432,5 +446,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
-        FP32_DOT=q.dtype == torch.float32, SKIP_DECODE=skip_decode)
+        FP32_DOT=q.dtype == torch.float32, SKIP_DECODE=skip_decode,
+        INT8_KV=k_cache.dtype == torch.int8)
     return out

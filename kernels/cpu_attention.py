@@ -32,6 +32,8 @@ def available() -> bool:
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, soft_cap: float | None) -> bool:
+    """Whether the kernel takes these inputs: fp32 q, an fp32 or bf16 cache (an int8 pool's
+    packed rows take the torch path, kernels.attention), no soft cap, head_dim % 16 == 0."""
     heads, head_dim = q.shape[1:]
     return (soft_cap is None and q.dtype == torch.float32 and k_cache.dtype in _ENTRY
             and q.device.type == "cpu" and head_dim % 16 == 0 and q.stride(2) == 1

@@ -113,9 +113,14 @@ class DecodeStack:
 
 
 def step_fits(h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              block_tables: torch.Tensor, seq_lens: torch.Tensor) -> bool:
-    """The dtypes and layouts `forward` reads (the caller checks that every row decodes)."""
-    return (h.dtype == torch.float32 and positions.dtype == slots.dtype == torch.int64
+              block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> bool:
+    """The dtypes and layouts `forward` reads (the caller checks that every row decodes).
+    The C step writes and reads fp32 or bf16 caches only: an int8 pool (packed rows,
+    kernels.kv_store) is not for it, and its steps take the per-op path."""
+    return (h.dtype == torch.float32
+            and (not kv_caches or kv_caches[0][0].dtype in CACHE_DTYPES)
+            and positions.dtype == slots.dtype == torch.int64
             and block_tables.dtype == seq_lens.dtype == torch.int32
             and block_tables.stride(1) == 1 and positions.is_contiguous()
             and slots.is_contiguous() and seq_lens.is_contiguous())

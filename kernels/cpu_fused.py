@@ -108,7 +108,10 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
     """A fused q/k/v projection's output `[T, (heads + 2 kv_heads) D]` (fp32 or bf16, rows
     contiguous, any row stride): returns q rotated, fp32 `[T, heads, D]`; k rotated and v
     are written into the caches' slots (slot < 0: skipped), rounded to bf16 for bf16 caches.
-    Bitwise `rope_neox_` on the fp32 values, then `store_kv_ref`."""
+    Bitwise `rope_neox_` on the fp32 values, then `store_kv_ref`. Float caches only: an int8
+    pool's packed rows are written by kernels.kv_store (ops.rope_and_store_kv routes there)."""
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16), (
+        f"rope_store_kv writes fp32 or bf16 caches, not {k_cache.dtype}")
     q = torch.empty(qkv.shape[0], heads, head_dim)
     num_slots = k_cache.numel() // (kv_heads * head_dim)
     rc = _load().rope_store_kv(

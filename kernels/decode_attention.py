@@ -68,7 +68,8 @@ def _split_kv_kernel(
         stride_block_table, block_size, num_heads, max_splits,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+        HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, FP32_DOT: tl.constexpr,
+        INT8_KV: tl.constexpr):
     """Program (sequence, kv head, split): online softmax of the group's heads over the
     split's visible keys. A program with nothing to do (not a decode row, split past the end
     or before the window) writes nothing; the combine kernel never reads its slot."""
@@ -106,7 +107,7 @@ def _split_kv_kernel(
         k, v, s = kv_tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
                                  k_pos, k_ok, dims, dim_ok, scale, soft_cap, block_size,
                                  stride_block_table, stride_cache_block, stride_cache_slot,
-                                 stride_cache_head, HAS_SOFT_CAP, FP32_DOT)
+                                 stride_cache_head, HAS_SOFT_CAP, FP32_DOT, HEAD_DIM, INT8_KV)
         s = tl.where(k_ok[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, FP32_DOT)
     part = (seq * num_heads + head) * max_splits + split  # [BLOCK_G]
@@ -215,7 +216,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, HEAD_DIM=head_dim, SPLIT=split_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=has_window, HAS_SOFT_CAP=soft_cap is not None,
-        FP32_DOT=q.dtype == torch.float32)
+        FP32_DOT=q.dtype == torch.float32, INT8_KV=k_cache.dtype == torch.int8)
     _combine_kernel[(num_seqs, num_heads)](
         m, l, acc, out, query_start_loc, seq_lens,
         0 if sliding_window is None else int(sliding_window), out.stride(0), out.stride(1),

@@ -151,6 +151,8 @@ def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         f"latent planes [blocks, block_size, 1, D/2] for q's D {dim}, got {k_cache.shape}")
     assert half <= rank <= dim, f"rank {rank} must lie in [D/2, D] = [{half}, {dim}]"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k_cache.dtype != torch.int8, (
+        "MLA latent caches are float: an int8 KV pool is refused when the model loads")
     assert q.stride(2) == 1 and block_tables.stride(1) == 1
     if out is None:
         out = q.new_empty(num_tokens, num_heads, rank)

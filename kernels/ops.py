@@ -42,7 +42,8 @@ from duplex.kernels.rotary import RopeTables
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, all_valid: bool | None = None) -> None:
-    """Write k, v `[num_tokens, num_kv_heads, head_dim]` into cache slots (in place).
+    """Write k, v `[num_tokens, num_kv_heads, head_dim]` into cache slots (in place; an int8
+    cache takes packed rows, kernels.kv_store).
     slot = block_id * block_size + offset; slot < 0 skips the token. `all_valid`: the
     caller knows there is no negative slot (None: look)."""
     if runs_triton(k):
@@ -141,8 +142,9 @@ def rope_and_store_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: in
                       all_valid: bool | None = None) -> torch.Tensor:
     """A fused q/k/v projection's output `[T, (heads + 2 kv_heads) D]` (any float dtype):
     rotary (neox, full head) of q and k computed in fp32, k and v stored into the cache
-    slots as `store_kv` does; returns q, fp32 `[T, heads, D]`. On the CPU one fused kernel;
-    elsewhere the ops it stands for, on `qkv.float()`."""
+    slots as `store_kv` does; returns q, fp32 `[T, heads, D]`. On the CPU one fused kernel
+    (float caches); elsewhere, and for an int8 cache's packed rows, the ops it stands for,
+    on `qkv.float()`."""
     if not runs_triton(qkv) and cpu_fused.available() and cpu_fused.fits_mixed(qkv) \
             and cpu_fused.fits(cos_sin_cache) and cos_sin_cache.is_contiguous() \
             and cos_sin_cache.shape[-1] == head_dim and qkv.stride(1) == 1 \

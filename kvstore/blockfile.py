@@ -19,7 +19,9 @@ returns a `ReadResult` whose status says what was wrong.
         96     1  ndim (<= 8)
         97     7  zero
        104    64  shape, 8 x u64, unused dims zero
-       168    20  zero (reserved)
+       168     1  KV encoding length n (<= 15)
+       169    15  KV encoding, ASCII, zero padded (BlockEntry.encoding; "" for plain elements)
+       184     4  zero (reserved)
        188     4  CRC-32 of bytes [0, 188) followed by the payload
        192     -  payload (starts 64-byte aligned)
 
@@ -28,6 +30,10 @@ truncated writes, bit rot): identity is checked through the namespace and key fi
 unkeyed hash would not stop anyone able to write the directory anyway. CRC-32 catches every
 burst of up to 32 bits and lets random damage through with p = 2**-32, at ~6.7 GB/s on this
 box against ~1.35 GB/s for blake2b-128, so verification stays well above disk speed.
+
+Format 2 added the KV encoding (format 1 had none: an int8 pool's packed rows would have
+looked like plain int8 elements). A file of another format version is CORRUPT: refused and
+dropped, never read as this one.
 """
 from __future__ import annotations
 
@@ -42,11 +48,11 @@ from duplex.kvstore.entry import MAX_NDIM, BlockEntry
 from duplex.kvstore.keys import KEY_BYTES, LAYOUT_VERSION, key_hex
 
 MAGIC = b"DPLXKV\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_BYTES = 192
 TMP_SUFFIX = ".tmp"  # temp files are ".<key hex>.<random>.tmp" next to their target
 
-_FIELDS = struct.Struct("<8sHH16s16sdIQB31sB7x8Q")
+_FIELDS = struct.Struct("<8sHH16s16sdIQB31sB7x8QB15s")
 _CRC = struct.Struct("<I")
 _CRC_AT = HEADER_BYTES - _CRC.size
 assert _FIELDS.size <= _CRC_AT
@@ -71,6 +77,7 @@ class Header(NamedTuple):
     expires_at: float
     payload_len: int
     crc: int
+    encoding: str = ""
 
 
 def block_path(ns_dir: str, key: bytes) -> str:
@@ -87,11 +94,11 @@ def file_bytes(entry: BlockEntry) -> int:
 def encode_header(ns: bytes, key: bytes, entry: BlockEntry,
                   layout_version: int = LAYOUT_VERSION) -> bytes:
     """The 192-byte header of `entry`, CRC included."""
-    dtype = entry.dtype.encode("ascii")
+    dtype, encoding = entry.dtype.encode("ascii"), entry.encoding.encode("ascii")
     dims = tuple(entry.shape) + (0,) * (MAX_NDIM - len(entry.shape))
     head = _FIELDS.pack(MAGIC, FORMAT_VERSION, layout_version, ns, key, entry.expires_at,
                         entry.num_tokens, entry.nbytes, len(dtype), dtype, len(entry.shape),
-                        *dims)
+                        *dims, len(encoding), encoding)
     head += bytes(_CRC_AT - len(head))
     crc = zlib.crc32(_bytes_view(entry.payload), zlib.crc32(head))
     return head + _CRC.pack(crc)
@@ -102,18 +109,20 @@ def parse_header(head: bytes, ns: bytes, key: bytes) -> Header | str:
     if len(head) < HEADER_BYTES:
         return f"truncated header ({len(head)} bytes)"
     (magic, fmt, layout, head_ns, head_key, expires_at, num_tokens, payload_len, dtype_len,
-     dtype, ndim, *dims) = _FIELDS.unpack_from(head)
+     dtype, ndim, *dims, encoding_len, encoding) = _FIELDS.unpack_from(head)
     problem = _identity_problem(magic, fmt, layout, head_ns, head_key, ns, key)
     if problem:
         return problem
-    if dtype_len > len(dtype) or ndim > MAX_NDIM:
-        return "bad dtype or ndim field"
+    if dtype_len > len(dtype) or ndim > MAX_NDIM or encoding_len > len(encoding):
+        return "bad dtype, ndim or encoding field"
     try:
         dtype_text = dtype[:dtype_len].decode("ascii")
+        encoding_text = encoding[:encoding_len].decode("ascii")
     except UnicodeDecodeError:
-        return "dtype is not ASCII"
+        return "dtype or encoding is not ASCII"
     crc, = _CRC.unpack_from(head, _CRC_AT)
-    return Header(dtype_text, tuple(dims[:ndim]), num_tokens, expires_at, payload_len, crc)
+    return Header(dtype_text, tuple(dims[:ndim]), num_tokens, expires_at, payload_len, crc,
+                  encoding_text)
 
 
 def _identity_problem(magic, fmt, layout, head_ns, head_key, ns, key) -> str:
@@ -192,7 +201,7 @@ def _checked_entry(header, head_before_crc, payload) -> ReadResult:
         return ReadResult(Status.CORRUPT, reason="checksum mismatch")
     try:
         entry = BlockEntry(payload, header.dtype, header.shape, header.num_tokens,
-                           header.expires_at)
+                           header.expires_at, header.encoding)
     except ValueError as exc:
         return ReadResult(Status.CORRUPT, reason=f"invalid fields: {exc}")
     return ReadResult(Status.OK, entry)

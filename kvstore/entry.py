@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 MAX_DTYPE_CHARS = 31
+MAX_ENCODING_CHARS = 15
 MAX_NDIM = 8
 
 
@@ -18,15 +19,22 @@ class BlockEntry:
 
     payload: bytes-like, C-contiguous; dtype: torch-style name ("float32", "bfloat16");
     shape: how the engine views the payload; num_tokens: tokens it covers;
-    expires_at: absolute time (same clock as the tiers) from which it is never served.
+    expires_at: absolute time (same clock as the tiers) from which it is never served;
+    encoding: how the elements hold the values ("": they are the values; "int8+f32scale":
+    each row is int8 values and an fp32 scale, duplex.kernels.kv_store), so that a reader
+    never takes one encoding for another.
     """
     payload: bytes
     dtype: str
     shape: tuple[int, ...]
     num_tokens: int
     expires_at: float
+    encoding: str = ""
 
     def __post_init__(self) -> None:
+        if len(self.encoding) > MAX_ENCODING_CHARS or not self.encoding.isascii():
+            raise ValueError(f"encoding must be 0..{MAX_ENCODING_CHARS} ASCII chars: "
+                             f"{self.encoding!r}")
         if not self.dtype or len(self.dtype) > MAX_DTYPE_CHARS or not self.dtype.isascii():
             raise ValueError(f"dtype must be 1..{MAX_DTYPE_CHARS} ASCII chars: {self.dtype!r}")
         if len(self.shape) > MAX_NDIM or any(not 0 <= d < 2**63 for d in self.shape):

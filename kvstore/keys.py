@@ -11,7 +11,8 @@ it*, so equal keys mean equal KV:
 
 Token ids are encoded as little-endian uint32 (every vocabulary in use fits). Partial blocks
 get no key. Bump LAYOUT_VERSION whenever the KV byte layout or this scheme changes: every old
-key then becomes unreachable instead of wrong.
+key then becomes unreachable instead of wrong. A new KV encoding beside the old ones (the int8
+pool's packed rows) is a new kv_dtype value, so its own namespace, and needs no bump.
 
 Tenants are isolated by the namespace: the tenant salt is derived server-side from the API key,
 and a per-request cache_salt can only narrow a tenant's namespace, never reach another's.

@@ -277,7 +277,8 @@ class LlamaForCausalLM:
                 or not cpu_fused.is_enabled() or is_batch_invariant() or quant.in_prompt_step():
             return None
         if not (cpu_decode.available() and cpu_decode.step_fits(
-                h, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens)):
+                h, ctx.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
+                ctx.kv_caches)):
             return None
         if self._decode_stack is None:
             self._decode_stack = decode_stack(self) or False
