@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 SERVERS = ("llama", "duplex")
+NAMES = {"llama": "llama-server", "duplex": "Duplex", "vllm": "vLLM"}
 LLAMA_SERVER_ARGS = ("-np", "16", "-c", "32768")
 BIN_GLOB = "llama_cpp_python-*/vendor/llama.cpp/build/bin"
 REPACK_CHOICES = ("auto", "on", "off")
@@ -196,12 +197,47 @@ def measure(args: argparse.Namespace, result: dict) -> None:
                "repeats": args.repeats, "workloads": args.workloads, "llama_bin": str(bin_dir),
                "llama_repack": llama.repack}
     specs = {name: SPECS[name] for name in args.workloads if SPECS[name].workload}
+    if "single" in specs:
+        result |= read_rates(model, args.threads)
     if specs:
         result["runs"] = serve_both(args, llama, specs)
         if args.vllm_python:
             serve_vllm(args, model, specs, result)
     if "bench" in args.workloads:
         result["bench"] = bench_both(args, llama)
+
+
+def read_rates(model: str, threads: int) -> dict:
+    """What one decode step must read (the file's tensor bytes) and how fast this box streams
+    memory with `threads` threads (bench/machine.py), measured before any server starts."""
+    import torch
+    from gguf import GGUFReader
+
+    from duplex.bench.machine import memory_read_gbs
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        read_gbs = memory_read_gbs(1 << 30)
+    finally:
+        torch.set_num_threads(previous)
+    weight_bytes = sum(int(t.n_bytes) for t in GGUFReader(model).tensors)
+    return {"read_gbs": read_gbs, "weight_bytes": weight_bytes}
+
+
+def read_rate_line(result: dict) -> str | None:
+    """One stream: the weight bytes each server reads a second (file bytes / TPOT p50) against
+    the box's streaming read rate."""
+    if not result.get("read_gbs") or not result.get("weight_bytes"):
+        return None
+    tpot = [(s, medians(result.get("runs", []), "single", s, SPECS["single"].metrics)["TPOT"])
+            for s in (*SERVERS, "vllm")]
+    parts = [f"{NAMES[s]} {result['weight_bytes'] / t * 1e3 / 1e9:.1f} GB/s "
+             f"({result['weight_bytes'] / t * 1e3 / 1e9 / result['read_gbs']:.0%})"
+             for s, t in tpot if t and s != "vllm"]
+    return (f"One stream reads the {result['weight_bytes'] / 1e9:.2f} GB of weights a token: "
+            + ", ".join(parts) + f" of the box's measured streaming read rate, "
+            f"{result['read_gbs']:.1f} GB/s with {result['threads']} threads.") if parts else None
 
 
 def shape_model(args: argparse.Namespace, bin_dir: Path) -> str:
@@ -560,6 +596,8 @@ def markdown(result: dict) -> str:
               f"{Path(result['model']).name}, {result['threads']} threads"
               + ("." if result.get("llama_repack", True) else
                  "; llama.cpp without weight repacking (--no-repack).")]
+    if (reads := read_rate_line(result)) is not None:
+        lines.append(reads)
     if vllm:
         lines.append(f"vLLM {result.get('vllm_version', '')} (CPU build) ran the same prompts "
                      "alone after the pair, on the same weights as bf16 safetensors.")

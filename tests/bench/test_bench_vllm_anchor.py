@@ -167,3 +167,34 @@ def test_the_table_gets_a_vllm_column_and_duplex_over_vllm_ratios():
     skipped = anchor.markdown({**result, "runs": runs[:2], "vllm_skipped": "no vllm here"})
     assert "vLLM CPU" not in skipped.splitlines()[0]
     assert "vLLM not run: no vllm here." in skipped
+
+
+def test_the_read_rate_line_sets_each_servers_weight_bytes_a_second_against_the_box():
+    summary = {"num_planned": 1, "completed": 1, "failure_reasons": {}, "rss_mb": None}
+    runs = [{"workload": "single", "server": s, "repeat": 0,
+             "summary": summary | {"output_throughput": 1.0, "tpot_ms": {"p50": tpot}}}
+            for s, tpot in (("llama", 100.0), ("duplex", 200.0))]
+    result = {"workloads": ["single"], "runs": runs, "repeats": 1, "model": "m.gguf",
+              "threads": 2, "read_gbs": 20.0, "weight_bytes": 1_000_000_000}
+    assert anchor.read_rate_line(result) == (
+        "One stream reads the 1.00 GB of weights a token: llama-server 10.0 GB/s (50%), "
+        "Duplex 5.0 GB/s (25%) of the box's measured streaming read rate, 20.0 GB/s with 2 "
+        "threads.")
+    assert anchor.read_rate_line(result) in anchor.markdown(result)
+    assert anchor.read_rate_line({**result, "read_gbs": None}) is None
+
+
+def test_read_rates_count_the_files_tensor_bytes(tmp_path):
+    import gguf
+    import numpy as np
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("a", np.zeros((4, 8), dtype=np.float32))
+    writer.add_tensor("b", np.zeros((16,), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    rates = anchor.read_rates(str(path), threads=1)
+    assert rates["weight_bytes"] == 4 * 8 * 4 + 16 * 2
+    assert rates["read_gbs"] > 0.1
