@@ -103,20 +103,20 @@ def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
     from duplex.engine.core import EngineCore
     from duplex.engine.text.tokenizer import load_tokenizer
 
-    reference, out = None, []
+    expected, out = None, []  # the reference's top-1 tokens, from its run (the first)
     for dtype in [reference, *[d for d in dtypes if d != reference]]:
         weights, _, kv = dtype.partition(":")
         core = EngineCore(EngineConfig.of(model=model, weights_dtype=weights,
                                           kv_cache_dtype=kv or "auto", num_threads=num_threads,
                                           enable_prefix_caching=False), progress=False)
-        if reference is None:
+        if expected is None:
             ids = load_tokenizer(core.model_path).encode(text)
         logits = teacher_forced_logits(core, ids)
         top1 = logits[:-1].argmax(-1)
-        reference = top1 if reference is None else reference
+        expected = top1 if expected is None else expected
         nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
         out.append(Quality(dtype, math.exp(float(nll)),
-                           float((top1 == reference).float().mean()), weight_bytes(core.model)))
+                           float((top1 == expected).float().mean()), weight_bytes(core.model)))
     return [q for q in out if q.dtype in dtypes]
 
 
