@@ -33,6 +33,8 @@ async def test_int8_blocks_hand_off_and_decode_as_in_the_unified_engine():
         sent = sum(len(p) // BS for p in PROMPTS.values())
         await until(lambda: cluster.stat("decode", "intake_blocks_received") == sent)
         assert cluster.stat("prefill", "handoff_blocks_sent") == sent
+        # the decode worker continued from those blocks (host-tier hits), not a recompute
+        await until(lambda: cluster.stat("decode", "kv_hit_tokens_host") == sent * BS)
         reply = await _offer(cluster.worker("decode").kv_address,
                              KvOffer("bf16", request("bf16", [1, 2]), [b"k" * 16], "bfloat16",
                                      [3, 2, BS, 2, 16]))
