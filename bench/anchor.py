@@ -444,7 +444,18 @@ def serve_both(args: argparse.Namespace, llama: LlamaCpp, specs: dict[str, Spec]
 def serve_vllm(args: argparse.Namespace, model: str, specs: dict[str, Spec],
                result: dict) -> None:
     """The same workloads (the same prompts: the same seeds) on vLLM's CPU build, alone;
-    its runs join result["runs"], or result["vllm_skipped"] says why there are none."""
+    its runs join result["runs"], or result["vllm_skipped"] says why there are none (a
+    failure too: what the pair measured is never lost to it)."""
+    try:
+        vllm_runs(args, model, specs, result)
+    except Exception as e:  # noqa: BLE001 — the pair's runs are written whatever vLLM does
+        result["vllm_skipped"] = f"failed: {type(e).__name__}: {e}"
+        print(f"duplex bench anchor: vLLM {result['vllm_skipped']}", file=sys.stderr,
+              flush=True)
+
+
+def vllm_runs(args: argparse.Namespace, model: str, specs: dict[str, Spec],
+              result: dict) -> None:
     from duplex.bench import vllm_anchor
     from duplex.bench.hf import load_tokenizer
     from duplex.bench.server_proc import free_port
@@ -455,7 +466,7 @@ def serve_vllm(args: argparse.Namespace, model: str, specs: dict[str, Spec],
         print(f"duplex bench anchor: vLLM skipped: {reason}", file=sys.stderr, flush=True)
         return
     result["vllm_version"] = vllm_anchor.version(args.vllm_python)
-    model_dir = vllm_anchor.hf_dir(vllm_anchor.source_gguf(model))
+    model_dir = vllm_anchor.hf_dir(vllm_anchor.source_gguf(model), Path(args.shape_dir))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     port = free_port()
     with running_command(vllm_anchor.command(args.vllm_python, model_dir, port), port,

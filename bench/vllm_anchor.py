@@ -2,7 +2,7 @@
 
 vLLM serves Hugging Face directories, not GGUF files, so it gets the same weights as one:
 transformers reads the GGUF (dequantized; for `--shape` the F16 file before quantization),
-and the model and its tokenizer are saved once as bf16 safetensors next to the file
+and the model and its tokenizer are saved once as bf16 safetensors in `--shape-dir`
 (`<stem>.hf/`). vLLM's CPU worker busy-polls a core even when idle, so it is never timed beside
 another server: it runs the same workloads alone, after llama-server and Duplex have stopped.
 
@@ -44,20 +44,34 @@ def version(python: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def hf_dir(gguf: str) -> Path:
+def hf_dir(gguf: str, root: Path | None = None) -> Path:
     """A Hugging Face directory of the GGUF's weights (bf16 safetensors) and its tokenizer,
-    made once beside the file."""
+    made once in `root` (default: beside the file)."""
     path = Path(gguf)
-    out = path.with_name(path.name.removesuffix(".gguf") + ".hf")
+    out = (root or path.parent) / (path.name.removesuffix(".gguf") + ".hf")
     if (out / "config.json").is_file():
         return out
     import torch
 
     from duplex.bench.hf import load_model, load_tokenizer
 
+    from safetensors.torch import save_file
+
     staging = out.with_name(out.name + ".tmp")
-    model = load_model(str(path)).to(torch.bfloat16)
-    model.save_pretrained(staging, safe_serialization=True)
+    staging.mkdir(parents=True, exist_ok=True)
+    model = load_model(str(path))
+    # transformers marks a model read from GGUF as quantized and will not save_pretrained it:
+    # the config (without that mark) and the weights are written by hand
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(staging)
+    state = {name: t.detach().to(torch.bfloat16).contiguous()
+             for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding
+    save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
     load_tokenizer(str(path)).save_pretrained(staging)
     staging.rename(out)
     return out

@@ -94,6 +94,10 @@ def test_a_made_directory_is_reused(tmp_path):
     made.mkdir()
     (made / "config.json").write_text("{}")
     assert vllm_anchor.hf_dir(str(tmp_path / "m.gguf")) == made
+    elsewhere = tmp_path / "cache"
+    (elsewhere / "m.hf").mkdir(parents=True)
+    (elsewhere / "m.hf" / "config.json").write_text("{}")
+    assert vllm_anchor.hf_dir("/nowhere/m.gguf", elsewhere) == elsewhere / "m.hf"
 
 
 def _args(tmp_path, python):
@@ -112,7 +116,7 @@ def test_vllm_runs_the_pairs_prompts_alone_and_gets_a_column(tmp_path, fake_vllm
                                                              monkeypatch):
     python, log = fake_vllm
     model_dir = tmp_path / "weights.hf"
-    monkeypatch.setattr(vllm_anchor, "hf_dir", lambda gguf: model_dir)
+    monkeypatch.setattr(vllm_anchor, "hf_dir", lambda gguf, root=None: model_dir)
     spec = anchor.Spec("tiny", (anchor.OUT_TOK_S, anchor.RSS), "random",
                        {"num_requests": 2, "input_len": 8, "output_len": 3})
     result = {"runs": [], "workloads": ["single"], "repeats": 2, "model": "m.gguf",
