@@ -15,7 +15,12 @@ from tests.models_gguf.test_gguf_archs import NUM_NEW, PROMPTS, reference
 @pytest.fixture
 def deepseek_with_tokenizer(tiny_model, tmp_path, monkeypatch):
     """The tiny DeepSeek V3 file with the default model's tokenizer, converted afresh (a
-    private tokenizer cache: an entry from an earlier run must not stand in for the file)."""
+    private tokenizer cache: an entry from an earlier run must not stand in for the file).
+    The default model's tokenizer, which it is compared with, is loaded first, from the
+    usual cache (converting it again in the private one would only repeat a conversion)."""
+    from duplex.engine.text.tokenizer import load_tokenizer
+
+    load_tokenizer(default_model_path())
     monkeypatch.setenv("DUPLEX_CACHE_DIR", str(tmp_path / "cache"))
     model = tiny_model("deepseek_v3")
     return model, model.gguf("F32", tokenizer_from=default_model_path(), tag="-tok")
