@@ -38,7 +38,9 @@ RICH_REPLY = (
     "Inline $e^{i\\pi}+1=0$ and a block:\n\n$$\n\\int_0^1 x\\,dx = \\tfrac12\n$$\n\n"
     "<script>alert(3)</script> [click](javascript:alert(4)) "
     "<img src=x onerror=alert(5)> [safe](https://example.com/)")
-LONG_REPLY = ("All work and no play makes a long answer. " * 5 + "\n\n") * 40
+# Long enough (about 4 minutes at 20 ms a step) that no test sees it end before it clicks stop,
+# however slowly a loaded box renders: a stream that ended first hides the stop button.
+LONG_REPLY = ("All work and no play makes a long answer. " * 5 + "\n\n") * 400
 FAIL_AFTER_TOKENS = 12
 
 
