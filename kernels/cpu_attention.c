@@ -26,7 +26,7 @@
 #define MAX_HEADS 1024  /* query heads one unit of work may hold */
 
 int attn_available(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;
@@ -202,11 +202,138 @@ DEFINE_ATTEND(attend_f32, float, load_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16)
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* ------------------------------------------------ AVX2 (no AVX512: most laptops, Zen 1-3)
+ *
+ * The same walk as the AVX512 attend in 8-lane vectors: a key's row read once for up to
+ * QK_HEADS query heads of its group, each score an FMA chain over head_dim summed
+ * horizontally, the softmax's exponentials through libmvec's 8-lane expf, and a tile of
+ * PV_HEADS heads x PV_VECS vectors of the weighted values in registers over all keys. */
+#include <immintrin.h>
+
+__m256 _ZGVdN8v_expf(__m256);  /* glibc libmvec */
+
+static __thread struct scratch scores;
+
+static float *scores_for(size_t n) { return scratch_grow(&scores, n * sizeof(float)); }
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {  /* widened exactly */
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline float attn_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* p[0:n] = exp(p - mx), returns the sum (the last partial vector padded with -inf: exp 0) */
+static inline float exp_shifted(float *p, int64_t n, float mx) {
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(p + i), vmx));
+        _mm256_storeu_ps(p + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (i < n) {
+        float tail[8];
+        for (int j = 0; j < 8; j++) tail[j] = i + j < n ? p[i + j] : -INFINITY;
+        __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(tail), vmx));
+        _mm256_storeu_ps(tail, e);
+        for (int j = 0; i + j < n; j++) p[i + j] = tail[j];
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    return attn_hsum8(vsum);
+}
+
+#define QK_HEADS 4  /* query heads scored against one load of a key */
+#define PV_HEADS 3  /* query heads ... */
+#define PV_VECS 4   /* ... by 8-lane pieces of head_dim: the accumulators in registers */
+
+#define DEFINE_ATTEND(NAME, T, LOAD)                                                          \
+static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int64_t n,       \
+                 int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group, int64_t d,         \
+                 float scale, float *out) {                                                    \
+    int64_t heads = nkv * group;                                                               \
+    float *p = scores_for((size_t)(heads * n));                                                \
+    if (!p) return -1;  /* out of memory */                                                    \
+    const float *qh = q + kv0 * group * d;                                                     \
+    float mx[MAX_HEADS];                                                                       \
+    for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY;                                     \
+    for (int64_t l = 0; l < n; l++) {                                                          \
+        const T *kr = k + (keys[l] * kv_heads + kv0) * d;                                      \
+        for (int64_t j = 0; j < nkv; j++)                                                      \
+            for (int64_t g0 = 0; g0 < group; g0 += QK_HEADS) {                                 \
+                int64_t nh = group - g0 < QK_HEADS ? group - g0 : QK_HEADS;                    \
+                const float *qr = qh + (j * group + g0) * d;                                   \
+                __m256 a[QK_HEADS];                                                            \
+                _Pragma("GCC unroll 4") for (int u = 0; u < QK_HEADS; u++)                     \
+                    a[u] = _mm256_setzero_ps();                                                \
+                for (int64_t i = 0; i < d; i += 8) {                                           \
+                    __m256 kv = LOAD(kr + j * d + i);                                          \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < QK_HEADS; u++)                 \
+                        if (u < nh)                                                            \
+                            a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + u * d + i), kv, a[u]); \
+                }                                                                              \
+                _Pragma("GCC unroll 4") for (int u = 0; u < QK_HEADS; u++) {                   \
+                    if (u >= nh) break;                                                        \
+                    int64_t h = j * group + g0 + u;                                            \
+                    float sc = attn_hsum8(a[u]) * scale;                                            \
+                    p[h * n + l] = sc;                                                         \
+                    mx[h] = sc > mx[h] ? sc : mx[h];                                           \
+                }                                                                              \
+            }                                                                                  \
+    }                                                                                          \
+    float inv[MAX_HEADS];                                                                      \
+    for (int64_t h = 0; h < heads; h++) inv[h] = 1.0f / exp_shifted(p + h * n, n, mx[h]);     \
+    float *oh = out + kv0 * group * d;                                                         \
+    for (int64_t j = 0; j < nkv; j++)                                                          \
+        for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS)                                       \
+            for (int64_t c0 = 0; c0 < d; c0 += 8 * PV_VECS) {                                  \
+                int64_t nh = group - g0 < PV_HEADS ? group - g0 : PV_HEADS;                    \
+                int64_t nv = (d - c0) / 8 < PV_VECS ? (d - c0) / 8 : PV_VECS;                  \
+                int64_t h0 = j * group + g0;                                                   \
+                __m256 o[PV_HEADS][PV_VECS];                                                   \
+                _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++)                     \
+                _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                      \
+                    o[a][u] = _mm256_setzero_ps();                                             \
+                for (int64_t l = 0; l < n; l++) {                                              \
+                    const T *vr = v + (keys[l] * kv_heads + kv0 + j) * d + c0;                 \
+                    __m256 vv[PV_VECS];                                                        \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                  \
+                        vv[u] = u < nv ? LOAD(vr + 8 * u) : _mm256_setzero_ps();               \
+                    _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++) {               \
+                        if (a >= nh) break;                                                    \
+                        __m256 w = _mm256_set1_ps(p[(h0 + a) * n + l]);                        \
+                        _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)              \
+                            o[a][u] = _mm256_fmadd_ps(w, vv[u], o[a][u]);                      \
+                    }                                                                          \
+                }                                                                              \
+                _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++) {                   \
+                    if (a >= nh) break;                                                        \
+                    __m256 s = _mm256_set1_ps(inv[h0 + a]);                                    \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                  \
+                        if (u < nv)                                                            \
+                            _mm256_storeu_ps(oh + (h0 + a) * d + c0 + 8 * u,                   \
+                                             _mm256_mul_ps(o[a][u], s));                       \
+                }                                                                              \
+            }                                                                                  \
+    return 0;                                                                                  \
+}
+
+DEFINE_ATTEND(attend_f32, float, load8_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, load8_bf16)
+#endif
+
 /* q [B, H, D] rows (row b at q + rows[b] * q_row_stride, head stride D); k/v [slots, KVH, D]
  * of fp32 (decode_attention_f32) or bf16 (decode_attention_bf16); keys [B, L] int64 cache
  * slots, the first counts[b] valid; out [B, H, D] contiguous fp32.
  * Returns 0, or -1 when the shapes are not supported. */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
 int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
          const int64_t *keys, const int64_t *counts, int64_t B, int64_t L, int64_t H,          \

@@ -9,16 +9,26 @@
  * and the down projection; then the final RMSNorm. The results are therefore bitwise those
  * of the per-op path with the fused CPU kernels on (the tests hold it to that).
  *
- * Scope: every row a one-token decode of its own sequence, quantized weights in the VNNI
- * layout without biases, fp32 or bf16 KV caches, full attention (no window, no soft cap). The
- * Python side checks that and keeps the per-op path for everything else.
+ * A projection is up to DEC_PARTS parts stacked along N, each with its own kernel, as the
+ * per-op path's quant.FusedWeight runs them (a Q4_K_M file's q and k are Q4_K, its v Q6_K):
+ * a weight in the VNNI layout (cpu_qgemv.c, AVX512-VNNI), or a GGUF file's own rows
+ * (cpu_gguf.c: its AVX2 int8 kernels on every x86 CPU with AVX2, the only ones most laptops
+ * have), each writing its columns of the projection's output.
+ *
+ * Scope: every row a one-token decode of its own sequence, quantized weights without
+ * biases, fp32 or bf16 KV caches, full attention (no window, no soft cap). The Python side
+ * checks that and keeps the per-op path for everything else.
  */
 #include "cpu_fused.c"
 #include "cpu_qgemv.c"
 #include "cpu_attention.c"
+#include "cpu_gguf.c"
+
+#define DEC_GGUF 1000  /* kind DEC_GGUF + a ggml type id: a GGUF file's own rows (cpu_gguf.c) */
+#define DEC_PARTS 3
 
 typedef struct {
-    int64_t kind;  /* QG_INT4, QG_INT8 or QG_INT4_HALF (cpu_qgemv.c) */
+    int64_t kind;  /* QG_INT4, QG_INT8 or QG_INT4_HALF (cpu_qgemv.c), or DEC_GGUF + type */
     const uint8_t *w;
     const void *scale;
     const float *zero;
@@ -26,8 +36,13 @@ typedef struct {
 } dec_weight;
 
 typedef struct {
+    int64_t parts;  /* 1..DEC_PARTS, stacked along N */
+    dec_weight part[DEC_PARTS];
+} dec_proj;
+
+typedef struct {
     const float *input_norm, *post_norm;
-    dec_weight qkv, o, gate_up, down;
+    dec_proj qkv, o, gate_up, down;
 } dec_layer;
 
 typedef struct {
@@ -41,9 +56,29 @@ static __thread struct scratch work;
 
 static float *work_for(size_t n) { return scratch_grow(&work, n * sizeof(float)); }
 
-static int matmul(const dec_weight *w, const float *x, float *out, int64_t m, int threads) {
-    return qg_linear((int)w->kind, w->w, w->scale, w->zero, x, w->k, out, w->n, m, w->n, w->k,
-                     threads);
+/* out [m, N] = x [m, K] @ w.T, N the parts' rows together: each part its own kernel into
+ * its columns (the per-op path's results, bit for bit: the same calls on the same x). */
+static int matmul(const dec_proj *p, const float *x, float *out, int64_t m, int threads) {
+    int64_t n = 0, col = 0;
+    for (int64_t i = 0; i < p->parts; i++) n += p->part[i].n;
+    for (int64_t i = 0; i < p->parts; i++) {
+        const dec_weight *w = &p->part[i];
+        int rc;
+        if (w->kind >= DEC_GGUF) {
+            int type = (int)(w->kind - DEC_GGUF), bs = block_size(type);
+            int64_t row_bytes = bs ? w->k / bs * block_bytes(type) : 0;
+            rc = bs == 1 ? gg_linear(type, w->w, row_bytes, w->n, w->k, x, w->k, m, out + col, n,
+                                     threads)
+                         : gg_linear_x(type, w->w, row_bytes, w->n, w->k, x, w->k, m, out + col,
+                                       n, threads);
+        } else {
+            rc = qg_linear((int)w->kind, w->w, w->scale, w->zero, x, w->k, out + col, n, m, w->n,
+                           w->k, threads);
+        }
+        if (rc) return -1;
+        col += w->n;
+    }
+    return 0;
 }
 
 /* cache slots of every key each sequence sees: keys [m, max_len] */

@@ -1,15 +1,18 @@
 """A Llama decode step's layers in one C call (kernels/cpu_decode.c).
 
-    stack = DecodeStack(layers, dims, final_norm, rope_cache)   once, from the model's weights
+    stack = DecodeStack(layers, dims, final_norm, rope_cache, max_rows)   once, from the weights
     h = stack.forward(h, kv_caches, positions, slots, block_tables, seq_lens, block_size)
 
 The per-op path runs ~12 kernels a layer from Python; at batch 1 on a small model their
 dispatch costs more than their arithmetic (docs/BENCHMARKS.md). `decode_forward` runs the
-same kernels (kernels/cpu_fused.c, cpu_qgemv.c, cpu_attention.c, included into one library)
-in the same order, so its output is bitwise that of the per-op path with the fused kernels
-on, for the steps it takes: every row a one-token decode, quantized weights in the VNNI
-layout without biases, fp32 or bf16 caches, full attention. The model decides when it applies
-(engine/models/llama.py); `DUPLEX_FUSED_DECODE=0` turns it off, for comparisons.
+same kernels (kernels/cpu_fused.c, cpu_qgemv.c, cpu_attention.c, cpu_gguf.c, included into
+one library) in the same order, so its output is bitwise that of the per-op path with the
+fused kernels on, for the steps it takes: every row a one-token decode, quantized weights
+without biases (in the VNNI layout, or a GGUF file's own rows: AVX2 is enough), fp32 or bf16
+caches, full attention. A projection may be up to three parts of different kinds (a Q4_K_M
+file's Q4_K q and k beside its Q6_K v), each run by its own kernel into its columns. The
+model decides when it applies (engine/models/llama.py); `DUPLEX_FUSED_DECODE=0` turns it
+off, for comparisons.
 """
 from __future__ import annotations
 
@@ -27,15 +30,37 @@ _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _lib: ctypes.CDLL | None | bool = None
 _I, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
+GGUF_KIND = 1000  # DEC_GGUF: kind = this + the ggml type id
+MAX_PARTS = 3  # DEC_PARTS
 
 
 class _Weight(ctypes.Structure):
     _fields_ = [("kind", _I), ("w", _P), ("scale", _P), ("zero", _P), ("n", _I), ("k", _I)]
 
 
+class _Proj(ctypes.Structure):
+    _fields_ = [("parts", _I), ("part", _Weight * MAX_PARTS)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Proj), ("o", _Proj),
+                ("gate_up", _Proj), ("down", _Proj)]
+
+
+@dataclass(frozen=True)
+class GGUFRows:
+    """A GGUF file's own rows, as kernels.cpu_gguf runs them: uint8 `raw [n, row_bytes]` of
+    ggml type `type_id`, k weights a row."""
+    type_id: int
+    raw: torch.Tensor
+    k: int
+
+    @property
+    def n(self) -> int:
+        return self.raw.shape[0]
+
+
+Part = Packed | GGUFRows
 
 
 class _Model(ctypes.Structure):
@@ -58,10 +83,11 @@ class Dims:
 class LayerWeights:
     input_norm: torch.Tensor  # fp32 [hidden]
     post_norm: torch.Tensor
-    qkv: Packed  # [heads * D + 2 * kv_heads * D, hidden]
-    o: Packed  # [hidden, heads * D]
-    gate_up: Packed  # [2 * intermediate, hidden]
-    down: Packed  # [hidden, intermediate]
+    # each projection: its parts stacked along N (1..MAX_PARTS)
+    qkv: tuple[Part, ...]  # [heads * D + 2 * kv_heads * D, hidden]
+    o: tuple[Part, ...]  # [hidden, heads * D]
+    gate_up: tuple[Part, ...]  # [2 * intermediate, hidden]
+    down: tuple[Part, ...]  # [hidden, intermediate]
 
 
 def available() -> bool:
@@ -73,12 +99,13 @@ class DecodeStack:
     stack keeps references so they cannot be freed under it)."""
 
     def __init__(self, layers: list[LayerWeights], dims: Dims, final_norm: torch.Tensor,
-                 rope_cache: torch.Tensor) -> None:
+                 rope_cache: torch.Tensor, max_rows: int) -> None:
         for t in (final_norm, rope_cache, *(w for ly in layers for w in (ly.input_norm, ly.post_norm))):
             assert t.dtype == torch.float32 and t.is_contiguous(), "norms and rope: fp32 contiguous"
         assert rope_cache.shape[-1] == dims.head_dim, "rotary over the full head only"
         self._keep = (layers, final_norm, rope_cache)
         self.dims = dims
+        self.max_rows = max_rows  # the most rows a step may have (its weights' row kernels)
         self._model = _Model(len(layers), dims.hidden, dims.heads, dims.kv_heads, dims.head_dim,
                              dims.intermediate, dims.eps, dims.head_dim ** -0.5,
                              final_norm.data_ptr(), rope_cache.data_ptr())
@@ -126,14 +153,22 @@ def step_fits(h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             and slots.is_contiguous() and seq_lens.is_contiguous())
 
 
-def _weight(p: Packed) -> _Weight:
+def _weight(p: Part) -> _Weight:
+    if isinstance(p, GGUFRows):
+        assert p.raw.is_contiguous() and p.raw.dtype == torch.uint8
+        return _Weight(GGUF_KIND + p.type_id, p.raw.data_ptr(), 0, 0, p.n, p.k)
     kind, w, scale, zero = p.pointers
     return _Weight(kind, w, scale, zero, p.n, p.k)
 
 
+def _proj(parts: tuple[Part, ...]) -> _Proj:
+    assert 1 <= len(parts) <= MAX_PARTS and len({p.k for p in parts}) == 1
+    return _Proj(len(parts), (_Weight * MAX_PARTS)(*(_weight(p) for p in parts)))
+
+
 def _layer(ly: LayerWeights) -> _Layer:
-    return _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(), _weight(ly.qkv),
-                  _weight(ly.o), _weight(ly.gate_up), _weight(ly.down))
+    return _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(), _proj(ly.qkv),
+                  _proj(ly.o), _proj(ly.gate_up), _proj(ly.down))
 
 
 def _load():
@@ -145,7 +180,9 @@ def _load():
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
-    if not (lib.qg_available() and lib.attn_available()):
+    """The library where its attention runs (AVX2 + FMA, or AVX512); the VNNI parts are
+    only ever given where cpu_qgemv runs (weights have that layout only there)."""
+    if not lib.attn_available():
         return False
     lib.decode_forward.restype = ctypes.c_int
     lib.decode_forward.argtypes = [_P, _P, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _I,

@@ -26,8 +26,9 @@
  *                is expanded once into an L1 buffer and dotted with every row of x)
  *   gg_quantize_x / gg_linear_q8: the same for the block types, on int8 activations
  *                (llama.cpp's way): x is quantized once per call to int8 with one scale per
- *                32 inputs, xq = round(x / dx), dx = max|x| / 127, and every 32 weights
- *                w = a q + c (q a small unsigned integer, Q8_0: signed) are summed in integers:
+ *                32 inputs (K-quants: per 256, llama.cpp's Q8_K), xq = round(x / dx),
+ *                dx = max|x| / 127, and every 32 weights w = a q + c (q a small unsigned
+ *                integer, Q8_0: signed) are summed in integers:
  *
  *                  sum_j w_j x_j = dx (a sum_j q_j xq_j + c sum_j xq_j)
  *
@@ -36,13 +37,16 @@
  *
  * With AVX2 every block type is read straight from its bytes (the "AVX2" section below):
  * nibbles and high bits unpacked from 256-bit loads with and / shift, 32 products a
- * vpmaddubsw, vpmaddwd to 8 int32 lanes, one int32 -> fp32 conversion and one fmadd by the
- * factors d sc dx per 32 weights (K-quants: per 128, four sub-blocks' sums folded into one
- * vector by in-lane unpacks), the offset terms (c sum xq: Q4_1's m, the K-quants' dmin m,
- * Q6_K's -32) one fmadd per block from float sums of x per 32 (per 16), and one horizontal
- * sum per output. A K-quant block is unpacked once for up to 4 rows of x; one row of x
- * takes the weight rows two at a time. Without AVX2 the blocks go through expand_block (bytes q and factors a,
- * c) and the same sums run as plain C.
+ * vpmaddubsw, then a vpmaddwd to 8 int32 lanes. 32-blocks: one int32 -> fp32 conversion and
+ * one fmadd by d dx per block, the offset (c sum xq: Q4_1's m, Q4_0's -8 d) from float sums
+ * of x. K-quants: the vpmaddwd multiplies by the sub-block's integer scale, so a whole
+ * 256-block (one x scale) sums in int32 lanes, the mins (Q6_K: the -32) too, against the
+ * int16 sums of x per 16; then one conversion and one fmadd a block (Q4_K / Q5_K: two).
+ * That is why x takes one scale per 256 there, as in llama.cpp: per 32 the floats cost
+ * 1.5x the time of the whole kernel on Zen 1 (docs/BENCHMARKS.md). One horizontal sum per
+ * output. A K-quant block is unpacked once for up to 4 rows of x; one row of x takes the
+ * weight rows two at a time. Without AVX2 the blocks go through expand_block (bytes q and
+ * factors a, c) and the same sums run as plain C.
  *
  * expand_block also serves the dequantizer (w = a q + c).
  */
@@ -258,62 +262,76 @@ int gg_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
 
 /* ---------------------------------------------------------------- int8 activations */
 
-/* x [k] -> xq [k] int8, dx [k/32] = max|x| / 127, xs [k/16] = sums of xq over each 16.
+/* max |v_j| over n (a multiple of 32) inputs. */
+static float abs_max(const float *v, int n) {
+#if defined(__AVX2__)
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + j), abs));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    return _mm_cvtss_f32(m4);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < n; j++) amax = amax > fabsf(v[j]) ? amax : fabsf(v[j]);
+    return amax;
+#endif
+}
+
+/* 32 inputs v times inv -> q [32] int8 (nearest, ties to even); s[0], s[1]: the sums of q
+ * over each 16. */
+static void round32(const float *v, float inv, int8_t *q, int32_t *s) {
+#if defined(__AVX2__)
+    __m256 vi = _mm256_set1_ps(inv);
+    __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), vi)),
+            q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), vi)),
+            q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), vi)),
+            q3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), vi));
+    /* packs work within 128-bit lanes: the 4-byte groups come out as inputs 0-3, 8-11,
+     * 16-19, 24-27, 4-7, 12-15, 20-23, 28-31; the permute puts them back in order */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+    __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+    h = _mm256_hadd_epi32(h, h);  /* lanes 0, 1 (+ 4, 5): the sums of inputs 0-15, 16-31 */
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    s[0] = _mm_cvtsi128_si32(t);
+    s[1] = _mm_extract_epi32(t, 1);
+#else
+    s[0] = s[1] = 0;
+    for (int j = 0; j < 32; j++) {
+        q[j] = (int8_t)(int)nearbyintf(v[j] * inv);
+        s[j / 16] += q[j];
+    }
+#endif
+}
+
+/* x [k] -> xq [k] int8, dx [k/group] = max|x| / 127 over each group (32, or 256: the
+ * K-quants' blocks, as llama.cpp's Q8_K), xs [k/16] = sums of xq over each 16.
  * xq = nearbyint(x * (127 / max|x|)) in fp32: the AVX2 lanes round the same way (to
  * nearest even), so both paths give the same bits. */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, int32_t *xs) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        const float *v = x + 32 * b;
-#if defined(__AVX2__)
-        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8),
-               v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
-        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, abs), _mm256_and_ps(v1, abs)),
-                                  _mm256_max_ps(_mm256_and_ps(v2, abs), _mm256_and_ps(v3, abs)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        float amax = _mm_cvtss_f32(m4);
-        float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        __m256 vi = _mm256_set1_ps(inv);
-        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)),
-                q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi)),
-                q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)),
-                q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
-        /* packs work within 128-bit lanes: the 4-byte groups come out as inputs 0-3, 8-11,
-         * 16-19, 24-27, 4-7, 12-15, 20-23, 28-31; the permute puts them back in order */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(xq + 32 * b), p);
-        __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
-        h = _mm256_hadd_epi32(h, h);  /* lanes 0, 1 (+ 4, 5): the sums of inputs 0-15, 16-31 */
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        dx[b] = d;
-        xs[2 * b] = _mm_cvtsi128_si32(s);
-        xs[2 * b + 1] = _mm_extract_epi32(s, 1);
-#else
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = amax > fabsf(v[j]) ? amax : fabsf(v[j]);
-        float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t s0 = 0, s1 = 0;
-        for (int j = 0; j < 32; j++) {
-            int q = (int)nearbyintf(v[j] * inv);
-            xq[32 * b + j] = (int8_t)q;
-            if (j < 16) s0 += q; else s1 += q;
-        }
-        dx[b] = d;
-        xs[2 * b] = s0;
-        xs[2 * b + 1] = s1;
-#endif
+static void quantize_row(const float *x, int64_t k, int group, int8_t *xq, float *dx,
+                         int32_t *xs) {
+    for (int64_t g = 0; g < k / group; g++) {
+        const float *v = x + group * g;
+        float amax = abs_max(v, group);
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        dx[g] = amax / 127.0f;
+        for (int j = 0; j < group; j += 32)
+            round32(v + j, inv, xq + group * g + j, xs + (group * g + j) / 16);
     }
 }
 
-/* x [m, k] (row stride ldx) -> xq [m, k], dx [m, k/32], xs [m, k/16]. */
-int gg_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *xq, float *dx,
-                  int32_t *xs) {
-    if (k % 32 || m < 1) return -1;
+/* The x group a block type's kernels take: one scale per 32 inputs, per 256 for K-quants. */
+static int x_group(int type) { return block_size(type) == 256 ? 256 : 32; }
+
+/* x [m, k] (row stride ldx) -> xq [m, k], dx [m, k/group], xs [m, k/16]. */
+int gg_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, int group, int8_t *xq,
+                  float *dx, int32_t *xs) {
+    if ((group != 32 && group != 256) || k % group || m < 1) return -1;
     for (int64_t i = 0; i < m; i++)
-        quantize_row(x + i * ldx, k, xq + i * k, dx + i * (k / 32), xs + i * (k / 16));
+        quantize_row(x + i * ldx, k, group, xq + i * k, dx + i * (k / group), xs + i * (k / 16));
     return 0;
 }
 
@@ -341,13 +359,14 @@ static void row_q8(int type, const uint8_t *row, int64_t k, const int8_t *xq, co
     for (int64_t b = 0; b < k / bs; b++) expand_block(type, row + b * bb, q + b * bs, f + b * bs / 32);
     for (int64_t i = 0; i < m; i++) {
         const int8_t *xi = xq + i * k;
-        const float *di = dx + i * (k / 32);
+        const int g = x_group(type);
+        const float *di = dx + i * (k / g);
         const int32_t *si = xs + i * (k / 16);
         float acc = 0.0f;
         for (int64_t s = 0; s < k / 32; s++) {
             int32_t h[2];
             dot32(is_signed, q + 32 * s, xi + 32 * s, h);
-            acc += di[s] * (f[s].a[0] * (float)h[0] + f[s].a[1] * (float)h[1] +
+            acc += di[32 * s / g] * (f[s].a[0] * (float)h[0] + f[s].a[1] * (float)h[1] +
                             f[s].c[0] * (float)si[2 * s] + f[s].c[1] * (float)si[2 * s + 1]);
         }
         out[i * ldo] = acc;
@@ -357,11 +376,10 @@ static void row_q8(int type, const uint8_t *row, int64_t k, const int8_t *xq, co
 #if defined(__AVX2__)
 /* ------------------------------------------------ AVX2: dots straight from the blocks
  *
- * The activations' sums come in as floats, xsf = dx xs (per 32 inputs, Q6_K: per 16), so
- * every offset term (Q4_1's m, the K-quants' dmin m and Q6_K's -32) is one vector fmadd per
- * block, and a 32-sub-block's integer dot sum_j q_j xq_j takes vpmaddubsw + vpmaddwd (on
- * Zen 1 these two bound the loop: 16 of them a 256-block), then a conversion and an fmadd
- * in 8 lanes (K-quants: one for four sub-blocks); the lanes are summed once per row. */
+ * A 32-sub-block's integer dot sum_j q_j xq_j takes vpmaddubsw + vpmaddwd (on Zen 1 these
+ * two bound the loop: 16 of them a 256-block). 32-blocks: the activations' sums come in as
+ * floats, xsf = dx xs per 32, so the offset term is one scalar fmadd per block. K-quants:
+ * see kq_dot. The lanes are summed once per row. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE float hsum8(__m256 v) {
@@ -371,51 +389,38 @@ ALWAYS_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* 8 int32 lanes of sum q_j x_j, each over 4 products: q unsigned bytes (<= 63), x int8
- * (the 16-bit pair sums cannot saturate: 2 * 63 * 127 < 32767). */
-ALWAYS_INLINE __m256i dot_u8(__m256i q, const int8_t *x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)),
-                             _mm256_set1_epi16(1));
-}
-
-/* Four sub-blocks' 8-lane sums p0..p3 -> lanes (p0, p1, p2, p3, p0, p1, p2, p3), each the
- * sum of 4 of its lanes (in-lane unpacks: no cross-lane shuffle, no multiply), so that one
- * conversion and one fmadd by (f0, f1, f2, f3, f0, f1, f2, f3) serve four sub-blocks. */
-ALWAYS_INLINE __m256i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-    __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-    __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
-}
-
-/* Q4_K / Q5_K: the 12 scale bytes -> 8 6-bit scales and 8 6-bit mins, a byte each (the
- * bit layout of scale_min_k4, four sub-blocks a 32-bit word). */
-ALWAYS_INLINE void k4_scales(const uint8_t *s, __m256 *sc, __m256 *mn) {
+/* Q4_K / Q5_K: the 12 scale bytes -> the 8 6-bit scales and the 8 6-bit mins as int16 lanes
+ * (the bit layout of scale_min_k4, four sub-blocks a 32-bit word). */
+ALWAYS_INLINE __m128i k4_scales(const uint8_t *s, __m128i *mins) {
     uint32_t u0, u1, u2;
     memcpy(&u0, s, 4);
     memcpy(&u1, s + 4, 4);
     memcpy(&u2, s + 8, 4);
     uint64_t scales = (uint64_t)((u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u)) << 32 |
                       (u0 & 0x3F3F3F3Fu);
-    uint64_t mins = (uint64_t)(((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u)) << 32 |
-                    (u1 & 0x3F3F3F3Fu);
-    *sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scales)));
-    *mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mins)));
+    uint64_t mn = (uint64_t)(((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u)) << 32 |
+                  (u1 & 0x3F3F3F3Fu);
+    *mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
+    return _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales));
+}
+
+/* int16 lane j of `v` (j < 8, the same in both 128-bit halves) in every 16-bit lane. */
+ALWAYS_INLINE __m256i lane16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(((2 * j + 1) << 8) | (2 * j))));
 }
 
 /* Most rows of x one pass over a weight row's blocks serves (each block unpacked once). */
 #define KQ_ROWS 4
 
-/* One K-quant block unpacked: the 8 sub-blocks' bytes q[s] (0..63); Q4_K / Q5_K: the
- * per-sub-block factors wd = d sc and the offset term's wm0 = dmin m; Q6_K: the factors
- * d sc per 16 in sum4's lane order (wg) and the offset term's 32 d sc (wm0, wm1). */
-typedef struct { __m256i q[8]; __m256 wd, wm0, wm1, wg[2]; } kq_block;
+/* One K-quant block unpacked: the 8 sub-blocks' bytes q[s] (0..63) and its fp16 factor(s);
+ * Q4_K / Q5_K: the scales as int16 in both halves (sc), the mins (mn); Q6_K: the 16 scales
+ * per 16 weights (sc) and two copies with scales 0-7 (lo) and 8-15 (hi) in both halves. */
+typedef struct { __m256i q[8], sc, lo, hi; __m128i mn; float d, dmin; } kq_block;
 
 ALWAYS_INLINE void kq_unpack(int type, const uint8_t *blk, kq_block *u) {
-    const int six = type == GG_Q6_K;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256i *q = u->q;
-    u->wm1 = _mm256_setzero_ps();
-    if (six) {
+    if (type == GG_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         const __m256i bits = _mm256_set1_epi8(0x30);
         for (int h = 0; h < 2; h++) {
@@ -431,20 +436,10 @@ ALWAYS_INLINE void kq_unpack(int type, const uint8_t *blk, kq_block *u) {
             q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                            _mm256_and_si256(_mm256_srli_epi16(hi, 2), bits));
         }
-        /* sum4 keeps each sub-block's first 16 products in the low 128 bits and the other
-         * 16 in the high ones, so its lanes take the per-16 scales in the order (0 2 4 6 |
-         * 1 3 5 7), then (8 10 12 14 | 9 11 13 15), as floats in the factors wg */
-        __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-        __m128i order = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14,
-                                                           9, 11, 13, 15));
-        float d = f16_at(blk + 208);
-        __m256 vd = _mm256_set1_ps(d), d32 = _mm256_set1_ps(32.0f * d);
-        u->wg[0] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(order)));
-        u->wg[1] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(
-                                         _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(order, order))));
-        u->wm0 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        u->wm1 = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(
-                                     _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
+        u->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        u->lo = _mm256_permute2x128_si256(u->sc, u->sc, 0x00);
+        u->hi = _mm256_permute2x128_si256(u->sc, u->sc, 0x11);
+        u->d = f16_at(blk + 208);
     } else {
         const int five = type == GG_Q5_K;
         const uint8_t *qs = blk + (five ? 48 : 16);
@@ -465,81 +460,94 @@ ALWAYS_INLINE void kq_unpack(int type, const uint8_t *blk, kq_block *u) {
             q[6] = _mm256_or_si256(q[6], _mm256_and_si256(_mm256_srli_epi16(qh, 2), bit4));
             q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
         }
-        __m256 sc, mn;
-        k4_scales(blk + 4, &sc, &mn);
-        u->wd = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)), sc);
-        u->wm0 = _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)), mn);
+        u->sc = _mm256_broadcastsi128_si256(k4_scales(blk + 4, &u->mn));
+        u->d = f16_at(blk);
+        u->dmin = f16_at(blk + 2);
     }
 }
 
-/* One unpacked block against 256 inputs of one x row (x, dx [8], xs: xsf [8], Q6_K [16]):
- *   Q4_K / Q5_K:  sum_s d sc_s dx_s dot(q_s, x_s) - dmin sum_s m_s xsf_s
- *   Q6_K:         sum_g d sc_g dx_g/2 dot(q_g, x_g) - 32 d sum_g sc_g xsf_g  (g: per 16)
- * into a0 and a1: the integer dots of four sub-blocks a vector (sum4), one conversion and
- * one fmadd by their factors. */
-ALWAYS_INLINE void kq_dot(int type, const kq_block *u, const int8_t *x, const float *dx,
-                          const float *xs, __m256 *a0, __m256 *a1) {
-    float f[8];
-    __m256 f0, f1;
-    if (type == GG_Q6_K) {  /* (dx0 dx1 dx2 dx3 | dx0 dx1 dx2 dx3) times the scales */
-        f0 = _mm256_mul_ps(u->wg[0], _mm256_broadcast_ps((const __m128 *)dx));
-        f1 = _mm256_mul_ps(u->wg[1], _mm256_broadcast_ps((const __m128 *)(dx + 4)));
-    } else {
-        _mm256_storeu_ps(f, _mm256_mul_ps(u->wd, _mm256_loadu_ps(dx)));
-        /* f is read back from memory (vbroadcastf128 m128): gcc's register shuffles for
-         * it (vperm2f128) cost several times as much on Zen 1 */
-        __asm__("" : "+m"(f));
-        f0 = _mm256_broadcast_ps((const __m128 *)f);
-        f1 = _mm256_broadcast_ps((const __m128 *)(f + 4));
-    }
-    __m256 s1 = _mm256_fnmadd_ps(u->wm0, _mm256_loadu_ps(xs), *a1);
-    if (type == GG_Q6_K) s1 = _mm256_fnmadd_ps(u->wm1, _mm256_loadu_ps(xs + 8), s1);
+/* One unpacked block against 256 inputs of one x row (xq; its scale dx; xs: the int16 sums
+ * of xq per 16), all in integers but for one fmadd (two for Q4_K / Q5_K's mins):
+ *   Q4_K / Q5_K:  dx (d sum_s sc_s dot(q_s, x_s) - dmin sum_s m_s xs32_s)
+ *   Q6_K:         dx d sum_g sc_g (dot(q_g, x_g) - 32 xs_g)           (g: per 16)
+ * A sub-block's 32 products are a vpmaddubsw into 16 int16 lanes and a vpmaddwd by its
+ * scale (Q6_K: the low 8 lanes by one group's, the high by the next's) into 8 int32 lanes:
+ * 16 multiplies a block, no float work per sub-block (the pair sums cannot saturate:
+ * 2 * 63 * 127 < 32767, and the scales are at most 6 bits; Q6_K's 8-bit ones stay far
+ * below int32's range). */
+ALWAYS_INLINE void kq_dot(int type, const kq_block *u, const int8_t *x, float dx,
+                          const int16_t *xs, __m256 *acc) {
     const __m256i *q = u->q;
-    __m256i g0 = sum4(dot_u8(q[0], x), dot_u8(q[1], x + 32), dot_u8(q[2], x + 64),
-                      dot_u8(q[3], x + 96));
-    __m256i g1 = sum4(dot_u8(q[4], x + 128), dot_u8(q[5], x + 160), dot_u8(q[6], x + 192),
-                      dot_u8(q[7], x + 224));
-    *a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g0), f0, *a0);
-    *a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1), f1, s1);
+    __m256i sumi;
+    if (type == GG_Q6_K) {
+        sumi = _mm256_madd_epi16(u->sc, _mm256_loadu_si256((const __m256i *)xs));
+        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sumi, 5));
+        for (int s = 0; s < 8; s++) {
+            const int j = 2 * (s & 3);  /* the groups 2s, 2s + 1 of this half's scales */
+            const __m256i pick = _mm256_setr_epi8(
+                2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1,
+                2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1,
+                2 * j + 2, 2 * j + 3, 2 * j + 2, 2 * j + 3, 2 * j + 2, 2 * j + 3, 2 * j + 2,
+                2 * j + 3, 2 * j + 2, 2 * j + 3, 2 * j + 2, 2 * j + 3, 2 * j + 2, 2 * j + 3,
+                2 * j + 2, 2 * j + 3);
+            __m256i p = _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(x + 32 * s)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
+                p, _mm256_shuffle_epi8(s < 4 ? u->lo : u->hi, pick)));
+        }
+        *acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * u->d), _mm256_cvtepi32_ps(sumi), *acc);
+        return;
+    }
+    /* sums of x per 32 (pairs of the per-16 ones) against the mins */
+    __m128i x32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xs),
+                                 _mm_loadu_si128((const __m128i *)(xs + 8)));
+    __m256i mins = _mm256_zextsi128_si256(_mm_madd_epi16(u->mn, x32));
+    sumi = _mm256_setzero_si256();
+    for (int s = 0; s < 8; s += 2) {
+        __m256i pl = _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(x + 32 * s)));
+        __m256i ph = _mm256_maddubs_epi16(q[s + 1],
+                                          _mm256_loadu_si256((const __m256i *)(x + 32 * s + 32)));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(pl, lane16(u->sc, s)),
+                                                       _mm256_madd_epi16(ph, lane16(u->sc, s + 1))));
+    }
+    *acc = _mm256_fnmadd_ps(_mm256_set1_ps(dx * u->dmin), _mm256_cvtepi32_ps(mins), *acc);
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * u->d), _mm256_cvtepi32_ps(sumi), *acc);
 }
 
 /* One weight row of K-quant blocks against `rows` (<= KQ_ROWS) quantized rows of x:
- * xq [rows, k], dx [rows, k/32], xsf [rows, k/32] (Q6_K: [rows, k/16]); out[r * ldo]. Each
- * block is unpacked once for all the rows. */
+ * xq [rows, k], dx [rows, k/256], xs [rows, k/16]; out[r * ldo]. Each block is unpacked once
+ * for all the rows. */
 ALWAYS_INLINE void kq_rows(int type, const uint8_t *row, int64_t k, const int8_t *xq,
-                           const float *dx, const float *xsf, int rows, float *out,
+                           const float *dx, const int16_t *xs, int rows, float *out,
                            int64_t ldo) {
-    const int six = type == GG_Q6_K, bb = block_bytes(type);
-    const int64_t ld_dx = k / 32, ld_xs = six ? k / 16 : k / 32;
-    __m256 acc[2 * KQ_ROWS];
-    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm256_setzero_ps();
+    const int bb = block_bytes(type);
+    __m256 acc[KQ_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         kq_block u;
         kq_unpack(type, row + b * bb, &u);
         for (int r = 0; r < rows; r++)
-            kq_dot(type, &u, xq + r * k + 256 * b, dx + r * ld_dx + 8 * b,
-                   xsf + r * ld_xs + (six ? 16 : 8) * b, &acc[2 * r], &acc[2 * r + 1]);
+            kq_dot(type, &u, xq + r * k + 256 * b, dx[r * (k / 256) + b],
+                   xs + r * (k / 16) + 16 * b, &acc[r]);
     }
-    for (int r = 0; r < rows; r++) out[r * ldo] = hsum8(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
+    for (int r = 0; r < rows; r++) out[r * ldo] = hsum8(acc[r]);
 }
 
 /* Two weight rows (row, row + row_bytes) against one row of x: out[0], out[1]. Two
  * independent chains, and the per-row costs (set-up, the final sums) halved. */
 ALWAYS_INLINE void kq_two_rows(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
-                               const int8_t *xq, const float *dx, const float *xsf,
+                               const int8_t *xq, const float *dx, const int16_t *xs,
                                float *out) {
-    const int six = type == GG_Q6_K, bb = block_bytes(type);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    const int bb = block_bytes(type);
+    __m256 a = _mm256_setzero_ps(), c = a;
     for (int64_t b = 0; b < k / 256; b++) {
         kq_block u, v;
-        const float *xs = xsf + (six ? 16 : 8) * b;
         kq_unpack(type, row + b * bb, &u);
-        kq_dot(type, &u, xq + 256 * b, dx + 8 * b, xs, &a0, &a1);
+        kq_dot(type, &u, xq + 256 * b, dx[b], xs + 16 * b, &a);
         kq_unpack(type, row + row_bytes + b * bb, &v);
-        kq_dot(type, &v, xq + 256 * b, dx + 8 * b, xs, &b0, &b1);
+        kq_dot(type, &v, xq + 256 * b, dx[b], xs + 16 * b, &c);
     }
-    out[0] = hsum8(_mm256_add_ps(a0, a1));
-    out[1] = hsum8(_mm256_add_ps(b0, b1));
+    out[0] = hsum8(a);
+    out[1] = hsum8(c);
 }
 
 /* Q5_0 / Q5_1: bit j of qh as 0x10 in byte j (the fifth bit of weight j). */
@@ -606,19 +614,21 @@ ALWAYS_INLINE float row_q8_direct(int type, const uint8_t *row, int64_t k, const
     return hsum8(_mm256_add_ps(a0, a1)) + (t0 + t1);
 }
 
-/* One weight row against m rows of x, AVX2 types (avx2_type): out[i * ldo] for i < m. */
+/* One weight row against m rows of x, AVX2 types (avx2_type): out[i * ldo] for i < m.
+ * K-quants take dx per 256 and xs16 (the int16 sums of xq per 16), the 32-blocks dx per 32
+ * and xsf (x_sums). */
 static void row_avx2(int type, const uint8_t *row, int64_t k, const int8_t *xq, const float *dx,
-                     const float *xsf, int64_t m, float *out, int64_t ldo) {
-    const int64_t ld_xs = type == GG_Q6_K ? k / 16 : k / 32;
+                     const float *xsf, const int16_t *xs16, int64_t m, float *out, int64_t ldo) {
     for (int64_t i = 0; i < m;) {
         const int8_t *x = xq + i * k;
-        const float *d = dx + i * (k / 32), *s = xsf + i * ld_xs;
+        const float *d = dx + i * (k / x_group(type)), *s = xsf + i * (k / 32);
+        const int16_t *s16 = xs16 + i * (k / 16);
         int rows = m - i < KQ_ROWS ? (int)(m - i) : KQ_ROWS;
         switch (type) {  /* one copy of each loop per type, and for a single row of x */
 #define KQ(T) \
         case T: \
-            if (rows == 1) kq_rows(T, row, k, x, d, s, 1, out + i * ldo, ldo); \
-            else kq_rows(T, row, k, x, d, s, rows, out + i * ldo, ldo); \
+            if (rows == 1) kq_rows(T, row, k, x, d, s16, 1, out + i * ldo, ldo); \
+            else kq_rows(T, row, k, x, d, s16, rows, out + i * ldo, ldo); \
             break;
         KQ(GG_Q4_K) KQ(GG_Q5_K) KQ(GG_Q6_K)
 #undef KQ
@@ -633,11 +643,11 @@ static void row_avx2(int type, const uint8_t *row, int64_t k, const int8_t *xq, 
 
 /* kq_two_rows for the K-quants: out[0], out[1] from rows row and row + row_bytes. */
 static void two_rows_avx2(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
-                          const int8_t *xq, const float *dx, const float *xsf, float *out) {
+                          const int8_t *xq, const float *dx, const int16_t *xs16, float *out) {
     switch (type) {
-    case GG_Q4_K: kq_two_rows(GG_Q4_K, row, row_bytes, k, xq, dx, xsf, out); break;
-    case GG_Q5_K: kq_two_rows(GG_Q5_K, row, row_bytes, k, xq, dx, xsf, out); break;
-    default: kq_two_rows(GG_Q6_K, row, row_bytes, k, xq, dx, xsf, out); break;
+    case GG_Q4_K: kq_two_rows(GG_Q4_K, row, row_bytes, k, xq, dx, xs16, out); break;
+    case GG_Q5_K: kq_two_rows(GG_Q5_K, row, row_bytes, k, xq, dx, xs16, out); break;
+    default: kq_two_rows(GG_Q6_K, row, row_bytes, k, xq, dx, xs16, out); break;
     }
 }
 
@@ -648,18 +658,20 @@ static int avx2_type(int type) {
 static int avx2_type(int type) { (void)type; return 0; }
 #endif
 
-/* xsf [m, k/32] = dx xs summed over each 32 (Q6_K: [m, k/16], dx xs per 16). */
+/* The AVX2 kernels' sums of x: K-quants xs16 [m, k/16] = xs as int16 (|xs| <= 16 * 127);
+ * 32-blocks xsf [m, k/32] = dx xs summed over each 32. */
 static void x_sums(int type, int64_t m, int64_t k, const float *dx, const int32_t *xs,
-                   float *xsf) {
-    if (type == GG_Q6_K) {
-        for (int64_t j = 0; j < m * (k / 16); j++) xsf[j] = dx[j / 2] * (float)xs[j];
+                   float *xsf, int16_t *xs16) {
+    if (block_size(type) == 256) {
+        for (int64_t j = 0; j < m * (k / 16); j++) xs16[j] = (int16_t)xs[j];
     } else {
         for (int64_t j = 0; j < m * (k / 32); j++)
             xsf[j] = dx[j] * (float)(xs[2 * j] + xs[2 * j + 1]);
     }
 }
 
-/* out [m, n] (row stride ldo) = x @ w.T from gg_quantize_x's xq, dx, xs (block types). */
+/* out [m, n] (row stride ldo) = x @ w.T from gg_quantize_x's xq, dx, xs (block types; dx
+ * per x_group(type) inputs). */
 int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                  const int8_t *xq, const float *dx, const int32_t *xs, int64_t m, float *out,
                  int64_t ldo, int threads) {
@@ -668,8 +680,9 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     /* one row of x against K-quants: weight rows two at a time (AVX2) */
     const int64_t step = direct && m == 1 && block_size(type) == 256 ? 2 : 1;
     float *xsf = direct ? malloc((size_t)(m * (k / 16)) * sizeof(float)) : NULL;
+    int16_t *xs16 = (int16_t *)xsf;  /* the same scratch: one or the other */
     if (direct && !xsf) return -1;
-    if (direct) x_sums(type, m, k, dx, xs, xsf);
+    if (direct) x_sums(type, m, k, dx, xs, xsf, xs16);
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
         uint8_t *q = direct ? NULL : malloc((size_t)k);
@@ -685,11 +698,11 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             if (!ok) continue;
 #if defined(__AVX2__)
             if (step == 2 && r + 1 < n) {
-                two_rows_avx2(type, w + r * row_bytes, row_bytes, k, xq, dx, xsf, out + r);
+                two_rows_avx2(type, w + r * row_bytes, row_bytes, k, xq, dx, xs16, out + r);
                 continue;
             }
             if (direct) {
-                row_avx2(type, w + r * row_bytes, k, xq, dx, xsf, m, out + r, ldo);
+                row_avx2(type, w + r * row_bytes, k, xq, dx, xsf, xs16, m, out + r, ldo);
                 continue;
             }
 #endif
@@ -712,7 +725,7 @@ int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_
     int8_t *xq = (int8_t *)buf;
     float *dx = (float *)(buf + nq);
     int32_t *xs = (int32_t *)(dx + m * (k / 32));
-    int rc = gg_quantize_x(x, ldx, m, k, xq, dx, xs);
+    int rc = gg_quantize_x(x, ldx, m, k, x_group(type), xq, dx, xs);
     if (rc == 0) rc = gg_linear_q8(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
     free(buf);
     return rc;

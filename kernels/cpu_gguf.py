@@ -4,10 +4,11 @@
     w = dequant(type_id, raw, k)             -> fp32 [N, k]
     y = linear(type_id, raw, k, x)           x [M, k] fp32 -> [M, N] fp32, for a few rows
 
-`linear` on a block type (Q4_0 ... Q6_K) quantizes x to int8 with one scale per 32 inputs,
-as llama.cpp and the VNNI kernel do, and sums weights and activations in integers, straight
-from the blocks with AVX2 (one C call, gg_linear_x; `quantize_x` is the quantization alone,
-which the tests hold the kernel to); F16/BF16/F32 rows are dotted in fp32.
+`linear` on a block type (Q4_0 ... Q6_K) quantizes x to int8 with one scale per 32 inputs
+(K-quants: per 256, `x_group`), as llama.cpp does, and sums weights and activations in
+integers, straight from the blocks with AVX2 (one C call, gg_linear_x; `quantize_x` is the
+quantization alone, which the tests hold the kernel to); F16/BF16/F32 rows are dotted in
+fp32.
 
 The C library is portable (no AVX512 needed). Without a C compiler (or DUPLEX_GGUF_C=0) the
 same functions run on the `gguf` package's numpy dequantizers, which are also the reference
@@ -84,16 +85,25 @@ def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Te
     return out
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x `[M, k]` fp32 -> xq int8 `[M, k]` = round(x / dx), dx fp32 `[M, k/32]` = max|x| / 127
-    over each 32, xs int32 `[M, k/16]` = sums of xq over each 16 (the C library's)."""
+def x_group(type_id: int) -> int:
+    """Inputs per activation scale in the int8 kernels: 32, and 256 for the K-quants (one
+    scale a block, llama.cpp's Q8_K, so a block's sub-block sums stay in integers)."""
+    return 256 if TYPES[type_id][1] == 256 else 32
+
+
+def quantize_x(x: torch.Tensor, group: int = 32
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x `[M, k]` fp32 -> xq int8 `[M, k]` = round(x / dx), dx fp32 `[M, k/group]` = max|x| /
+    127 over each group (32 or 256), xs int32 `[M, k/16]` = sums of xq over each 16 (the C
+    library's)."""
     m, k = x.shape
-    assert k % 32 == 0 and x.stride(1) == 1, f"x [M, 32j] with contiguous rows, got {tuple(x.shape)}"
+    assert group in (32, 256) and k % group == 0 and x.stride(1) == 1, (
+        f"x [M, {group}j] with contiguous rows, got {tuple(x.shape)}")
     xq = torch.empty(m, k, dtype=torch.int8)
-    dx = torch.empty(m, k // 32, dtype=torch.float32)
+    dx = torch.empty(m, k // group, dtype=torch.float32)
     xs = torch.empty(m, k // 16, dtype=torch.int32)
-    if _load().gg_quantize_x(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), dx.data_ptr(),
-                             xs.data_ptr()) != 0:
+    if _load().gg_quantize_x(x.data_ptr(), x.stride(0), m, k, group, xq.data_ptr(),
+                             dx.data_ptr(), xs.data_ptr()) != 0:
         raise RuntimeError(f"gg_quantize_x refused x {tuple(x.shape)}")
     return xq, dx, xs
 
@@ -118,7 +128,8 @@ def _check(type_id: int, raw: torch.Tensor, k: int) -> None:
 def _load():
     global _lib
     if _lib is None:
-        _lib = load_library(_SOURCE, ["-fopenmp"], (), _declare, "GGUF CPU kernel")
+        _lib = load_library(_SOURCE, ["-fopenmp", "-ffp-contract=off"], (), _declare,
+                             "GGUF CPU kernel")
     return _lib
 
 
@@ -128,7 +139,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
     lib.gg_linear_x.argtypes = lib.gg_linear.argtypes
     lib.gg_quantize_x.restype = lib.gg_linear_q8.restype = ctypes.c_int
-    lib.gg_quantize_x.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+    lib.gg_quantize_x.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P]
     lib.gg_linear_q8.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P, _P, _I, _P, _I,
                                  ctypes.c_int]
     return lib

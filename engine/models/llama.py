@@ -270,9 +270,10 @@ class LlamaForCausalLM:
 
     def _fused_decode(self, h: torch.Tensor, ctx: ForwardContext) -> cpu_decode.DecodeStack | None:
         """The one-call decode stack (kernels.cpu_decode) when this step can take it: every
-        row decodes, few enough rows for the VNNI matmuls, the fused CPU kernels on."""
+        row decodes, few enough rows for every weight's few-row kernel (the stack's
+        max_rows), the fused CPU kernels on."""
         if self._decode_stack is False or ctx.query_lens is None or ops.runs_triton(h) \
-                or len(ctx.query_lens) != h.shape[0] or h.shape[0] > quant.MAX_VNNI_ROWS \
+                or len(ctx.query_lens) != h.shape[0] \
                 or ctx.slots_valid is not True or ctx.swa_block_tables is not None \
                 or not cpu_fused.is_enabled() or is_batch_invariant() or quant.in_prompt_step():
             return None
@@ -282,7 +283,8 @@ class LlamaForCausalLM:
             return None
         if self._decode_stack is None:
             self._decode_stack = decode_stack(self) or False
-        return self._decode_stack or None
+        stack = self._decode_stack or None
+        return stack if stack is not None and h.shape[0] <= stack.max_rows else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
@@ -308,8 +310,9 @@ def stream_rows(model: LlamaForCausalLM) -> int | None:
 
 def decode_stack(model: LlamaForCausalLM) -> cpu_decode.DecodeStack | None:
     """The model's weights for kernels.cpu_decode, or None when a layer is not the plain
-    Llama one (per-head norms, MoE, biases, windows) or a weight is not in the VNNI layout."""
-    args, layers = model.args, []
+    Llama one (per-head norms, MoE, biases, windows) or a weight has no few-row kernel the
+    C step runs (the VNNI layout, or a GGUF file's own rows)."""
+    args, layers, max_rows = model.args, [], 1 << 30
     if args.head_dim % 16 or args.num_heads // args.num_kv_heads > 16 \
             or model.cos_sin.shape[-1] != args.head_dim:
         return None
@@ -318,16 +321,41 @@ def decode_stack(model: LlamaForCausalLM) -> cpu_decode.DecodeStack | None:
         if (type(layer), type(a), type(mlp)) != (DecoderLayer, Attention, MLP) \
                 or a.qkv_bias is not None or a.sliding_window is not None:
             return None
-        weights = [a.qkv_weight, a.o_weight, mlp.gate_up_weight, mlp.down_weight]
-        packed = [w.vnni_layout() if isinstance(w, QuantWeight) else None for w in weights]
-        if any(p is None for p in packed) or not _fp32(layer.input_norm, layer.post_norm):
+        projections = [decode_parts(w) for w in
+                       (a.qkv_weight, a.o_weight, mlp.gate_up_weight, mlp.down_weight)]
+        if any(p is None for p in projections) or not _fp32(layer.input_norm, layer.post_norm):
             return None
-        layers.append(cpu_decode.LayerWeights(layer.input_norm, layer.post_norm, *packed))
+        max_rows = min([max_rows, *(rows for _, rows in projections)])
+        layers.append(cpu_decode.LayerWeights(layer.input_norm, layer.post_norm,
+                                              *(parts for parts, _ in projections)))
     if not _fp32(model.norm, model.cos_sin):
         return None
     dims = cpu_decode.Dims(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
-                           layers[0].gate_up.n // 2, args.rms_norm_eps)
-    return cpu_decode.DecodeStack(layers, dims, model.norm, model.cos_sin)
+                           sum(p.n for p in layers[0].gate_up) // 2, args.rms_norm_eps)
+    return cpu_decode.DecodeStack(layers, dims, model.norm, model.cos_sin, max_rows)
+
+
+def decode_parts(w) -> tuple[tuple[cpu_decode.Part, ...], int] | None:
+    """A projection's parts as the C step runs them, and the most rows for which the per-op
+    path runs each through that same kernel (so the two agree bitwise), or None."""
+    from duplex.kernels import cpu_gguf
+    from duplex.kernels.gguf_weight import GGUFWeight
+
+    parts = w.parts if isinstance(w, quant.FusedWeight) else [w]
+    if not 1 <= len(parts) <= cpu_decode.MAX_PARTS:
+        return None
+    out, rows = [], 1 << 30
+    for p in parts:
+        packed = p.vnni_layout() if isinstance(p, QuantWeight) else None
+        if packed is not None:
+            out.append(packed)
+            rows = min(rows, quant.MAX_VNNI_ROWS)
+        elif isinstance(p, GGUFWeight) and cpu_gguf.available():
+            out.append(cpu_decode.GGUFRows(p.type_id, p.raw, p.shape[1]))
+            rows = min(rows, p.row_limit())
+        else:
+            return None
+    return tuple(out), rows
 
 
 def _fp32(*tensors: torch.Tensor) -> bool:

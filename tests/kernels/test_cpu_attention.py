@@ -11,7 +11,7 @@ from duplex.kernels.cpu_fused import use_fused
 from tests.kernels.kernel_factories import attention_args, make_paged_batch, naive_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
-                                reason="no C compiler or no AVX512 on this CPU")
+                                reason="no C compiler, or neither AVX2 nor AVX512 on this CPU")
 
 SEQS = {
     "one decode": [(37, 1)],

@@ -1,6 +1,6 @@
 """kernels/cpu_gguf.c's int8-activation row kernel (gg_linear_x / gg_linear_q8), each block
 type straight from its bytes (AVX2 where the CPU has it), against the `gguf` package's numpy
-dequantizer times x rounded to int8 the same way (per 32 inputs), in fp64.
+dequantizer times x rounded to int8 the same way (per 32 inputs, K-quants per 256), in fp64.
 
 Blocks are random bytes (every nibble, fifth / sixth bit and 6-bit scale pattern) with fp16
 scale fields drawn over fp16's whole range (0, subnormal, 6e4, either sign); x has zero blocks
@@ -65,10 +65,10 @@ def run(lib, type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor, threads
     return out
 
 
-def check(got: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
-    """got [m, n] against int8-rounded x @ w.T in fp64: within REL of sum |w x| and within
-    ROW_REL of the largest |output| of its row."""
-    xr = int8_rounded(x)
+def check(got: torch.Tensor, w: torch.Tensor, x: torch.Tensor, type_name: str) -> None:
+    """got [m, n] against x rounded to int8 as the type's kernel takes it (x_group) @ w.T in
+    fp64: within REL of sum |w x| and within ROW_REL of the largest |output| of its row."""
+    xr = int8_rounded(x, cpu_gguf.x_group(cpu_gguf.TYPE_IDS[type_name]))
     ref = xr @ w.double().T
     err = (got.double() - ref).abs()
     for bound in (REL * (xr.abs() @ w.double().abs().T), ROW_REL * ref.abs().amax(1, keepdim=True)):
@@ -91,7 +91,7 @@ def test_every_block_type_rows_and_threads(type_name, k):
     x = random_x(max(ROWS), k, seed=k)
     lib = cpu_gguf._load()
     one = run(lib, type_name, raw, k, x, threads=1)
-    check(one, w, x)
+    check(one, w, x, type_name)
     assert torch.equal(run(lib, type_name, raw, k, x, threads=2), one)
     for m in ROWS:  # each row of x alone or in any group gives the same bits
         assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), one[:m])
@@ -104,7 +104,8 @@ def test_odd_count_of_32_blocks(type_name):
     raw = random_blocks(type_name, n, k, seed=5, extreme=False)
     x = random_x(5, k, seed=5)
     for threads in (1, 2):
-        check(run(cpu_gguf._load(), type_name, raw, k, x, threads), reference_w(type_name, raw, k), x)
+        check(run(cpu_gguf._load(), type_name, raw, k, x, threads), reference_w(type_name, raw, k), x,
+              type_name)
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
@@ -117,13 +118,13 @@ def test_linear_and_the_two_step_entry_agree(type_name):
     x = wide[:, 16:16 + k]
     assert x.stride(0) == k + 64
     got = cpu_gguf.linear(cpu_gguf.TYPE_IDS[type_name], raw, k, x)
-    xq, dx, xs = cpu_gguf.quantize_x(x)
+    xq, dx, xs = cpu_gguf.quantize_x(x, cpu_gguf.x_group(cpu_gguf.TYPE_IDS[type_name]))
     out = torch.empty(m, n)
     assert cpu_gguf._load().gg_linear_q8(
         cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1], n, k, xq.data_ptr(),
         dx.data_ptr(), xs.data_ptr(), m, out.data_ptr(), n, 2) == 0
     assert torch.equal(got, out)
-    check(got, reference_w(type_name, raw, k), x)
+    check(got, reference_w(type_name, raw, k), x, type_name)
 
 
 def test_rounding_ties_and_signs():
@@ -153,12 +154,14 @@ def test_portable_path(portable, type_name):
     raw = random_blocks(type_name, n, k, seed=11, extreme=True)
     x = random_x(5, k, seed=11)
     for threads in (1, 2):
-        check(run(portable, type_name, raw, k, x, threads), reference_w(type_name, raw, k), x)
-    xq, dx, xs = (torch.empty(5, k, dtype=torch.int8), torch.empty(5, k // 32),
+        check(run(portable, type_name, raw, k, x, threads), reference_w(type_name, raw, k), x,
+              type_name)
+    group = cpu_gguf.x_group(cpu_gguf.TYPE_IDS[type_name])
+    xq, dx, xs = (torch.empty(5, k, dtype=torch.int8), torch.empty(5, k // group),
                   torch.empty(5, k // 16, dtype=torch.int32))
-    assert portable.gg_quantize_x(x.data_ptr(), k, 5, k, xq.data_ptr(), dx.data_ptr(),
+    assert portable.gg_quantize_x(x.data_ptr(), k, 5, k, group, xq.data_ptr(), dx.data_ptr(),
                                   xs.data_ptr()) == 0
-    assert all(torch.equal(a, b) for a, b in zip((xq, dx, xs), cpu_gguf.quantize_x(x)))
+    assert all(torch.equal(a, b) for a, b in zip((xq, dx, xs), cpu_gguf.quantize_x(x, group)))
     dense = torch.empty(n, k)
     assert portable.gg_dequant(cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1], n,
                                k, dense.data_ptr(), k, 1) == 0

@@ -36,15 +36,16 @@ def raw_rows(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+def int8_rounded(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """x `[M, K]` as the row kernel sees it: int8 q = round(x * 127 / max|x|) (fp32, half to
-    even) with the scale max|x| / 127, per 32 inputs; fp64 `[M, K]` q * scale."""
-    q, scale = int8_blocks(x)
+    even) with the scale max|x| / 127, per `group` inputs (the K-quants' kernels: 256);
+    fp64 `[M, K]` q * scale."""
+    q, scale = int8_blocks(x, group)
     return (q.double() * scale.double()).reshape(x.shape)
 
 
-def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def int8_blocks(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = x.float().reshape(x.shape[0], -1, group)
     amax = blocks.abs().amax(-1, keepdim=True)
     # 127 / amax as C divides (a Python number over a tensor is a reciprocal times 127 in
     # torch, one ulp off at times)
@@ -60,8 +61,9 @@ def on_int8_rows(type_name: str, m: int) -> bool:
 
 def reference(type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor,
               int8_x: bool = False) -> torch.Tensor:
-    w = cpu_gguf.reference_dequant(cpu_gguf.TYPE_IDS[type_name], raw, k)
-    return (int8_rounded(x) if int8_x else x.double()) @ w.double().T
+    type_id = cpu_gguf.TYPE_IDS[type_name]
+    w = cpu_gguf.reference_dequant(type_id, raw, k)
+    return (int8_rounded(x, cpu_gguf.x_group(type_id)) if int8_x else x.double()) @ w.double().T
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -94,10 +96,12 @@ def test_int8_activations():
     zero), and what it costs against fp32 inputs is int8's rounding, about 0.5 %."""
     x = torch.randn(3, 256) * torch.logspace(-3, 2, 256)
     x[1, 32:64] = 0
-    xq, dx, xs = cpu_gguf.quantize_x(x)
-    q, scale = int8_blocks(x)
-    assert torch.equal(xq.reshape(3, -1, 32).float(), q) and torch.equal(dx, scale[..., 0])
-    assert torch.equal(xs, xq.reshape(3, -1, 16).sum(-1, dtype=torch.int32))
+    for group in (32, 256):  # the K-quants' kernels take one scale per 256 inputs
+        xq, dx, xs = cpu_gguf.quantize_x(x, group)
+        q, scale = int8_blocks(x, group)
+        assert torch.equal(xq.reshape(3, -1, group).float(), q)
+        assert torch.equal(dx, scale[..., 0])
+        assert torch.equal(xs, xq.reshape(3, -1, 16).sum(-1, dtype=torch.int32))
     raw = raw_rows("Q4_K", 64, 256)
     x = torch.randn(2, 256)
     full = reference("Q4_K", raw, 256, x)
@@ -180,7 +184,7 @@ def test_mixed_types_in_one_fused_projection(m):
     out = ops.linear(x, fused, bias)
     assert out.shape == (m, 152)
     gguf_parts = torch.cat([q.dequantize(), kk.dequantize(), v.dequantize()]).double()
-    xr = int8_rounded(x) if on_int8_rows("Q4_K", m) else x.double()
+    xr = int8_rounded(x, 256) if on_int8_rows("Q4_K", m) else x.double()
     assert_close(out[:, :128], xr @ gguf_parts.T + bias[:128].double())
     # the int4 part is its own kernel's (bf16 activations where torch's kernel runs)
     assert torch.equal(out[:, 128:144], int4.linear(x) + bias[128:144])
