@@ -83,3 +83,29 @@ def test_bf16_matmul_stream_equals_the_fp32_activations_path(default_model, monk
         assert (len(calls) > 0) == (flag == "1")
     assert rows in calls  # a decode batch took it, not only prefill
     assert runs["1"] == runs["0"]
+
+
+def test_mixed_type_projections_equal_the_per_op_path(tmp_path, monkeypatch):
+    """A Q4_K_M-like file (tests/engine/test_quantized.py): q/k Q4_0 beside a Q6_K v, a Q5_0
+    gate beside a Q8_0 up. The C step runs each part with its own kernel into its columns,
+    as quant.FusedWeight does per op: tokens and logprobs bitwise equal."""
+    from tests.engine.test_quantized import VOCAB, write_mixed_llama
+
+    path = str(tmp_path / "mixed.gguf")
+    write_mixed_llama(path)
+    calls = []
+    forward = DecodeStack.forward
+    monkeypatch.setattr(DecodeStack, "forward",
+                        lambda self, h, *a: calls.append(h.shape[0]) or forward(self, h, *a))
+    prompts = [[(7 * i + 3) % VOCAB for i in range(n)] for n in (5, 23, 11)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DUPLEX_FUSED_DECODE", flag)
+        core = make_core(path, weights_dtype="auto", kv_cache_dtype="auto", num_kv_blocks=32)
+        runs[flag] = run_engine(core, prompts, params, arrivals=[0, 2, 3])
+    stack = core.model._decode_stack
+    assert isinstance(stack, DecodeStack) and calls and set(calls) <= {1, 2, 3}
+    layer = stack._keep[0][0]
+    assert [len(layer.qkv), len(layer.o), len(layer.gate_up), len(layer.down)] == [3, 1, 2, 1]
+    assert runs["1"] == runs["0"]
