@@ -41,7 +41,7 @@ log = logging.getLogger("duplex.kernels")
 # for up to 4 x rows, so its rows win up to ~64 (Q4_K 2048x2048 at 16 rows: 1.6x the tiles).
 GEMV_ROWS = 16
 K_QUANT_ROW_FACTOR = 3  # K-quants: GEMV_ROWS * this
-TILE_BYTES = 1 << 20  # fp32 rows dequantized at a time: about an L2 cache
+TILE_BYTES = 1 << 22  # fp32 rows dequantized at a time: half an L3 (measured, docs/BENCHMARKS.md)
 MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
 _BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
          "Q5_K": 5}
