@@ -162,9 +162,19 @@ class GGUFWeight(QuantWeight):
             return quant.dense_linear(rows.to(torch.bfloat16), self.dense)
         if not prompt and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
-        if not prompt and m <= self.row_limit():
+        if (not prompt and m <= self.row_limit()) or (prompt and self.int8_prompt()):
             return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows))
         return self._tiled(_fp32(rows))
+
+    def int8_prompt(self) -> bool:
+        """Whether prompt steps take the int8 row kernel, at any row count (so a prompt's
+        numbers, row by row, never depend on how much of it was a cache hit): block types on
+        a CPU without AVX512-VNNI, unless DUPLEX_INT8_PROMPT=0. There a prompt tile costs its
+        whole dequantization however few rows it has (1.2 s a step at the 1B shape), and the
+        row kernel's integer dots run at about the fp32 GEMM's speed on big steps (measured,
+        docs/BENCHMARKS.md); with VNNI, prompts keep the tiles (not measured there)."""
+        return (self.group_size >= 32 and cpu_gguf.available() and not cpu_qgemv.available()
+                and not switches.is_off("DUPLEX_INT8_PROMPT"))
 
     def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[M, K]` fp32 -> `[M, N]`: a tile of output rows is dequantized to fp32 (about

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from duplex.kernels import cpu_gguf, gguf_weight, ops, quant
+from duplex.kernels import cpu_gguf, cpu_qgemv, gguf_weight, ops, quant
 from duplex.kernels.gguf_weight import GGUFWeight
 from duplex.kernels.quant import FusedWeight, QuantWeight
 
@@ -109,16 +109,27 @@ def test_int8_activations():
     assert err / full.norm() < 2e-2
 
 
+@pytest.mark.parametrize("int8_prompt", ["1", "0"])
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q6_K"])
-def test_prompt_step_takes_the_tiled_path_at_any_row_count(type_name):
+def test_prompt_step_takes_one_path_at_any_row_count(type_name, int8_prompt, monkeypatch):
+    """A prompt step's rows take one kernel whatever their count, so a prompt's numbers do
+    not depend on how much of it came from the cache: the int8 row kernel on a CPU without
+    VNNI (unless DUPLEX_INT8_PROMPT=0), else the fp32 tiles."""
+    monkeypatch.setenv("DUPLEX_INT8_PROMPT", int8_prompt)
     k = 256
     raw = raw_rows(type_name, 32, k)
     w = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], raw, k, with_dense=False)
-    x = torch.randn(2, k)
+    int8 = int8_prompt == "1" and not cpu_qgemv.available()
+    assert w.int8_prompt() == int8
+    x = torch.randn(70, k)  # above the decode row kernel's limit
     with quant.prompt_step():
-        one = ops.linear(x, w)
-    assert torch.equal(one, w._tiled(x))
-    assert_close(one, reference(type_name, raw, k, x))
+        many, two = ops.linear(x, w), ops.linear(x[:2], w)
+    assert torch.equal(two, many[:2])  # bitwise, row by row
+    if int8:
+        assert torch.equal(many, cpu_gguf.linear(w.type_id, raw, k, x))
+    else:
+        assert torch.equal(many, w._tiled(x))
+    assert_close(many, reference(type_name, raw, k, x, int8_x=int8))
 
 
 def test_a_prompt_rows_numbers_do_not_depend_on_the_rows_beside_it():
