@@ -169,12 +169,12 @@ class GGUFWeight(QuantWeight):
     def int8_prompt(self) -> bool:
         """Whether prompt steps take the int8 row kernel, at any row count (so a prompt's
         numbers, row by row, never depend on how much of it was a cache hit): block types on
-        a CPU without AVX512-VNNI, unless DUPLEX_INT8_PROMPT=0. There a prompt tile costs its
-        whole dequantization however few rows it has (1.2 s a step at the 1B shape), and the
-        row kernel's integer dots run at about the fp32 GEMM's speed on big steps (measured,
-        docs/BENCHMARKS.md); with VNNI, prompts keep the tiles (not measured there)."""
+        a CPU without AVX512-VNNI with DUPLEX_INT8_PROMPT=1 (opt-in). A prompt tile costs its
+        whole dequantization however few rows it has (1.2 s a step at the 1B shape), but int8
+        prompt activations broke SmolLM2's answers ("What is the capital of France?"), so the
+        fp32 tiles stay the default (docs/BENCHMARKS.md)."""
         return (self.group_size >= 32 and cpu_gguf.available() and not cpu_qgemv.available()
-                and not switches.is_off("DUPLEX_INT8_PROMPT"))
+                and switches.value("DUPLEX_INT8_PROMPT") == "1")
 
     def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[M, K]` fp32 -> `[M, N]`: a tile of output rows is dequantized to fp32 (about

@@ -40,9 +40,9 @@ SWITCHES = (
            "0: bf16 dense copies stay plain, not oneDNN-blocked (kernels/quant.py)"),
     Switch("DUPLEX_VNNI_ROWS", "", "developer",
            "most rows the VNNI kernel takes before the bf16 copy (empty: 12 with AMX, else 64)"),
-    Switch("DUPLEX_INT8_PROMPT", "1", "developer",
-           "0: GGUF prompt steps on CPUs without AVX512-VNNI take the fp32 tiles, not the int8 "
-           "row kernel (kernels/gguf_weight.py)"),
+    Switch("DUPLEX_INT8_PROMPT", "0", "developer",
+           "1: GGUF prompt steps on CPUs without AVX512-VNNI take the int8 row kernel, not the "
+           "fp32 tiles (kernels/gguf_weight.py; it broke SmolLM2's answers: opt-in)"),
     Switch("DUPLEX_DENSE_WEIGHTS", "0", "developer",
            "1: every GGUF weight also keeps a bf16 copy, to measure what one costs "
            "(kernels/gguf_weight.py)"),

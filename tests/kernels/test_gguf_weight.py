@@ -114,7 +114,7 @@ def test_int8_activations():
 def test_prompt_step_takes_one_path_at_any_row_count(type_name, int8_prompt, monkeypatch):
     """A prompt step's rows take one kernel whatever their count, so a prompt's numbers do
     not depend on how much of it came from the cache: the int8 row kernel on a CPU without
-    VNNI (unless DUPLEX_INT8_PROMPT=0), else the fp32 tiles."""
+    VNNI with DUPLEX_INT8_PROMPT=1, else the fp32 tiles."""
     monkeypatch.setenv("DUPLEX_INT8_PROMPT", int8_prompt)
     k = 256
     raw = raw_rows(type_name, 32, k)
