@@ -304,9 +304,13 @@ def test_table_code_math_rendered_and_script_neutralised(ui):
     ui.screenshot("rich.png")
 
 
-def test_streaming_renders_finished_blocks_once(ui):
+def test_streaming_renders_finished_blocks_once(make_ui, server):
     """Finished blocks are not rebuilt per frame: a node of the first paragraph survives
-    the rest of a long stream (the whole answer is rendered once more at the end)."""
+    the rest of a long stream (the whole answer is rendered once more at the end). No token
+    limit, so the answer runs on for the rest of the context (seconds, not 512 tokens that a
+    fast box streams past 400 characters and to the end before the stop click lands)."""
+    ui = make_ui(server.url, init_script="localStorage.setItem('duplex.settings.v1',"
+                                         " JSON.stringify({maxTokens: null}))").open()
     ui.send("a long one")
     ui.page.wait_for_function("() => document.querySelector("
                               "'article.msg.assistant:last-of-type .md-done p')")
@@ -315,8 +319,10 @@ def test_streaming_renders_finished_blocks_once(ui):
     ui.page.wait_for_function("() => document.querySelector('article.msg.assistant:last-of-type"
                               " .answer-body').textContent.length > 400")
     assert ui.page.evaluate("window.__first.isConnected") is True
+    assert "max_tokens" not in ui.sent[0]
     ui.page.click("#stop")
     ui.wait_answer_state("stopped")
+    assert ui.page_errors == []
 
 
 def test_conversation_survives_reload_regenerate_edit_and_the_list(make_ui, server):
