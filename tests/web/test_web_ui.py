@@ -47,6 +47,18 @@ def ui(make_ui, server):
     assert ui.dialogs == [], "the page opened a dialog (model output executed?)"
 
 
+@pytest.fixture
+def unlimited_ui(make_ui, server):
+    """The page with no token limit set, so a long answer runs on for the rest of the context
+    (seconds): at the default 512 tokens a fast box streamed a whole long answer before a
+    test's stop click landed."""
+    ui = make_ui(server.url, init_script="localStorage.setItem('duplex.settings.v1',"
+                                         " JSON.stringify({maxTokens: null}))").open()
+    yield ui
+    assert ui.page_errors == [], "uncaught errors in the page"
+    assert "max_tokens" not in ui.sent[0]
+
+
 def test_answer_streams_and_stats_fill_in(ui):
     ui.send("What is Duplex?")
     ui.page.wait_for_function(  # text visible while the answer is still streaming
@@ -88,7 +100,8 @@ def test_answer_streams_and_stats_fill_in(ui):
     ui.screenshot("answer.png")
 
 
-def test_stop_cancels_a_long_answer(ui, server):
+def test_stop_cancels_a_long_answer(unlimited_ui, server):
+    ui = unlimited_ui
     ui.send("Tell me a long story")
     ui.page.wait_for_function("document.querySelector('article.msg.assistant .answer-body')"
                               ".textContent.length > 40")
@@ -304,13 +317,10 @@ def test_table_code_math_rendered_and_script_neutralised(ui):
     ui.screenshot("rich.png")
 
 
-def test_streaming_renders_finished_blocks_once(make_ui, server):
+def test_streaming_renders_finished_blocks_once(unlimited_ui):
     """Finished blocks are not rebuilt per frame: a node of the first paragraph survives
-    the rest of a long stream (the whole answer is rendered once more at the end). No token
-    limit, so the answer runs on for the rest of the context (seconds, not 512 tokens that a
-    fast box streams past 400 characters and to the end before the stop click lands)."""
-    ui = make_ui(server.url, init_script="localStorage.setItem('duplex.settings.v1',"
-                                         " JSON.stringify({maxTokens: null}))").open()
+    the rest of a long stream (the whole answer is rendered once more at the end)."""
+    ui = unlimited_ui
     ui.send("a long one")
     ui.page.wait_for_function("() => document.querySelector("
                               "'article.msg.assistant:last-of-type .md-done p')")
@@ -319,10 +329,8 @@ def test_streaming_renders_finished_blocks_once(make_ui, server):
     ui.page.wait_for_function("() => document.querySelector('article.msg.assistant:last-of-type"
                               " .answer-body').textContent.length > 400")
     assert ui.page.evaluate("window.__first.isConnected") is True
-    assert "max_tokens" not in ui.sent[0]
     ui.page.click("#stop")
     ui.wait_answer_state("stopped")
-    assert ui.page_errors == []
 
 
 def test_conversation_survives_reload_regenerate_edit_and_the_list(make_ui, server):
