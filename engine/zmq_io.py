@@ -23,6 +23,7 @@ the sockets are plain, as on the default private IPC path.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -177,12 +178,28 @@ class _Zap:
             self._auth.stop()
 
 
+class _Context(zmq.asyncio.Context):
+    """pyzmq's context, terminated off the collecting thread when left to the garbage collector.
+
+    pyzmq's finalizer closes the sockets the context still knows (a weak set) and then terms
+    it, which waits until every socket is closed. A context collected in one garbage cycle
+    with its sockets knows none of them (weak references are cleared before finalizers run),
+    so `term` waited forever, on whatever thread collected (an event loop: a test run hung
+    there), for sockets the same collection would close next. Here `term` runs on a daemon
+    thread and ends once they are closed."""
+
+    def __del__(self) -> None:
+        # as pyzmq: nothing at interpreter exit (its atexit hook sets `_exiting`)
+        if not self._shadow and not self.closed and not zmq.sugar.context._exiting:
+            threading.Thread(target=self.term, name="zmq-term", daemon=True).start()
+
+
 def new_context() -> zmq.asyncio.Context:
     """A context whose sockets default to LINGER 0, so that neither `term` nor a context
-    left to the garbage collector (which destroys it) can wait forever on messages queued
-    for a peer that is gone; a socket that should flush on close says so there
+    left to the garbage collector (`_Context`) can wait forever on messages queued for a
+    peer that is gone; a socket that should flush on close says so there
     (`Channel.close(linger_ms=...)`)."""
-    ctx = zmq.asyncio.Context()
+    ctx = _Context()
     ctx.setsockopt(zmq.LINGER, 0)
     return ctx
 

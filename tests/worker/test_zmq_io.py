@@ -2,6 +2,8 @@
 logged and skipped, never raised."""
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import zmq.asyncio
@@ -101,3 +103,32 @@ async def test_a_context_with_messages_for_a_missing_peer_terminates_at_once():
     done.start()
     done.join(5.0)
     assert not done.is_alive(), "term() waited on a queued message"
+
+
+def test_a_context_collected_in_one_cycle_with_its_socket_does_not_block_the_collector():
+    """A context and its socket dropped together in a reference cycle: pyzmq's finalizer
+    finds no socket to close (their weak references are cleared first) and its `term` waited
+    forever on the collecting thread (a full test run hung so, in an event loop); a context
+    from new_context terms on a thread of its own, which ends when the socket is closed."""
+    import gc
+    import threading
+    import zmq
+
+    from duplex.engine.zmq_io import new_context
+    was_enabled = gc.isenabled()
+    gc.disable()  # the cycle is collected below, on the thread that watches
+    try:
+        ctx = new_context()
+        holder = {"ctx": ctx, "socket": ctx.socket(zmq.DEALER)}
+        holder["self"] = holder
+        del ctx, holder
+        collected = threading.Event()
+        threading.Thread(target=lambda: (gc.collect(), collected.set()), daemon=True).start()
+        assert collected.wait(10), "gc.collect() blocked in the context's finalizer"
+    finally:
+        if was_enabled:
+            gc.enable()
+    deadline = time.monotonic() + 10
+    while any(t.name == "zmq-term" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the context never terminated"
+        time.sleep(0.05)
