@@ -48,15 +48,17 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
-import torch
 
 from duplex.engine.sampling_params import Constraint
 from duplex.engine.stats import GrammarStats
 from duplex.engine.text.reasoning import END, START
+
+if TYPE_CHECKING:  # torch is imported where a mask is made: the frontend parses constraints
+    import torch  # with this module and holds no torch until xgrammar itself needs it
 
 log = logging.getLogger("duplex.grammar")
 
@@ -503,6 +505,8 @@ class Grammars:
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """xgrammar's packed bitmask [n, ceil(vocab / 32)] int32 (bit j of word w: token
     32 w + j, little-endian words) -> allowed [n, vocab_size] bool."""
+    import torch
+
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
 
@@ -516,6 +520,8 @@ def _bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
 def _tokens_with(info, banned_bytes: set[int], vocab_size: int,
                  stop_token_ids: Sequence[int]) -> torch.Tensor:
     """[vocab] bool: tokens whose text holds one of banned_bytes (stop tokens never)."""
+    import torch
+
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     for token_id, text in enumerate(info.decoded_vocab[:vocab_size]):
         mask[token_id] = any(byte in banned_bytes for byte in text)
