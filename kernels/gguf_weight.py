@@ -171,8 +171,9 @@ class GGUFWeight(QuantWeight):
         numbers, row by row, never depend on how much of it was a cache hit): block types on
         a CPU without AVX512-VNNI with DUPLEX_INT8_PROMPT=1 (opt-in). A prompt tile costs its
         whole dequantization however few rows it has (1.2 s a step at the 1B shape), but int8
-        prompt activations broke SmolLM2's answers ("What is the capital of France?"), so the
-        fp32 tiles stay the default (docs/BENCHMARKS.md)."""
+        prompt activations change SmolLM2's answer to "What is the capital of France?" (as
+        llama.cpp's do on the same file), so the fp32 tiles, which give transformers'
+        answer, stay the default (docs/BENCHMARKS.md)."""
         return (self.group_size >= 32 and cpu_gguf.available() and not cpu_qgemv.available()
                 and switches.value("DUPLEX_INT8_PROMPT") == "1")
 
