@@ -25,10 +25,17 @@ def _split(path: str) -> tuple[str, dict]:
     return path, {}
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str | None = None):
+    """The tokenizer of a GGUF file or HF directory (default: the default model's), loaded
+    once per path however it is spelled (`load_tokenizer()` and `load_tokenizer(None)` were
+    two cache keys, and a GGUF tokenizer takes seconds to build)."""
+    return _load_tokenizer(os.path.abspath(path or default_model_path()))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
-    directory, kwargs = _split(path or default_model_path())
+    directory, kwargs = _split(path)
     return AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
 
 
