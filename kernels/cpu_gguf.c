@@ -214,6 +214,65 @@ static void dequant_row(int type, const uint8_t *row, int64_t k, float *y) {
     }
 }
 
+/* fp32 -> bf16, rounded to nearest even (what torch's .to(torch.bfloat16) does; a NaN stays
+ * a NaN). Plain integer ops, so the loops that call it vectorize. */
+static inline uint16_t gg_round_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* 16 expanded bytes -> 16 bf16 weights: the fp32 of dequant_row's loop (a multiply, then an
+ * add: no fused contraction, as the file is built), rounded to nearest even by the CPU. */
+static inline void bf16x16(uint16_t *y, const uint8_t *p, float a, float c, int type) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m512i q = type == GG_Q8_0 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    if (type == GG_Q6_K) q = _mm512_sub_epi32(q, _mm512_set1_epi32(32));
+    __m512 v = _mm512_mul_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(q));
+    if (type != GG_Q6_K && type != GG_Q8_0) v = _mm512_add_ps(v, _mm512_set1_ps(c));
+    __m256bh h = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256((__m256i *)y, (__m256i)h);
+}
+#endif
+
+/* One row -> bf16 [k]: the fp32 weights of dequant_row, each rounded once to bf16 (so a
+ * bf16 tile is exactly the fp32 tile's .to(torch.bfloat16)). Block types are expanded a
+ * block at a time (with AVX512-BF16, 16 weights an instruction sequence). */
+static void dequant_row_bf16(int type, const uint8_t *row, int64_t k, uint16_t *y) {
+    float buf[256];
+    int64_t i;
+    if (type == GG_BF16) {
+        memcpy(y, row, (size_t)k * 2);
+        return;
+    }
+    int bs = block_size(type), bb = block_bytes(type);
+    if (bs == 1) {  /* F16 / F32: 256 weights at a time through fp32 */
+        int esize = type == GG_F32 ? 4 : 2;
+        for (i = 0; i < k; i += 256) {
+            int len = k - i < 256 ? (int)(k - i) : 256;
+            dequant_row(type, row + i * esize, len, buf);
+            for (int j = 0; j < len; j++) y[i + j] = gg_round_bf16(buf[j]);
+        }
+        return;
+    }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    uint8_t q[256];
+    factors f[8];
+    for (i = 0; i < k / bs; i++) {
+        expand_block(type, row + i * bb, q, f);
+        for (int h = 0; h < bs / 16; h++)
+            bf16x16(y + i * bs + 16 * h, q + 16 * h, f[h / 2].a[h & 1], f[h / 2].c[h & 1], type);
+    }
+#else
+    for (i = 0; i < k; i += bs) {
+        dequant_row(type, row + i / bs * bb, bs, buf);
+        for (int j = 0; j < bs; j++) y[i + j] = gg_round_bf16(buf[j]);
+    }
+#endif
+}
+
 /* 0 when (type, k, row_bytes) describe rows this file can read, else -1. */
 int gg_check(int type, int64_t k, int64_t row_bytes) {
     int bs = block_size(type);
@@ -227,6 +286,15 @@ int gg_dequant(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t
     if (gg_check(type, k, row_bytes)) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 16)
     for (int64_t r = 0; r < n; r++) dequant_row(type, w + r * row_bytes, k, out + r * ldo);
+    return 0;
+}
+
+/* The same rows as bf16 (uint16) [n, k], row stride ldo: the tiles of a bf16 GEMM. */
+int gg_dequant_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                    uint16_t *out, int64_t ldo, int threads) {
+    if (gg_check(type, k, row_bytes)) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 16)
+    for (int64_t r = 0; r < n; r++) dequant_row_bf16(type, w + r * row_bytes, k, out + r * ldo);
     return 0;
 }
 

@@ -47,17 +47,21 @@ def available() -> bool:
     return not switches.is_off("DUPLEX_GGUF_C") and _load() is not False
 
 
-def dequant(type_id: int, raw: torch.Tensor, k: int, out: torch.Tensor | None = None
-            ) -> torch.Tensor:
-    """raw uint8 `[N, row_bytes]` -> fp32 `[N, k]` (into `out` when given)."""
+def dequant(type_id: int, raw: torch.Tensor, k: int, out: torch.Tensor | None = None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """raw uint8 `[N, row_bytes]` -> `[N, k]` fp32 or bf16 (into `out` when given, whose
+    dtype then decides). bf16 is the fp32 weights rounded to nearest even, written directly
+    (half the bytes of a tile, and no second pass to convert them)."""
     _check(type_id, raw, k)
-    out = torch.empty(raw.shape[0], k, dtype=torch.float32) if out is None else out
-    assert out.shape == (raw.shape[0], k) and out.dtype == torch.float32 and out.is_contiguous()
+    out = torch.empty(raw.shape[0], k, dtype=dtype) if out is None else out
+    assert out.shape == (raw.shape[0], k) and out.dtype in (torch.float32, torch.bfloat16) \
+        and out.is_contiguous(), f"out must be contiguous fp32/bf16 [{raw.shape[0]}, {k}]"
     if not available():
         out.copy_(reference_dequant(type_id, raw, k))
         return out
-    rc = _load().gg_dequant(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
-                            out.data_ptr(), k, torch.get_num_threads())
+    fn = _load().gg_dequant if out.dtype == torch.float32 else _load().gg_dequant_bf16
+    rc = fn(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k, out.data_ptr(), k,
+            torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"gg_dequant refused {TYPES[type_id][0]} [{raw.shape[0]}, {k}]")
     return out
@@ -136,6 +140,8 @@ def _load():
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_dequant.restype = lib.gg_linear.restype = lib.gg_linear_x.restype = ctypes.c_int
     lib.gg_dequant.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, ctypes.c_int]
+    lib.gg_dequant_bf16.restype = ctypes.c_int
+    lib.gg_dequant_bf16.argtypes = lib.gg_dequant.argtypes
     lib.gg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
     lib.gg_linear_x.argtypes = lib.gg_linear.argtypes
     lib.gg_quantize_x.restype = lib.gg_linear_q8.restype = ctypes.c_int

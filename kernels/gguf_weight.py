@@ -26,11 +26,14 @@ depend on how much of it came from the prefix cache.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 
 import torch
 
 from duplex.kernels import cpu_gguf, cpu_qgemv, memory, quant, switches
+from duplex.kernels.cpu_fused import cpu_flags
 from duplex.kernels.quant import QuantWeight
 
 log = logging.getLogger("duplex.kernels")
@@ -43,6 +46,10 @@ GEMV_ROWS = 16
 K_QUANT_ROW_FACTOR = 3  # K-quants: GEMV_ROWS * this
 TILE_BYTES = 1 << 22  # fp32 rows dequantized at a time: half an L3 (measured, docs/BENCHMARKS.md)
 MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
+BF16_CHUNK = 1 << 24  # weights dequantized at a time for the bf16 GEMM (32 MB): a 1B FFN weight
+# rows of x per bf16 GEMM call, always (padded; GGUFWeight._bf16_chunks): 128 for weights of up
+# to 4 M values, 64 above (measured best at SmolLM2's and the 1B shape's, docs/BENCHMARKS.md)
+BF16_ROWS_SMALL, BF16_ROWS, BF16_SMALL_WEIGHT = 128, 64, 1 << 22
 _BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
          "Q5_K": 5}
 _dense_bytes = 0  # what the opt-in dense copies hold, all weights together (logged)
@@ -127,10 +134,17 @@ class GGUFWeight(QuantWeight):
         return self._vnni
 
     def dense_from_rows(self) -> int | None:
+        """The fewest rows whose output comes from a bf16 GEMM (always inside a prompt step):
+        the dense copy's, or the bf16 chunks' where they are the prompt GEMM; None where such
+        rows take fp32 tiles. The models then pass those rows between kernels in bf16
+        (engine.models.llama.stream_rows)."""
         if self._packed is None:
             self.pack()
-        return None if self.dense is None else \
-            (self.row_limit() if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
+        if self.dense is not None:
+            return (self.row_limit() if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
+        if prompt_gemm_dtype() == torch.bfloat16:
+            return max(self.row_limit(), 0 if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
+        return None
 
     def row_limit(self) -> int:
         """The most rows a decode step runs through the row kernel (GEMV_ROWS)."""
@@ -178,11 +192,13 @@ class GGUFWeight(QuantWeight):
                 and switches.value("DUPLEX_INT8_PROMPT") == "1")
 
     def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows `[M, K]` fp32 -> `[M, N]`: a tile of output rows is dequantized to fp32 (about
-        TILE_BYTES, so it stays in cache) and multiplied by torch's GEMM. Fewer than MIN_ROWS
-        rows are padded with zeros: torch takes another kernel for a few rows, whose sums
-        differ in the last bits, and a prompt's numbers must not depend on how many of its
-        tokens came from the prefix cache (int8 activations after it would magnify them)."""
+        """rows `[M, K]` fp32 -> `[M, N]`, on the dequantized weight in the prompt GEMM's
+        dtype (`prompt_gemm_dtype`). Fewer than MIN_ROWS rows are padded with zeros: torch
+        takes another kernel for a few rows, whose sums differ in the last bits, and a
+        prompt's numbers must not depend on how many of its tokens came from the prefix cache
+        (int8 activations after it would magnify them)."""
+        if prompt_gemm_dtype() == torch.bfloat16:
+            return self._bf16_chunks(rows.to(torch.bfloat16))
         m = rows.shape[0]
         if m < MIN_ROWS:
             return self._tiled(torch.cat([rows, rows.new_zeros(MIN_ROWS - m, rows.shape[1])]))[:m]
@@ -197,6 +213,65 @@ class GGUFWeight(QuantWeight):
             cpu_gguf.dequant(self.type_id, self.raw[n0:n0 + step], k, part)
             torch.mm(part, rows.T, out=out_t[n0:n0 + part.shape[0]])
         return out_t.T.contiguous()  # callers view slices of the output
+
+    def _bf16_chunks(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows `[M, K]` bf16 -> `[M, N]` bf16: up to BF16_CHUNK weights at a time are
+        dequantized straight to bf16 into one reused buffer (this thread's) and multiplied
+        by oneDNN's bf16 GEMM (AMX or AVX512-BF16) as `chunk @ block.T`, the weight in the
+        GEMM's row-major A place, where it is read as it is: in the other place oneDNN
+        repacks it on every call. The rows go in blocks of exactly BF16_ROWS (the last one
+        zero-padded; the count depends only on the weight's size): oneDNN picks its kernel by
+        the shapes, and its sums for a row change with M (measured: 33 rows against 300 differ
+        in the last bits), so a fixed M is what keeps a prompt's numbers the same whether its
+        tokens come alone after a prefix-cache hit or inside a long prompt."""
+        n, k = self.shape
+        m, size = rows.shape[0], BF16_ROWS_SMALL if n * k <= BF16_SMALL_WEIGHT else BF16_ROWS
+        blocks = -(-m // size)
+        if blocks * size != m:
+            rows = torch.cat([rows, rows.new_zeros(blocks * size - m, k)])
+        step = min(n, max(16, BF16_CHUNK // k))
+        scratch = _scratch(step * k)
+        out = torch.empty(blocks, n, size, dtype=torch.bfloat16)  # [block, N, row]
+        for n0 in range(0, n, step):
+            part = scratch[:min(step, n - n0) * k].view(-1, k)
+            cpu_gguf.dequant(self.type_id, self.raw[n0:n0 + step], k, part)
+            for b in range(blocks):
+                torch.mm(part, rows[b * size:(b + 1) * size].T, out=out[b, n0:n0 + part.shape[0]])
+        # one block: the reshape is a transposed view, whose rows are not contiguous
+        return out.transpose(1, 2).reshape(blocks * size, n)[:m].contiguous()
+
+
+_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's bf16 buffer of at least numel elements (grown, never shrunk: its size is
+    the largest chunk, BF16_CHUNK weights at most)."""
+    buf = getattr(_local, "bf16", None)
+    if buf is None or buf.numel() < numel:
+        buf = _local.bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    return buf
+
+
+def prompt_gemm_dtype() -> torch.dtype:
+    """The dtype of the GEMM of GGUF prompt steps: bf16 where the CPU multiplies bf16 in
+    hardware (AMX-BF16 or AVX512-BF16), where it runs 3-10x faster than fp32 at prompt row
+    counts (docs/BENCHMARKS.md) and activations are rounded to bf16 as the bf16 KV cache
+    beside quantized weights already rounds them; fp32 elsewhere (AVX2 CPUs, where torch's
+    bf16 GEMM is slower than its fp32 one). DUPLEX_PROMPT_GEMM=fp32|bf16 sets it."""
+    choice = switches.value("DUPLEX_PROMPT_GEMM")
+    if choice:
+        if choice not in ("fp32", "bf16"):
+            raise ValueError(f"DUPLEX_PROMPT_GEMM must be fp32 or bf16, got {choice!r}")
+        return torch.bfloat16 if choice == "bf16" else torch.float32
+    return _hardware_bf16()
+
+
+@functools.cache
+def _hardware_bf16() -> torch.dtype:
+    flags = cpu_flags()
+    return torch.bfloat16 if b" amx_bf16" in flags or b" avx512_bf16" in flags \
+        else torch.float32
 
 
 def _fp32(rows: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,9 @@ SWITCHES = (
     Switch("DUPLEX_INT8_PROMPT", "0", "developer",
            "1: GGUF prompt steps on CPUs without AVX512-VNNI take the int8 row kernel, not the "
            "fp32 tiles (kernels/gguf_weight.py; it broke SmolLM2's answers: opt-in)"),
+    Switch("DUPLEX_PROMPT_GEMM", "", "developer",
+           "fp32 | bf16: the GEMM of GGUF prompt steps (empty: bf16 where the CPU has AMX-BF16 "
+           "or AVX512-BF16, else fp32; kernels/gguf_weight.py)"),
     Switch("DUPLEX_DENSE_WEIGHTS", "0", "developer",
            "1: every GGUF weight also keeps a bf16 copy, to measure what one costs "
            "(kernels/gguf_weight.py)"),

@@ -166,3 +166,7 @@ def test_portable_path(portable, type_name):
     assert portable.gg_dequant(cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1], n,
                                k, dense.data_ptr(), k, 1) == 0
     assert torch.equal(dense, reference_w(type_name, raw, k))
+    tiles = torch.empty(n, k, dtype=torch.bfloat16)
+    assert portable.gg_dequant_bf16(cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1],
+                                    n, k, tiles.data_ptr(), k, 2) == 0
+    assert torch.equal(tiles, dense.to(torch.bfloat16))

@@ -2,7 +2,9 @@
 against the `gguf` package's numpy dequantizer on the same bytes and an fp64 matmul, at
 decode row counts (the row kernel: block types on int8 activations, so the reference takes
 x rounded the same way, written here in torch) and prompt row counts (the tiled GEMM, fp32
-x); and fused projections whose parts have different types (quant.FusedWeight)."""
+x); and fused projections whose parts have different types (quant.FusedWeight). The
+prompt GEMM runs in fp32 in these tests unless one says bf16 (gguf_weight.prompt_gemm_dtype:
+bf16 on CPUs with AMX-BF16 / AVX512-BF16), whose reference rounds x and w to bf16 first."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,6 +19,11 @@ from duplex.kernels.quant import FusedWeight, QuantWeight
 
 TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 K_QUANTS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where their fp16 d fields are
+
+
+@pytest.fixture(autouse=True)
+def fp32_prompt_gemm(monkeypatch):
+    monkeypatch.setenv("DUPLEX_PROMPT_GEMM", "fp32")
 
 
 def raw_rows(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -132,15 +139,63 @@ def test_prompt_step_takes_one_path_at_any_row_count(type_name, int8_prompt, mon
     assert_close(many, reference(type_name, raw, k, x, int8_x=int8))
 
 
-def test_a_prompt_rows_numbers_do_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
+def test_a_prompt_rows_numbers_do_not_depend_on_the_rows_beside_it(gemm, monkeypatch):
     """The tiled path (every prompt step) gives each row the same bits whether it comes alone,
     as a prefix-cache hit's few new tokens, or inside a long prompt."""
+    monkeypatch.setenv("DUPLEX_PROMPT_GEMM", gemm)
     k = 576
     w = GGUFWeight(cpu_gguf.TYPE_IDS["Q4_1"], raw_rows("Q4_1", 1536, k), k, with_dense=False)
     x = torch.randn(300, k)
     full = w._tiled(x)
     for start, end in ((0, 1), (16, 21), (3, 9), (7, 71), (3, 300)):
         assert torch.equal(w._tiled(x[start:end].contiguous()), full[start:end]), (start, end)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bf16_dequant_is_the_fp32_weights_rounded(type_name):
+    """The bf16 tiles are exactly the fp32 dequantization rounded to nearest even (the C
+    library's AVX512-BF16 path where the CPU has it, its integer rounding elsewhere)."""
+    k = 300 if type_name in ("F16", "BF16") else 512  # float rows: not a multiple of 256
+    raw = raw_rows(type_name, 21, k, seed=5)
+    type_id = cpu_gguf.TYPE_IDS[type_name]
+    fp32 = cpu_gguf.dequant(type_id, raw, k)
+    bf16 = cpu_gguf.dequant(type_id, raw, k, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("m", [37, 130])
+def test_bf16_prompt_gemm_matches_the_bf16_reference(type_name, m, monkeypatch):
+    """DUPLEX_PROMPT_GEMM=bf16 (the default on AMX / AVX512-BF16 CPUs): x and the weights
+    rounded to bf16, fp32 sums, a bf16 result; the weight in several chunks."""
+    monkeypatch.setenv("DUPLEX_PROMPT_GEMM", "bf16")
+    monkeypatch.setattr(gguf_weight, "BF16_CHUNK", 16 * 768)  # 16-row chunks, odd last one
+    n, k = 67, 768
+    raw = raw_rows(type_name, n, k, seed=m)
+    w = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], raw, k, with_dense=False)
+    x = torch.randn(m, k)
+    with quant.prompt_step():
+        out = ops.linear(x, w)
+    w_ref = cpu_gguf.reference_dequant(w.type_id, raw, k).to(torch.bfloat16).double()
+    ref = x.to(torch.bfloat16).double() @ w_ref.T
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
+    with quant.prompt_step():  # rows alone or beside others: the same bits
+        assert torch.equal(ops.linear(x[3:5], w), out[3:5])
+
+
+@pytest.mark.parametrize("choice, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_prompt_gemm_dtype_switch(choice, dtype, monkeypatch):
+    monkeypatch.setenv("DUPLEX_PROMPT_GEMM", choice)
+    assert gguf_weight.prompt_gemm_dtype() == dtype
+    monkeypatch.setenv("DUPLEX_PROMPT_GEMM", "fp16")
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        gguf_weight.prompt_gemm_dtype()
+    monkeypatch.delenv("DUPLEX_PROMPT_GEMM")
+    flags = gguf_weight.cpu_flags()
+    hardware = b" amx_bf16" in flags or b" avx512_bf16" in flags
+    assert gguf_weight.prompt_gemm_dtype() == (torch.bfloat16 if hardware else torch.float32)
 
 
 def test_bias_out_dtype_and_leading_dims():
