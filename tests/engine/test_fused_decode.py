@@ -55,16 +55,20 @@ def test_float32_mode_never_takes_it(default_model, monkeypatch):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "float32"])
+@pytest.mark.parametrize("switch", ["DUPLEX_DENSE_WEIGHTS=1", "DUPLEX_PROMPT_GEMM=bf16"],
+                         ids=["dense-copies", "bf16-chunks"])
 def test_bf16_matmul_stream_equals_the_fp32_activations_path(default_model, monkeypatch,
-                                                             kv_dtype):
-    """Steps whose matmuls all run through the bf16 dense copies (prefill, decode batches
-    above the VNNI kernel's rows) hand the bf16 outputs straight to the fused kernels
-    (engine/models/llama.py `_gemm_stream`); the roundings are the same ones, so tokens and
-    logprobs are bitwise those of the path that converts to fp32 and back around each."""
+                                                             kv_dtype, switch):
+    """Steps whose matmuls all run through a bf16 GEMM (prefill, decode batches above the
+    few-row kernels' rows), on the bf16 dense copies or on the weights dequantized to bf16
+    per call (the AMX / AVX512-BF16 default), hand the bf16 outputs straight to the fused
+    kernels (engine/models/llama.py `_gemm_stream`); the roundings are the same ones, so
+    tokens and logprobs are bitwise those of the path that converts to fp32 and back."""
     from duplex.kernels import cpu_fused, quant
     monkeypatch.setattr(quant, "MAX_VNNI_ROWS", 12)  # the AMX CPUs' value: fewer prompts
-    monkeypatch.setenv("DUPLEX_DENSE_WEIGHTS", "1")  # the GGUF's bf16 copies: what it streams
-    # one load with the copies for this test's cores (the suite's shared load has none)
+    monkeypatch.setenv(*switch.split("="))
+    # one load for this test's cores (the suite's shared load has no copies, and its model
+    # remembers whether it streams)
     monkeypatch.setattr(core_module, "load", functools.lru_cache(maxsize=1)(loader.load))
     calls = []
     fused = cpu_fused.rope_store_kv
