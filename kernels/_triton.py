@@ -16,15 +16,16 @@ import torch
 # triton kernel, so it skips the import and its ~70 MB of RSS.
 WANTED = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
-try:
-    if not WANTED:
-        raise ImportError("no CUDA and TRITON_INTERPRET unset: triton is not needed")
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # installs without triton; CPU runs outside the tests
-    HAS_TRITON = False
+HAS_TRITON = False
+if WANTED:
+    try:
+        import triton
+        import triton.language as tl
+        HAS_TRITON = True
+    except ImportError:  # installs without triton
+        pass
 
+if not HAS_TRITON:  # installs without triton; CPU runs outside the tests
     class _MissingTriton:
         constexpr = object  # only ever used as an annotation
 

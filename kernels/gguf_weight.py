@@ -65,6 +65,12 @@ class GGUFWeight(QuantWeight):
     `int4` (q, scale, zero) as `QuantWeight` takes them: given for Q4 types where the VNNI
     kernel runs, turned into its layout by `pack()` and dropped."""
 
+    # True for an output head: its rows never go through a bf16 GEMM (the bf16 chunks or
+    # the dense copy), whose bf16 output would round the logits to 1/8 at |logit| 16-32 and
+    # decide greedy near-ties by rounding (it turned SmolLM2's "The capital of France is
+    # Paris." into "L'Étoile, ..."); they take the row kernel or the fp32 tiles.
+    fp32_out = False
+
     def __init__(self, type_id: int, raw: torch.Tensor, k: int,
                  int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  with_dense: bool | None = None) -> None:
@@ -140,6 +146,8 @@ class GGUFWeight(QuantWeight):
         (engine.models.llama.stream_rows)."""
         if self._packed is None:
             self.pack()
+        if self.fp32_out:
+            return None
         if self.dense is not None:
             return (self.row_limit() if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
         if prompt_gemm_dtype() == torch.bfloat16:
@@ -170,9 +178,9 @@ class GGUFWeight(QuantWeight):
         return out.reshape(*x.shape[:-1], self.shape[0])
 
     def _rows_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows `[M, K]` -> `[M, N]` (fp32, or bf16 from the dense copy)."""
+        """rows `[M, K]` -> `[M, N]` (fp32, or bf16 from a bf16 GEMM)."""
         m, prompt = rows.shape[0], quant.in_prompt_step()
-        if self.dense is not None and (prompt or m >= self.dense_from_rows()):
+        if self.dense is not None and not self.fp32_out and (prompt or m >= self.dense_from_rows()):
             return quant.dense_linear(rows.to(torch.bfloat16), self.dense)
         if not prompt and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
@@ -197,7 +205,7 @@ class GGUFWeight(QuantWeight):
         takes another kernel for a few rows, whose sums differ in the last bits, and a
         prompt's numbers must not depend on how many of its tokens came from the prefix cache
         (int8 activations after it would magnify them)."""
-        if prompt_gemm_dtype() == torch.bfloat16:
+        if prompt_gemm_dtype() == torch.bfloat16 and not self.fp32_out:
             return self._bf16_chunks(rows.to(torch.bfloat16))
         m = rows.shape[0]
         if m < MIN_ROWS:

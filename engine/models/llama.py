@@ -18,6 +18,7 @@ import torch
 from duplex.engine.models.args import ModelArgs
 from duplex.kernels import cpu_decode, cpu_fused, ops, quant, switches
 from duplex.kernels.batch_invariant import is_batch_invariant
+from duplex.kernels.gguf_weight import GGUFWeight
 from duplex.kernels.quant import QuantWeight
 from duplex.kernels.attention import AttentionPlan, plan_attention
 from duplex.kernels.decode_attention import StepLens
@@ -212,6 +213,8 @@ class LlamaForCausalLM:
         lm_head = state.pop("lm_head.weight", None)
         tied = (args.tie_word_embeddings or lm_head is None) and not isinstance(lm_head, QuantWeight)
         self.lm_head = self.embed if tied else lm_head  # a quantized head is its own copy
+        if isinstance(self.lm_head, GGUFWeight):
+            self.lm_head.fp32_out = True  # logits are never rounded to bf16
         self.cos_sin = self.rope_cache(args)
         self._decode_stack: cpu_decode.DecodeStack | None | bool = None  # None: not built yet
         self._stream_rows: int | None | bool = None  # None: not looked at yet; False: never

@@ -40,6 +40,14 @@ def test_auto_agrees_with_float32_at_the_stated_rate(default_model, monkeypatch,
     assert auto.weight_bytes < fp32.weight_bytes and int8.weight_bytes < fp32.weight_bytes / 2
 
 
+def test_the_gguf_head_keeps_fp32_logits(default_model):
+    """The tied Q8_0 head is marked (kernels.gguf_weight.GGUFWeight.fp32_out): its logits
+    never come from a bf16 GEMM, so the README's answer stands on every CPU."""
+    core = make_core(default_model, weights_dtype="auto", num_kv_blocks=16)
+    head = core.model.lm_head
+    assert isinstance(head, GGUFWeight) and head.fp32_out and head is core.model.embed
+
+
 def test_auto_keeps_the_files_bits(default_model):
     core = make_core(default_model, weights_dtype="auto", num_kv_blocks=64)
     layer = core.model.layers[0]

@@ -185,6 +185,21 @@ def test_bf16_prompt_gemm_matches_the_bf16_reference(type_name, m, monkeypatch):
         assert torch.equal(ops.linear(x[3:5], w), out[3:5])
 
 
+def test_an_output_head_never_takes_a_bf16_gemm(monkeypatch):
+    """A head's logits stay fp32 sums of fp32 products: a bf16 output would round a logit of
+    20 to a multiple of 1/8 and settle greedy near-ties by rounding."""
+    monkeypatch.setenv("DUPLEX_PROMPT_GEMM", "bf16")
+    k = 256
+    raw = raw_rows("Q8_0", 80, k)
+    head = GGUFWeight(cpu_gguf.TYPE_IDS["Q8_0"], raw, k, with_dense=False)
+    head.fp32_out = True
+    x = torch.randn(70, k) * 4
+    with quant.prompt_step():
+        out = ops.linear(x, head)
+    assert head.dense_from_rows() is None  # no bf16 stream after it either
+    assert_close(out, reference("Q8_0", raw, k, x))
+
+
 @pytest.mark.parametrize("choice, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_prompt_gemm_dtype_switch(choice, dtype, monkeypatch):
     monkeypatch.setenv("DUPLEX_PROMPT_GEMM", choice)
