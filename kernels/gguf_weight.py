@@ -182,9 +182,12 @@ class GGUFWeight(QuantWeight):
         m, prompt = rows.shape[0], quant.in_prompt_step()
         if self.dense is not None and not self.fp32_out and (prompt or m >= self.dense_from_rows()):
             return quant.dense_linear(rows.to(torch.bfloat16), self.dense)
-        if not prompt and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
+        # a head's rows are sampled positions, one a request, never a prompt's rows: the
+        # few-row kernels take them in prompt steps too (18 against 0.8 ms at SmolLM2's)
+        few = not prompt or self.fp32_out
+        if few and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
-        if (not prompt and m <= self.row_limit()) or (prompt and self.int8_prompt()):
+        if (few and m <= self.row_limit()) or (prompt and self.int8_prompt()):
             return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows))
         return self._tiled(_fp32(rows))
 
