@@ -57,6 +57,7 @@ from duplex.engine.scheduler import Scheduler, SchedulerOutput
 from duplex.engine.spec import Speculator
 from duplex.engine.stats import KVStats, KVTierStats, MoEStats
 from duplex.engine.step_policy import fair_prefill, time_budget
+from duplex.kernels import memory
 from duplex.kernels.batch_invariant import set_batch_invariant_mode
 from duplex.kernels.cpu_fused import use_fused
 from duplex.kernels.quant import QuantEmbedding, QuantWeight
@@ -355,7 +356,7 @@ class EngineCore:
         _advance(sched, self._counters)
         deltas = self._settle(sched, out)
         self.cost_model.observe(features, time.perf_counter() - start)
-        self._counters["steps"] += 1
+        self._count_step()
         return deltas
 
     def _launch(self, sched: SchedulerOutput) -> _Flight:
@@ -389,8 +390,13 @@ class EngineCore:
                in zip(flight.sampled, result.token_ids, result.logprobs)}
         deltas = self._settle(flight.sched, out)
         self.cost_model.observe(flight.features, time.perf_counter() - flight.start)
-        self._counters["steps"] += 1
+        self._count_step()
         return deltas
+
+    def _count_step(self) -> None:
+        if self._counters["steps"] == 0:
+            memory.trim_heap()  # the first forward packed every weight: free what it unpacked
+        self._counters["steps"] += 1
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, _Sampled]:
         """New tokens of each sampled request: one from the sampler, or, for a request with
