@@ -356,7 +356,7 @@ class EngineCore:
         _advance(sched, self._counters)
         deltas = self._settle(sched, out)
         self.cost_model.observe(features, time.perf_counter() - start)
-        self._count_step()
+        _count_step(self._counters)
         return deltas
 
     def _launch(self, sched: SchedulerOutput) -> _Flight:
@@ -390,13 +390,8 @@ class EngineCore:
                in zip(flight.sampled, result.token_ids, result.logprobs)}
         deltas = self._settle(flight.sched, out)
         self.cost_model.observe(flight.features, time.perf_counter() - flight.start)
-        self._count_step()
+        _count_step(self._counters)
         return deltas
-
-    def _count_step(self) -> None:
-        if self._counters["steps"] == 0:
-            memory.trim_heap()  # the first forward packed every weight: free what it unpacked
-        self._counters["steps"] += 1
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, _Sampled]:
         """New tokens of each sampled request: one from the sampler, or, for a request with
@@ -581,6 +576,12 @@ def _needs_host_tokens(requests) -> bool:
     count them, a grammar walks them): overlapped scheduling then waits for each step."""
     return any(req.params.has_penalties or req.params.constraint is not None
                for req in requests)
+
+
+def _count_step(counters: dict[str, int]) -> None:
+    if counters["steps"] == 0:
+        memory.trim_heap()  # the first forward packed every weight: free what it unpacked
+    counters["steps"] += 1
 
 
 def _advance(sched: SchedulerOutput, counters: dict) -> None:
