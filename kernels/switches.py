@@ -46,6 +46,9 @@ SWITCHES = (
     Switch("DUPLEX_PROMPT_GEMM", "", "developer",
            "fp32 | bf16: the GEMM of GGUF prompt steps (empty: bf16 where the CPU has AMX-BF16 "
            "or AVX512-BF16, else fp32; kernels/gguf_weight.py)"),
+    Switch("DUPLEX_GGUF_VNNI", "", "developer",
+           "1 | 0: a GGUF file's Q4 weights get the VNNI kernel's layout too, or not (empty: "
+           "files up to 256 MB; engine/models/gguf_quant.py)"),
     Switch("DUPLEX_DENSE_WEIGHTS", "0", "developer",
            "1: every GGUF weight also keeps a bf16 copy, to measure what one costs "
            "(kernels/gguf_weight.py)"),

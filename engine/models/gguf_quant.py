@@ -17,7 +17,8 @@ bytes (`gguf_weight`).
 The tests hold every unpacking to `gguf.dequantize` on the same bytes.
 
 `gguf_weight` keeps any type kernels.cpu_gguf reads (Q4_0 ... Q6_K, F16, BF16) as the
-file's bytes in a `GGUFWeight`, plus the int4 form above where the VNNI kernel will run.
+file's bytes in a `GGUFWeight`, plus the int4 form above where the VNNI kernel will run and
+the file is small enough for its layout to pay (`vnni_layouts`).
 """
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from duplex.kernels import cpu_gguf, cpu_qgemv
+from duplex.kernels import cpu_gguf, cpu_qgemv, switches
 from duplex.kernels.gguf_weight import GGUFWeight
 from duplex.kernels.quant import QuantWeight
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # linear weights that run with their own bits (F32 is a plain tensor already)
 OWN_BITS_TYPES = tuple(name for name in cpu_gguf.TYPE_IDS if name != "F32")
+
+# Files up to this size get the VNNI kernel's layout beside their bytes (`vnni_layouts`).
+VNNI_MAX_FILE_BYTES = 256 << 20
 
 log = logging.getLogger("duplex.engine")
 _said_dequantized: set[str] = set()  # the types say_dequantized has logged
@@ -46,13 +50,28 @@ def say_dequantized(type_name: str, dtype: torch.dtype) -> None:
         log.info("GGUF %s weights have no kernel here: dequantized to %s", type_name, dtype)
 
 
+def vnni_layouts(file_bytes: int) -> bool:
+    """Whether a GGUF file's Q4 weights also get the VNNI kernel's layout (kernels.cpu_qgemv),
+    ~0.9 bytes a weight beside the file's ~0.6 (the prompt GEMM and the other row kernels
+    read the file's bytes). It pays where decode is bound by the dots rather than by the
+    bytes: measured on the AMX VM (docs/BENCHMARKS.md), SmolLM2 (a 92 MB file) decodes in 5.5
+    against 9.3 ms a token with it, for 0.21 GB; the 1B shape (636 MB) in 38.9 against 42.6
+    ms, for 0.65 GB, which takes its RSS from 0.91x llama-server's to 1.26x. So files up to
+    VNNI_MAX_FILE_BYTES get it; DUPLEX_GGUF_VNNI=1 or 0 decides for every file."""
+    choice = switches.value("DUPLEX_GGUF_VNNI")
+    if choice in ("0", "1"):
+        return choice == "1"
+    return file_bytes <= VNNI_MAX_FILE_BYTES
+
+
 def quantized_linear(type_name: str, raw: np.ndarray, num_cols: int, permute, quant: str,
-                     dtype: torch.dtype) -> QuantWeight | None:
+                     dtype: torch.dtype, vnni: bool = True) -> QuantWeight | None:
     """A GGUF linear weight as `quant` keeps it: `auto` runs OWN_BITS_TYPES with their own
-    bits (no dense copy unless DUPLEX_DENSE_WEIGHTS=1), `int4` keeps the 4-bit types' int4;
-    None where the caller dequantizes it (for `auto`, said once per type)."""
+    bits (no dense copy unless DUPLEX_DENSE_WEIGHTS=1; the VNNI layout too where `vnni`),
+    `int4` keeps the 4-bit types' int4; None where the caller dequantizes it (for `auto`,
+    said once per type)."""
     if quant == "auto" and type_name in OWN_BITS_TYPES:
-        return gguf_weight(type_name, raw, num_cols, permute)
+        return gguf_weight(type_name, raw, num_cols, permute, vnni)
     if quant == "int4" and type_name in INT4_TYPES:
         return unpack_int4(type_name, raw, num_cols).map_rows(permute).to_weight()
     if quant == "auto" and type_name != "F32":
@@ -60,12 +79,15 @@ def quantized_linear(type_name: str, raw: np.ndarray, num_cols: int, permute, qu
     return None
 
 
-def gguf_weight(type_name: str, raw: np.ndarray, num_cols: int, permute) -> GGUFWeight:
+def gguf_weight(type_name: str, raw: np.ndarray, num_cols: int, permute,
+                vnni: bool = True) -> GGUFWeight:
     """raw: uint8 `[N, bytes_per_row]` of a type in OWN_BITS_TYPES; `permute` reorders rows
-    (any row order is the same bytes, row by row)."""
+    (any row order is the same bytes, row by row); `vnni`: the VNNI layout too, where its
+    kernel runs."""
     rows = permute(np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1))  # bytes
     int4 = None
-    if type_name in INT4_TYPES and cpu_qgemv.available() and cpu_qgemv.fits(len(rows), num_cols):
+    if vnni and type_name in INT4_TYPES and cpu_qgemv.available() \
+            and cpu_qgemv.fits(len(rows), num_cols):
         int4 = tuple(torch.from_numpy(np.ascontiguousarray(a))
                      for a in unpack_int4(type_name, rows, num_cols))
     return GGUFWeight(cpu_gguf.TYPE_IDS[type_name], torch.from_numpy(np.array(rows, copy=True)),

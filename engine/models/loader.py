@@ -109,6 +109,8 @@ def _inspect_gguf(path: str) -> _GGUFModel:
 def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> LoadedModel:
     reader, meta, args, names = _inspect_gguf(path)
     quant = _check_quant(quant, args.arch)
+    from duplex.engine.models.gguf_quant import vnni_layouts
+    vnni = vnni_layouts(Path(path).stat().st_size)
     state = {}
     for t in tqdm(reader.tensors, desc="loading", unit="tensor", disable=None if progress else True):  # None: on a terminal only
         target = names.get(t.name)  # None: read into the config (CONFIG_TENSORS)
@@ -117,7 +119,7 @@ def _load_gguf(path: str, dtype: torch.dtype, progress: bool, quant: str) -> Loa
         if target.expert_prefix is not None:
             state.update(_gguf_experts(t, target, dtype))
         else:
-            state[target.hf_name] = _gguf_tensor(t, target.hf_name, args, dtype, quant)
+            state[target.hf_name] = _gguf_tensor(t, target.hf_name, args, dtype, quant, vnni)
     if quant != "none" and "lm_head.weight" not in state:  # tied: the head gets its own copy
         state["lm_head.weight"] = _tied_head(state["model.embed_tokens.weight"], quant)
     gguf_file.complete_mla(state, args)
@@ -175,8 +177,9 @@ def _check_quant(quant: str, arch: str) -> str:
     return quant if arch in QUANT_ARCHS else "none"
 
 
-def _gguf_tensor(t, name: str, args: ModelArgs, dtype: torch.dtype, quant: str):
-    """One GGUF tensor as the model will hold it: quantized or dequantized to `dtype`."""
+def _gguf_tensor(t, name: str, args: ModelArgs, dtype: torch.dtype, quant: str, vnni: bool):
+    """One GGUF tensor as the model will hold it: quantized or dequantized to `dtype`
+    (`vnni`: Q4 weights get the VNNI layout too, gguf_quant.vnni_layouts)."""
     from gguf import dequantize
 
     from duplex.engine.models.gguf_quant import OWN_BITS_TYPES, gguf_weight, quantized_linear
@@ -185,12 +188,12 @@ def _gguf_tensor(t, name: str, args: ModelArgs, dtype: torch.dtype, quant: str):
     shape = _shape(t)
     permute = gguf_file.rotary_rows(name, args)
     if quant != "none" and is_quantizable(name):  # auto: the file's own bits, no dense copy
-        weight = quantized_linear(type_name, t.data, shape[-1], permute, quant, dtype)
+        weight = quantized_linear(type_name, t.data, shape[-1], permute, quant, dtype, vnni)
         if weight is not None:
             return weight
     if name == "model.embed_tokens.weight":
         if quant == "auto" and type_name in OWN_BITS_TYPES:  # rows dequantized when looked up
-            table = gguf_weight(type_name, t.data, shape[-1], lambda rows: rows)
+            table = gguf_weight(type_name, t.data, shape[-1], lambda rows: rows, vnni)
             table.dtype = dtype
             return table
         if quant != "none" and type_name == "Q8_0":

@@ -40,6 +40,27 @@ def test_auto_agrees_with_float32_at_the_stated_rate(default_model, monkeypatch,
     assert auto.weight_bytes < fp32.weight_bytes and int8.weight_bytes < fp32.weight_bytes / 2
 
 
+def test_the_vnni_layout_is_built_for_small_files_only(monkeypatch):
+    """Its bytes pay at SmolLM2's size, not at 1B's (engine/models/gguf_quant.vnni_layouts)."""
+    import gguf
+    from gguf.quants import quantize
+
+    from duplex.engine.models import gguf_quant
+    from duplex.kernels import cpu_qgemv
+
+    monkeypatch.setenv("DUPLEX_GGUF_VNNI", "")
+    assert gguf_quant.vnni_layouts(92 << 20) and not gguf_quant.vnni_layouts(636 << 20)
+    monkeypatch.setenv("DUPLEX_GGUF_VNNI", "1")
+    assert gguf_quant.vnni_layouts(5 << 30)
+    monkeypatch.setenv("DUPLEX_GGUF_VNNI", "0")
+    assert not gguf_quant.vnni_layouts(1)
+    raw = quantize((np.random.default_rng(0).standard_normal((32, 256)) * 0.05).astype(np.float32),
+                   gguf.GGMLQuantizationType.Q4_0)
+    for vnni in (True, False):
+        w = gguf_quant.gguf_weight("Q4_0", raw, 256, lambda rows: rows, vnni).pack()
+        assert (w.vnni_layout() is not None) == (vnni and cpu_qgemv.available())
+
+
 def test_the_gguf_head_keeps_fp32_logits(default_model):
     """The tied Q8_0 head is marked (kernels.gguf_weight.GGUFWeight.fp32_out): its logits
     never come from a bf16 GEMM, so the README's answer stands on every CPU."""
