@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -248,7 +249,8 @@ class Served:
     stopped with its whole process group."""
 
     def __init__(self, command: str, cwd: Path, port: int, **env: str) -> None:
-        self.port, self.log = port, cwd / f"served-{port}.log"
+        # the log outside the checkout: a run must leave nothing in the repository
+        self.port, self.log = port, Path(tempfile.gettempdir()) / f"duplex-served-{port}.log"
         environ = client_env(PATH=f"{BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1",
                              DUPLEX_NUM_THREADS="1", **env)
         self.process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=environ,
