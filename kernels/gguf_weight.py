@@ -5,10 +5,14 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
 `raw [N, row_bytes]`, and nothing dense; a matmul of M rows runs, in this order of choice:
 
     path                   when                                   reads
-    VNNI int4 (qgemv)      Q4_0/Q4_1/Q4_K, AVX512-VNNI, M <= 12/64  its int4 layout (built once)
+    VNNI int4 (qgemv)      Q4_0/Q4_1/Q4_K, AVX512-VNNI, M <= 12/64  its int4 layout (built once,
+                           files up to 256 MB: gguf_quant)        beside raw)
     row kernel (cpu_gguf)  M <= row_limit (16; K-quants 48), not   raw: a row at a time into L1
-                           a prompt step
-    tiled GEMM             otherwise (prompt steps, big batches)  raw: TILE_BYTES of fp32 rows
+                           a prompt step (a head's rows: also in
+                           one)
+    bf16 GEMM              otherwise, CPUs with AMX-BF16 or       raw: BF16_CHUNK weights to
+                           AVX512-BF16 (not a head)               bf16 at a time, oneDNN's GEMM
+    tiled GEMM             otherwise                              raw: TILE_BYTES of fp32 rows
                                                                   at a time, then torch's GEMM
 
 Why tiles and not int8 activations (llama.cpp's way) for big M: a fp32 GEMM on a dequantized
@@ -21,8 +25,8 @@ DUPLEX_DENSE_WEIGHTS=1 keeps one per weight and logs what it costs.
 A GGUF token embedding is a `GGUFWeight` too (`lookup(ids)` dequantizes only the rows asked
 for), and a tied output head is the same object: the table's bytes are held once.
 
-Inside `quant.prompt_step()` every M takes the tiled path, so a prompt's numbers do not
-depend on how much of it came from the prefix cache.
+Inside `quant.prompt_step()` every M takes the bf16 GEMM or the tiled path, so a prompt's
+numbers do not depend on how much of it came from the prefix cache.
 """
 from __future__ import annotations
 
