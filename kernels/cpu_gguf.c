@@ -48,6 +48,11 @@
  * weight rows two at a time. Without AVX2 the blocks go through expand_block (bytes q and
  * factors a, c) and the same sums run as plain C.
  *
+ * With AVX-512 VNNI (and BW) the K-quants take 512-bit dots instead (kq512_*): 64 weights a
+ * register and the scale multiply folded into vpdpwssd, 1.3-1.8x the AVX2 loop's speed at
+ * 2-48 rows of x; more than one row of x goes through the weights in K chunks whose x rows
+ * stay in L1 (kq512_group).
+ *
  * expand_block also serves the dequantizer (w = a q + c).
  */
 #include <math.h>
@@ -722,6 +727,213 @@ static void two_rows_avx2(int type, const uint8_t *row, int64_t row_bytes, int64
 static int avx2_type(int type) {
     return block_size(type) >= 32;  /* every block type */
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GG_AVX512 1
+/* ------------------------------------------------ AVX-512 VNNI: the K-quants, 64 at a time
+ *
+ * The same integer sums as kq_dot, on 512-bit registers: a K-quant block unpacks into four
+ * registers of 64 weights in their natural order (q[j]: weights 64j..64j+63; the nibbles of
+ * 32 bytes go to both halves of a broadcast load and are shifted per half with vpsrlvw), and
+ * each sub-block's scale is pre-spread into int16 lanes (sc[j], one vpermw a register, once
+ * per weight block). Per row of x a block then costs 4 vpmaddubsw and 4 vpdpwssd (the scale
+ * multiply and the int32 sum in one), against 8 vpmaddubsw, 8 vpshufb and 8 vpmaddwd and
+ * the adds on 256 bits. The block's int32 lanes are exact, so only the fp32 sums (16 lanes,
+ * one reduction an output) differ from the AVX2 path's; every output is computed the same
+ * way whatever the number of rows (kq512_rows and kq512_two_rows share kq512_dot). */
+typedef struct { __m512i q[4], sc[4]; __m256i sc16; __m128i mn; float d, dmin; } kq512_block;
+
+/* int16 lanes: each half (16 lanes) shifted by its own count (a, then b) */
+ALWAYS_INLINE __m512i halves16(int a, int b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
+}
+
+ALWAYS_INLINE void kq512_unpack(int type, const uint8_t *blk, kq512_block *u) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    if (type == GG_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const __m512i bits = _mm512_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            /* L: ql bytes of sub-blocks 4h (low 32) and 4h + 1 (high 32); their high nibbles
+             * are 4h + 2, 4h + 3. H: the 32 qh bytes of this half in both halves. */
+            __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
+            __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
+            u->q[2 * h] = _mm512_or_si512(_mm512_and_si512(L, low4),
+                                          _mm512_and_si512(_mm512_sllv_epi16(H, halves16(4, 2)), bits));
+            u->q[2 * h + 1] = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(L, 4), low4),
+                _mm512_and_si512(_mm512_srlv_epi16(H, halves16(0, 2)), bits));
+        }
+        /* int16 lane i of register j (weights 64j + 2i, + 1) takes group 4j + i / 8 */
+        u->sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m512i all = _mm512_zextsi256_si512(u->sc16);
+        for (int j = 0; j < 4; j++)
+            u->sc[j] = _mm512_permutexvar_epi16(_mm512_set_epi16(
+                4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3,
+                4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2,
+                4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
+                4 * j, 4 * j, 4 * j, 4 * j, 4 * j, 4 * j, 4 * j, 4 * j), all);
+        u->d = f16_at(blk + 208);
+        return;
+    }
+    const int five = type == GG_Q5_K;
+    const uint8_t *qs = blk + (five ? 48 : 16);
+    for (int j = 0; j < 4; j++) {  /* low nibbles: sub-block 2j, high: 2j + 1 */
+        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+        u->q[j] = _mm512_and_si512(_mm512_srlv_epi16(v, halves16(0, 4)), low4);
+    }
+    if (five) {  /* bit 4 of sub-block s: bit s of qh[i], moved to bit 4 */
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        u->q[0] = _mm512_or_si512(u->q[0], _mm512_and_si512(_mm512_sllv_epi16(qh, halves16(4, 3)), bit4));
+        u->q[1] = _mm512_or_si512(u->q[1], _mm512_and_si512(_mm512_sllv_epi16(qh, halves16(2, 1)), bit4));
+        u->q[2] = _mm512_or_si512(u->q[2], _mm512_and_si512(_mm512_srlv_epi16(qh, halves16(0, 1)), bit4));
+        u->q[3] = _mm512_or_si512(u->q[3], _mm512_and_si512(_mm512_srlv_epi16(qh, halves16(2, 3)), bit4));
+    }
+    __m512i all = _mm512_zextsi128_si512(k4_scales(blk + 4, &u->mn));
+    for (int j = 0; j < 4; j++)  /* int16 lanes 0-15: sub-block 2j's scale, 16-31: 2j + 1's */
+        u->sc[j] = _mm512_permutexvar_epi16(
+            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1),
+            all);
+    u->d = f16_at(blk);
+    u->dmin = f16_at(blk + 2);
+}
+
+/* kq_dot's sums for one unpacked block and one row of x, into 16 fp32 lanes */
+ALWAYS_INLINE void kq512_dot(int type, const kq512_block *u, const int8_t *x, float dx,
+                             const int16_t *xs, __m512 *acc) {
+    __m512i sumi;
+    if (type == GG_Q6_K) {
+        __m256i m = _mm256_madd_epi16(u->sc16, _mm256_loadu_si256((const __m256i *)xs));
+        sumi = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5)));
+    } else {
+        __m128i x32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xs),
+                                     _mm_loadu_si128((const __m128i *)(xs + 8)));
+        __m512 mins = _mm512_cvtepi32_ps(_mm512_zextsi128_si512(_mm_madd_epi16(u->mn, x32)));
+        *acc = _mm512_fnmadd_ps(_mm512_set1_ps(dx * u->dmin), mins, *acc);
+        sumi = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 4; j++)
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(
+            u->q[j], _mm512_loadu_si512((const void *)(x + 64 * j))), u->sc[j]);
+    *acc = _mm512_fmadd_ps(_mm512_set1_ps(dx * u->d), _mm512_cvtepi32_ps(sumi), *acc);
+}
+
+/* Most rows of x one pass over a weight row's blocks serves here (32 registers) */
+#define KQ512_ROWS 8
+/* x bytes per K chunk (see kq512_group): what stays in L1 beside the weights */
+#define KQ512_X_BYTES (24 << 10)
+
+/* kq_rows on 512 bits, over blocks [b0, b1): one weight row against `rows` (<= KQ512_ROWS)
+ * rows of x, into the accumulators acc[r] (kept in memory between K chunks) */
+ALWAYS_INLINE void kq512_rows(int type, const uint8_t *row, int64_t k, int64_t b0, int64_t b1,
+                              const int8_t *xq, const float *dx, const int16_t *xs, int rows,
+                              __m512 *acc) {
+    const int bb = block_bytes(type);
+    __m512 a[KQ512_ROWS];
+    for (int r = 0; r < rows; r++) a[r] = acc[r];
+    for (int64_t b = b0; b < b1; b++) {
+        kq512_block u;
+        kq512_unpack(type, row + b * bb, &u);
+        for (int r = 0; r < rows; r++)
+            kq512_dot(type, &u, xq + r * k + 256 * b, dx[r * (k / 256) + b],
+                      xs + r * (k / 16) + 16 * b, &a[r]);
+    }
+    for (int r = 0; r < rows; r++) acc[r] = a[r];
+}
+
+static void kq512_pass(int type, const uint8_t *row, int64_t k, int64_t b0, int64_t b1,
+                       const int8_t *xq, const float *dx, const int16_t *xs16, int64_t m,
+                       __m512 *acc) {
+    for (int64_t i = 0; i < m; i += KQ512_ROWS) {
+        const int8_t *x = xq + i * k;
+        const float *d = dx + i * (k / 256);
+        const int16_t *s16 = xs16 + i * (k / 16);
+        int rows = m - i < KQ512_ROWS ? (int)(m - i) : KQ512_ROWS;
+        switch (type) {
+#define KQ(T) \
+        case T: \
+            if (rows == KQ512_ROWS) kq512_rows(T, row, k, b0, b1, x, d, s16, KQ512_ROWS, acc + i); \
+            else kq512_rows(T, row, k, b0, b1, x, d, s16, rows, acc + i); \
+            break;
+        KQ(GG_Q4_K) KQ(GG_Q5_K) default: KQ(GG_Q6_K)
+#undef KQ
+        }
+    }
+}
+
+/* Weight rows [r0, r1) against m (> 1) rows of x, out[i * ldo + r]: K in chunks whose m rows
+ * of x fit in L1 (KQ512_X_BYTES), each chunk through every weight row of the group, so x is
+ * read from L1 and not again from L2 for each weight row (at m = 16, k = 8192 that was 1.4x
+ * the time). Each output's sums run in the same order whatever m and the chunking: the
+ * accumulators (acc: (r1 - r0) * m registers' worth) carry over between chunks. */
+static void kq512_group(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                        int64_t k, const int8_t *xq, const float *dx, const int16_t *xs16,
+                        int64_t m, float *out, int64_t ldo, __m512 *acc) {
+    const int64_t nb = k / 256;
+    int64_t chunk = KQ512_X_BYTES / (256 * m);
+    chunk = chunk < 1 ? 1 : chunk;
+    for (int64_t j = 0; j < (r1 - r0) * m; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+        int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
+        for (int64_t r = r0; r < r1; r++)
+            kq512_pass(type, w + r * row_bytes, k, b0, b1, xq, dx, xs16, m, acc + (r - r0) * m);
+    }
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < m; i++)
+            out[i * ldo + r] = _mm512_reduce_add_ps(acc[(r - r0) * m + i]);
+}
+
+/* Weight rows a group (kq512_group): their accumulators stay in L1 (16 x 48 x 64 B at most) */
+#define KQ512_GROUP 16
+
+/* kq_two_rows on 512 bits: weight rows row and row + row_bytes against one row of x */
+ALWAYS_INLINE void kq512_two_rows(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
+                                  const int8_t *xq, const float *dx, const int16_t *xs,
+                                  float *out) {
+    const int bb = block_bytes(type);
+    __m512 a = _mm512_setzero_ps(), c = a;
+    for (int64_t b = 0; b < k / 256; b++) {
+        kq512_block u, v;
+        kq512_unpack(type, row + b * bb, &u);
+        kq512_dot(type, &u, xq + 256 * b, dx[b], xs + 16 * b, &a);
+        kq512_unpack(type, row + row_bytes + b * bb, &v);
+        kq512_dot(type, &v, xq + 256 * b, dx[b], xs + 16 * b, &c);
+    }
+    out[0] = _mm512_reduce_add_ps(a);
+    out[1] = _mm512_reduce_add_ps(c);
+}
+
+/* Every weight row against m > 1 rows of x, KQ512_GROUP weight rows a task */
+static void kq512_groups(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                         const int8_t *xq, const float *dx, const int16_t *xs16, int64_t m,
+                         float *out, int64_t ldo, int threads, int *failed) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+    {
+        __m512 *acc = aligned_alloc(64, (size_t)(KQ512_GROUP * m) * sizeof(__m512));
+        if (!acc) {
+#pragma omp atomic write
+            *failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < (n + KQ512_GROUP - 1) / KQ512_GROUP; g++) {
+            if (!acc) continue;
+            int64_t r0 = g * KQ512_GROUP, r1 = r0 + KQ512_GROUP < n ? r0 + KQ512_GROUP : n;
+            kq512_group(type, w, row_bytes, r0, r1, k, xq, dx, xs16, m, out, ldo, acc);
+        }
+        free(acc);
+    }
+}
+
+static void kq512_two(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
+                      const int8_t *xq, const float *dx, const int16_t *xs16, float *out) {
+    switch (type) {
+    case GG_Q4_K: kq512_two_rows(GG_Q4_K, row, row_bytes, k, xq, dx, xs16, out); break;
+    case GG_Q5_K: kq512_two_rows(GG_Q5_K, row, row_bytes, k, xq, dx, xs16, out); break;
+    default: kq512_two_rows(GG_Q6_K, row, row_bytes, k, xq, dx, xs16, out); break;
+    }
+}
+#endif
 #else
 static int avx2_type(int type) { (void)type; return 0; }
 #endif
@@ -751,6 +963,13 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     int16_t *xs16 = (int16_t *)xsf;  /* the same scratch: one or the other */
     if (direct && !xsf) return -1;
     if (direct) x_sums(type, m, k, dx, xs, xsf, xs16);
+#if defined(GG_AVX512)
+    if (direct && block_size(type) == 256 && m > 1) {
+        kq512_groups(type, w, row_bytes, n, k, xq, dx, xs16, m, out, ldo, threads, &failed);
+        free(xsf);
+        return failed ? -1 : 0;
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
         uint8_t *q = direct ? NULL : malloc((size_t)k);
@@ -765,6 +984,16 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
             int64_t r = p * step;
             if (!ok) continue;
 #if defined(__AVX2__)
+#if defined(GG_AVX512)
+            if (block_size(type) == 256) {  /* one row of x (m > 1: kq512_groups) */
+                __m512 acc;
+                if (r + 1 < n)
+                    kq512_two(type, w + r * row_bytes, row_bytes, k, xq, dx, xs16, out + r);
+                else
+                    kq512_group(type, w, row_bytes, r, r + 1, k, xq, dx, xs16, 1, out, ldo, &acc);
+                continue;
+            }
+#endif
             if (step == 2 && r + 1 < n) {
                 two_rows_avx2(type, w + r * row_bytes, row_bytes, k, xq, dx, xs16, out + r);
                 continue;
@@ -788,7 +1017,8 @@ int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_
                 const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
     size_t nq = (size_t)(m * k + 63) & ~(size_t)63;
-    uint8_t *buf = malloc(nq + (size_t)(m * (k / 32) + m * (k / 16)) * 4);
+    /* 64-byte aligned: the 512-bit loads of xq then never split a cache line */
+    uint8_t *buf = aligned_alloc(64, (nq + (size_t)(m * (k / 32) + m * (k / 16)) * 4 + 63) & ~(size_t)63);
     if (!buf) return -1;
     int8_t *xq = (int8_t *)buf;
     float *dx = (float *)(buf + nq);

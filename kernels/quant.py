@@ -248,8 +248,9 @@ class FusedWeight(QuantWeight):
     """Parts of different kinds (QuantWeights of other types, or float tensors) stacked
     along N. Kept apart rather than converted to one type: each keeps its file's bits and its
     kernel, at the cost of one matmul per part and one concatenation of their outputs. It
-    has no VNNI layout and no dense copy, so the models' one-call decode stack and bf16
-    stream pass it by (they take the per-op path)."""
+    has no VNNI layout of its own (the one-call decode stack runs its parts one by one,
+    engine.models.llama.decode_parts), and its output comes from a bf16 GEMM from the rows
+    where every part's does (dense_from_rows), so the bf16 stream takes it too."""
 
     def __init__(self, parts: list) -> None:
         k = parts[0].shape[1]
@@ -273,8 +274,10 @@ class FusedWeight(QuantWeight):
     def vnni_layout(self) -> None:
         return None
 
-    def dense_from_rows(self) -> None:
-        return None
+    def dense_from_rows(self) -> int | None:
+        """The most of the parts' (None where one has none: its rows stay fp32)."""
+        rows = [p.dense_from_rows() if isinstance(p, QuantWeight) else None for p in self.parts]
+        return None if any(r is None for r in rows) else max(rows)
 
     @property
     def nbytes(self) -> int:

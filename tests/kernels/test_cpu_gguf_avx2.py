@@ -7,7 +7,9 @@ scale fields drawn over fp16's whole range (0, subnormal, 6e4, either sign); x h
 and rows of very different sizes. What is left between kernel and reference is fp32 rounding
 of the sums (the integer dots are exact), so each output is held to a few fp32 ulps of
 sum |w x| for its row and column. The same checks run on the portable C path (the library
-built with AVX2 off, and with AVX off) and hold it to the AVX2 path's rounding of x."""
+built with AVX2 off, and with AVX off) and hold it to the AVX2 path's rounding of x. On a
+CPU with AVX-512 VNNI the default build runs the K-quants' 512-bit dots (cpu_gguf.c), and
+the AVX2 ones are checked from a build without AVX-512."""
 from __future__ import annotations
 
 import ctypes
@@ -140,10 +142,12 @@ def test_rounding_ties_and_signs():
     assert torch.equal(xs, xq.reshape(2, -1, 16).sum(-1, dtype=torch.int32))
 
 
-@pytest.fixture(scope="module", params=[["-mno-avx2"], ["-mno-avx"]], ids=["no-avx2", "no-avx"])
+@pytest.fixture(scope="module", params=[["-mno-avx512f"], ["-mno-avx2"], ["-mno-avx"]],
+                ids=["avx2", "no-avx2", "no-avx"])
 def portable(request):
-    """The library built without AVX2 (the plain C dots), and without AVX at all (no F16C
-    either: fp16 by its bits)."""
+    """The library built without AVX-512 (on a CPU with it: the AVX2 K-quant dots, which the
+    default build there replaces), without AVX2 (the plain C dots), and without AVX at all
+    (no F16C either: fp16 by its bits)."""
     return cpu_gguf._declare(ctypes.CDLL(str(build_library(
         cpu_gguf._SOURCE, ["-fopenmp", *request.param]))))
 

@@ -259,7 +259,11 @@ def test_mixed_types_in_one_fused_projection(m):
     dense = torch.randn(8, k) * 0.05
     fused = ops.concat_weights([q, kk, v, int4, dense])
     assert isinstance(fused, FusedWeight) and fused.shape == (152, k)
+    # a float part has no bf16 GEMM from any row count: no stream through this one
     assert fused.vnni_layout() is None and fused.dense_from_rows() is None
+    gguf_only = ops.concat_weights([q, kk, v])  # Q4_K_M's q/k/v: the most of the parts'
+    assert isinstance(gguf_only, FusedWeight) and gguf_only.dense_from_rows() == (
+        None if q.dense_from_rows() is None else max(p.dense_from_rows() for p in (q, kk, v)))
     torch.manual_seed(m)
     x, bias = torch.randn(m, k), torch.randn(152)
     out = ops.linear(x, fused, bias)
