@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from duplex.kernels import switches
+from duplex.kernels import cpu_gguf, switches
 from duplex.kernels.cpu_fused import load_library
 from duplex.kernels.cpu_qgemv import Packed
 
@@ -187,4 +187,5 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
     lib.decode_forward.restype = ctypes.c_int
     lib.decode_forward.argtypes = [_P, _P, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _I,
                                    ctypes.c_int]
+    cpu_gguf.apply_amx_switch(lib)  # its GGUF rows are cpu_gguf.c's, built in
     return lib

@@ -886,6 +886,8 @@ static void kq512_group(int type, const uint8_t *w, int64_t row_bytes, int64_t r
 
 /* Weight rows a group (kq512_group): their accumulators stay in L1 (16 x 48 x 64 B at most) */
 #define KQ512_GROUP 16
+/* the fewest rows of x the AMX tiles take (below: the VNNI loop) */
+#define AMX_MIN_ROWS 8
 
 /* kq_two_rows on 512 bits: weight rows row and row + row_bytes against one row of x */
 ALWAYS_INLINE void kq512_two_rows(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
@@ -925,6 +927,220 @@ static void kq512_groups(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     }
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#define GG_AMX 1
+/* ------------------------------------------------ AMX-INT8: the K-quants at 2+ rows of x
+ *
+ * A tile multiply (TDPBUSD; Q6_K: TDPBSSD on q - 32) sums 16 weight rows x 16 rows of x over
+ * one sub-block (Q4_K / Q5_K: 32 weights, Q6_K: 16) in int32 at once: 8192 / 4096 products
+ * an instruction, where the VNNI loop above does 64 a vpmaddubsw + vpdpwssd pair (its speed
+ * is that pair's port). The sub-block's integer scale then multiplies the 16 x 16 sums in
+ * fp32, lane-wise (the lanes are rows of x), and the block's d and x's dx close the block:
+ *
+ *   out[n][r] += dx[n] d[r] sum_s sc[r][s] C_s[r][n] - dx[n] dmin[r] sum_s m[r][s] xs32[n][s]
+ *
+ * Each output's fp32 operations are the same whatever the other rows (lane-wise), so rows
+ * of x give the same bits alone or together on this path; they differ in the last bits from
+ * the VNNI path's, which one row of x takes (gg_linear_q8). Weights: 16 rows of a block are
+ * unpacked into a 16 x 256 byte buffer (the A tiles); x is laid out once per call as the B
+ * tiles want it (4 bytes of a row of x per column: [k / 4][16 rows][4]). */
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } gg_tilecfg;
+
+static int gg_amx_state;  /* 0: not asked yet, 1: the kernel may use AMX tiles, -1: not */
+static int gg_amx_off;    /* gg_set_amx(0): the VNNI path only (tests, measurements) */
+
+void gg_set_amx(int on) { gg_amx_off = !on; }
+
+/* One tile multiply in a forked child: some VMs advertise AMX and fault on it (llama.cpp's
+ * AMX kernels die with SIGILL on such a VM), which must cost a child, never the worker. */
+static int amx_probe(void) {
+    pid_t pid = fork();
+    if (pid < 0) return 0;
+    if (pid == 0) {
+        gg_tilecfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 3; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2);
+        _tile_dpbusd(0, 1, 2);
+        _tile_release();
+        _exit(0);
+    }
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid) return 0;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* Linux gives a process AMX tile state only when asked (arch_prctl; torch's oneDNN asks
+ * too); then the probe, once. */
+static int amx_ok(void) {
+    if (gg_amx_off) return 0;
+    if (gg_amx_state == 0) {
+        long rc = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */);
+        gg_amx_state = rc == 0 && amx_probe() ? 1 : -1;
+    }
+    return gg_amx_state == 1;
+}
+
+int gg_amx_available(void) { return amx_ok(); }
+
+static void amx_config(int ks) {
+    gg_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) {  /* 0, 1: C (16 x 16 int32); 2, 3: A (16 x ks); 4, 5: B */
+        cfg.rows[t] = 16; cfg.colsb[t] = 64;
+        cfg.rows[2 + t] = 16; cfg.colsb[2 + t] = (uint16_t)ks;
+        cfg.rows[4 + t] = (uint8_t)(ks / 4); cfg.colsb[4 + t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One block of weight row `blk` into 256 bytes at q (Q6_K: q - 32 as int8) and its factors:
+ * sc[s] per sub-block (Q6_K: per 16), mn[s] = dmin m[s] (Q4_K / Q5_K), d. */
+ALWAYS_INLINE void amx_unpack(int type, const uint8_t *blk, uint8_t *q, float *sc, float *mn,
+                              float *d) {
+    kq512_block u;
+    kq512_unpack(type, blk, &u);
+    const __m512i off = _mm512_set1_epi8(type == GG_Q6_K ? 32 : 0);
+    for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(q + 64 * j), _mm512_sub_epi8(u.q[j], off));
+    *d = u.d;
+    if (type == GG_Q6_K) {
+        _mm512_storeu_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.sc16)));
+        return;
+    }
+    __m128i m;
+    __m128i s8 = k4_scales(blk + 4, &m);
+    _mm256_storeu_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s8)));
+    /* dmin m: the factor of x's sums, one broadcast operand each below */
+    _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(u.dmin),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(m))));
+}
+
+/* The sub-blocks s, s + 1 of the block in ub against B tiles at xb (stride 64): C tiles 0, 1
+ * stored to cb[0], cb[1]; then every row's lanes scaled and summed into blk[r]. */
+#define AMX_PAIR(SIX, KS)                                                                     \
+    do {                                                                                      \
+        _tile_loadd(2, ub + (s) * (KS), 256);                                                 \
+        _tile_loadd(4, xb + (b * 256 + (s) * (KS)) * 16, 64);                                 \
+        _tile_loadd(3, ub + (s + 1) * (KS), 256);                                             \
+        _tile_loadd(5, xb + (b * 256 + (s + 1) * (KS)) * 16, 64);                             \
+        _tile_zero(0);                                                                        \
+        _tile_zero(1);                                                                        \
+        if (SIX) { _tile_dpbssd(0, 2, 4); _tile_dpbssd(1, 3, 5); }                            \
+        else { _tile_dpbusd(0, 2, 4); _tile_dpbusd(1, 3, 5); }                                \
+        _tile_stored(0, cb, 64);                                                              \
+        _tile_stored(1, cb + 256, 64);                                                        \
+        for (int r = 0; r < 16; r++) {                                                        \
+            blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cb + 16 * r))), \
+                                     _mm512_set1_ps(sc[r][s]), blk[r]);                       \
+            blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cb + 256 + 16 * r))), \
+                                     _mm512_set1_ps(sc[r][s + 1]), blk[r]);                   \
+        }                                                                                     \
+    } while (0)
+
+/* Weight rows [r0, r0 + nr) (nr <= 16) against one group of 16 rows of x (xb: its B layout,
+ * dxv [nb][16] its scales, xmv [nb][8][16] dx times its sums per 32): tot [16 r][16 n]. */
+ALWAYS_INLINE void amx_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
+                            int64_t k, const int8_t *xb, const float *dxv, const float *xmv,
+                            float *tot, uint8_t *ub, int32_t *cb) {
+    const int six = type == GG_Q6_K, bb = block_bytes(type);
+    float sc[16][16], mn[16][8], d[16];
+    memset(sc, 0, sizeof sc); memset(mn, 0, sizeof mn); memset(d, 0, sizeof d);
+    memset(ub, 0, 16 * 256);
+    for (int j = 0; j < 256; j++) tot[j] = 0.0f;
+    for (int64_t b = 0; b < k / 256; b++) {
+        for (int r = 0; r < nr; r++)
+            amx_unpack(type, w + (r0 + r) * row_bytes + b * bb, ub + 256 * r, sc[r], mn[r], &d[r]);
+        __m512 blk[16];
+        for (int r = 0; r < 16; r++) blk[r] = _mm512_setzero_ps();
+        if (six) for (int s = 0; s < 16; s += 2) AMX_PAIR(1, 16);
+        else for (int s = 0; s < 8; s += 2) AMX_PAIR(0, 32);
+        const __m512 dx = _mm512_loadu_ps(dxv + 16 * b);
+        __m512 xm[8];
+        for (int s = 0; s < 8; s++) xm[s] = six ? dx : _mm512_loadu_ps(xmv + (b * 8 + s) * 16);
+        for (int r = 0; r < nr; r++) {
+            __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(blk[r], _mm512_set1_ps(d[r])), dx,
+                                       _mm512_loadu_ps(tot + 16 * r));
+            if (!six)
+                for (int s = 0; s < 8; s++)
+                    t = _mm512_fnmadd_ps(_mm512_set1_ps(mn[r][s]), xm[s], t);
+            _mm512_storeu_ps(tot + 16 * r, t);
+        }
+    }
+}
+
+/* out [m, n] for m >= 2 rows of x on the tiles: x in groups of 16 rows (the last one padded
+ * with zero rows), weight rows 16 a task. */
+static int amx_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                      const int8_t *xq, const float *dx, const int32_t *xs, int64_t m,
+                      float *out, int64_t ldo, int threads) {
+    const int64_t nb = k / 256, groups = (m + 15) / 16;
+    /* per group of x: B layout (16 k bytes), dx [nb][16], dx xs32 [nb][8][16] */
+    const size_t xb_bytes = (size_t)(16 * k), per = xb_bytes + (size_t)(nb * 16 + nb * 128) * 4;
+    uint8_t *xbuf = aligned_alloc(64, (size_t)groups * per);
+    if (!xbuf) return -1;
+    memset(xbuf, 0, (size_t)groups * per);
+    for (int64_t i = 0; i < m; i++) {
+        uint8_t *g = xbuf + (size_t)(i / 16) * per;
+        int32_t *xb = (int32_t *)g;
+        float *dxv = (float *)(g + xb_bytes), *xmv = dxv + nb * 16;
+        const int32_t *xi = (const int32_t *)(xq + i * k);
+        const int c = (int)(i % 16);
+        for (int64_t q4 = 0; q4 < k / 4; q4++) xb[q4 * 16 + c] = xi[q4];
+        for (int64_t b = 0; b < nb; b++) {
+            float d = dx[i * nb + b];
+            dxv[b * 16 + c] = d;
+            for (int s = 0; s < 8; s++) {
+                const int32_t *x16 = xs + i * (k / 16) + b * 16 + 2 * s;
+                xmv[(b * 8 + s) * 16 + c] = d * (float)(x16[0] + x16[1]);
+            }
+        }
+    }
+    int failed = 0;
+    const int ks = type == GG_Q6_K ? 16 : 32;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+    {
+        uint8_t *ub = aligned_alloc(64, 16 * 256 + 2 * 1024 + 1024);
+        if (!ub) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_config(ks);
+        }
+        int32_t *cb = ub ? (int32_t *)(ub + 16 * 256) : NULL;
+        float *tot = ub ? (float *)(ub + 16 * 256 + 2048) : NULL;
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t t = 0; t < (n + 15) / 16; t++) {
+            for (int64_t g = 0; g < groups; g++) {
+                if (!ub) continue;
+                const int64_t r0 = 16 * t;
+                const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
+                const uint8_t *gx = xbuf + (size_t)g * per;
+                const float *dxv = (const float *)(gx + xb_bytes), *xmv = dxv + nb * 16;
+                switch (type) {
+                case GG_Q4_K: amx_rows(GG_Q4_K, w, row_bytes, r0, nr, k, (const int8_t *)gx, dxv, xmv, tot, ub, cb); break;
+                case GG_Q5_K: amx_rows(GG_Q5_K, w, row_bytes, r0, nr, k, (const int8_t *)gx, dxv, xmv, tot, ub, cb); break;
+                default: amx_rows(GG_Q6_K, w, row_bytes, r0, nr, k, (const int8_t *)gx, dxv, xmv, tot, ub, cb); break;
+                }
+                const int64_t rows_x = m - 16 * g < 16 ? m - 16 * g : 16;
+                for (int r = 0; r < nr; r++)
+                    for (int64_t c = 0; c < rows_x; c++)
+                        out[(16 * g + c) * ldo + r0 + r] = tot[16 * r + c];
+            }
+        }
+        if (ub) _tile_release();
+        free(ub);
+    }
+    free(xbuf);
+    return failed ? -1 : 0;
+}
+#endif
+
 static void kq512_two(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
                       const int8_t *xq, const float *dx, const int16_t *xs16, float *out) {
     switch (type) {
@@ -963,6 +1179,12 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     int16_t *xs16 = (int16_t *)xsf;  /* the same scratch: one or the other */
     if (direct && !xsf) return -1;
     if (direct) x_sums(type, m, k, dx, xs, xsf, xs16);
+#if defined(GG_AMX)
+    if (direct && block_size(type) == 256 && m >= AMX_MIN_ROWS && amx_ok()) {
+        free(xsf);
+        return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    }
+#endif
 #if defined(GG_AVX512)
     if (direct && block_size(type) == 256 && m > 1) {
         kq512_groups(type, w, row_bytes, n, k, xq, dx, xs16, m, out, ldo, threads, &failed);

@@ -8,7 +8,9 @@
 (K-quants: per 256, `x_group`), as llama.cpp does, and sums weights and activations in
 integers, straight from the blocks with AVX2 (one C call, gg_linear_x; `quantize_x` is the
 quantization alone, which the tests hold the kernel to); F16/BF16/F32 rows are dotted in
-fp32.
+fp32. K-quants take 512-bit dots with AVX-512 VNNI, and from AMX_ROWS rows of x AMX-INT8
+tiles where the CPU has them (a decode batch of 16: 2-2.4x the VNNI loop;
+DUPLEX_GGUF_AMX=0 turns them off).
 
 The C library is portable (no AVX512 needed). Without a C compiler (or DUPLEX_GGUF_C=0) the
 same functions run on the `gguf` package's numpy dequantizers, which are also the reference
@@ -148,4 +150,23 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_quantize_x.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P]
     lib.gg_linear_q8.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P, _P, _I, _P, _I,
                                  ctypes.c_int]
+    apply_amx_switch(lib)
     return lib
+
+
+def apply_amx_switch(lib: ctypes.CDLL) -> None:
+    """DUPLEX_GGUF_AMX=0 into a library built from cpu_gguf.c (this one, kernels.cpu_decode's):
+    the K-quants' AMX-INT8 tiles off. Built without AMX, the library has no such switch."""
+    if hasattr(lib, "gg_set_amx"):
+        lib.gg_set_amx.argtypes = [ctypes.c_int]
+        lib.gg_set_amx(0 if switches.is_off("DUPLEX_GGUF_AMX") else 1)
+
+
+def amx_available() -> bool:
+    """Whether the K-quants' matmuls of AMX_ROWS or more rows run on AMX-INT8 tiles here (the
+    CPU has them, Linux gave this process their state, the switch is on)."""
+    lib = _load() if available() else None
+    return bool(lib) and hasattr(lib, "gg_amx_available") and lib.gg_amx_available() == 1
+
+
+AMX_ROWS = 8  # cpu_gguf.c AMX_MIN_ROWS

@@ -49,6 +49,9 @@ SWITCHES = (
     Switch("DUPLEX_GGUF_VNNI", "", "developer",
            "1 | 0: a GGUF file's Q4 weights get the VNNI kernel's layout too, or not (empty: "
            "files up to 256 MB; engine/models/gguf_quant.py)"),
+    Switch("DUPLEX_GGUF_AMX", "1", "developer",
+           "0: GGUF K-quant matmuls of 8+ rows take the AVX-512 VNNI loop, not AMX-INT8 tiles "
+           "(kernels/cpu_gguf.c)"),
     Switch("DUPLEX_DENSE_WEIGHTS", "0", "developer",
            "1: every GGUF weight also keeps a bf16 copy, to measure what one costs "
            "(kernels/gguf_weight.py)"),

@@ -12,6 +12,7 @@ CPU with AVX-512 VNNI the default build runs the K-quants' 512-bit dots (cpu_ggu
 the AVX2 ones are checked from a build without AVX-512."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -84,6 +85,19 @@ def reference_w(type_name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
     return w
 
 
+@contextlib.contextmanager
+def vnni_only(lib):
+    """The library's AMX-INT8 tiles off (where it has them) for the block."""
+    if not hasattr(lib, "gg_set_amx"):
+        yield
+        return
+    lib.gg_set_amx(0)
+    try:
+        yield
+    finally:
+        cpu_gguf.apply_amx_switch(lib)
+
+
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
 @pytest.mark.parametrize("k", [256, 1280, 2048, 8192])  # 1280: an odd count of 256-blocks
 def test_every_block_type_rows_and_threads(type_name, k):
@@ -92,11 +106,37 @@ def test_every_block_type_rows_and_threads(type_name, k):
     w = reference_w(type_name, raw, k)
     x = random_x(max(ROWS), k, seed=k)
     lib = cpu_gguf._load()
-    one = run(lib, type_name, raw, k, x, threads=1)
-    check(one, w, x, type_name)
-    assert torch.equal(run(lib, type_name, raw, k, x, threads=2), one)
-    for m in ROWS:  # each row of x alone or in any group gives the same bits
-        assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), one[:m])
+    with vnni_only(lib):  # the AMX tiles: test_amx_tiles
+        one = run(lib, type_name, raw, k, x, threads=1)
+        check(one, w, x, type_name)
+        assert torch.equal(run(lib, type_name, raw, k, x, threads=2), one)
+        for m in ROWS:  # each row of x alone or in any group gives the same bits
+            assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), one[:m])
+
+
+AMX_ROWS = (8, 12, 16, 17, 33)  # the tiles' fewest rows, one group of 16 padded / full, 2, 3
+
+
+@pytest.mark.skipif(not cpu_gguf.amx_available(), reason="no AMX-INT8 on this CPU (or not given)")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 1280, 8192])
+def test_amx_tiles(type_name, k):
+    """K-quant rows of x from AMX_ROWS on take the AMX-INT8 tiles: held to the same bound,
+    the same bits on one thread or two and for each row of x in any group of 8 or more (the
+    lanes are rows of x), and not the VNNI loop's bits (so the tiles did run)."""
+    n = 67  # four tasks of 16 weight rows and 3 rows of zeros padding the fifth
+    raw = random_blocks(type_name, n, k, seed=k + 1, extreme=True)
+    w = reference_w(type_name, raw, k)
+    x = random_x(max(AMX_ROWS), k, seed=k + 1)
+    lib = cpu_gguf._load()
+    full = run(lib, type_name, raw, k, x, threads=1)
+    check(full, w, x, type_name)
+    assert torch.equal(run(lib, type_name, raw, k, x, threads=2), full)
+    for m in AMX_ROWS:
+        assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), full[:m])
+    with vnni_only(lib):
+        vnni = run(lib, type_name, raw, k, x, threads=2)
+    assert not torch.equal(vnni, full)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
