@@ -1043,39 +1043,58 @@ ALWAYS_INLINE void amx_unpack(int type, const uint8_t *blk, uint8_t *q, float *s
         }                                                                                     \
     } while (0)
 
-/* Weight rows [r0, r0 + nr) (nr <= 16) against one group of 16 rows of x (xb: its B layout,
- * dxv [nb][16] its scales, xmv [nb][8][16] dx times its sums per 32): tot [16 r][16 n]. */
+/* tot [16 r][16 c] (fp32) -> out[c * ldo + r] for r < nr, c < nc: transposed 16 x 16 */
+ALWAYS_INLINE void amx_store(const float *tot, int nr, int64_t nc, float *out, int64_t ldo) {
+    float t[16][16] __attribute__((aligned(64)));
+    __m512i idx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192,
+                                    208, 224, 240);
+    for (int c = 0; c < nc; c++)  /* column c of tot: a gather of 16 strided lanes */
+        _mm512_store_ps(t[c], _mm512_i32gather_ps(idx, tot + c, 4));
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int c = 0; c < nc; c++) _mm512_mask_storeu_ps(out + c * ldo, keep, _mm512_load_ps(t[c]));
+}
+
+/* Weight rows [r0, r0 + nr) (nr <= 16) against every group of 16 rows of x (xg: group g at
+ * xg + g * per: its B layout, then dx [nb][16], then dx times its sums per 32 [nb][8][16]):
+ * each block is unpacked once for all the groups; tot: [groups][16 r][16 c]. */
 ALWAYS_INLINE void amx_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
-                            int64_t k, const int8_t *xb, const float *dxv, const float *xmv,
+                            int64_t k, const uint8_t *xg, size_t per, int64_t groups,
                             float *tot, uint8_t *ub, int32_t *cb) {
     const int six = type == GG_Q6_K, bb = block_bytes(type);
+    const int64_t nb = k / 256;
+    const size_t xb_bytes = (size_t)(16 * k);
     float sc[16][16], mn[16][8], d[16];
     memset(sc, 0, sizeof sc); memset(mn, 0, sizeof mn); memset(d, 0, sizeof d);
     memset(ub, 0, 16 * 256);
-    for (int j = 0; j < 256; j++) tot[j] = 0.0f;
-    for (int64_t b = 0; b < k / 256; b++) {
+    for (int64_t j = 0; j < groups * 256; j++) tot[j] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
         for (int r = 0; r < nr; r++)
             amx_unpack(type, w + (r0 + r) * row_bytes + b * bb, ub + 256 * r, sc[r], mn[r], &d[r]);
-        __m512 blk[16];
-        for (int r = 0; r < 16; r++) blk[r] = _mm512_setzero_ps();
-        if (six) for (int s = 0; s < 16; s += 2) AMX_PAIR(1, 16);
-        else for (int s = 0; s < 8; s += 2) AMX_PAIR(0, 32);
-        const __m512 dx = _mm512_loadu_ps(dxv + 16 * b);
-        __m512 xm[8];
-        for (int s = 0; s < 8; s++) xm[s] = six ? dx : _mm512_loadu_ps(xmv + (b * 8 + s) * 16);
-        for (int r = 0; r < nr; r++) {
-            __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(blk[r], _mm512_set1_ps(d[r])), dx,
-                                       _mm512_loadu_ps(tot + 16 * r));
-            if (!six)
-                for (int s = 0; s < 8; s++)
-                    t = _mm512_fnmadd_ps(_mm512_set1_ps(mn[r][s]), xm[s], t);
-            _mm512_storeu_ps(tot + 16 * r, t);
+        for (int64_t g = 0; g < groups; g++) {
+            const int8_t *xb = (const int8_t *)(xg + (size_t)g * per);
+            const float *dxv = (const float *)(xg + (size_t)g * per + xb_bytes), *xmv = dxv + nb * 16;
+            float *tg = tot + g * 256;
+            __m512 blk[16];
+            for (int r = 0; r < 16; r++) blk[r] = _mm512_setzero_ps();
+            if (six) for (int s = 0; s < 16; s += 2) AMX_PAIR(1, 16);
+            else for (int s = 0; s < 8; s += 2) AMX_PAIR(0, 32);
+            const __m512 dx = _mm512_loadu_ps(dxv + 16 * b);
+            __m512 xm[8];
+            for (int s = 0; s < 8; s++) xm[s] = six ? dx : _mm512_loadu_ps(xmv + (b * 8 + s) * 16);
+            for (int r = 0; r < nr; r++) {
+                __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(blk[r], _mm512_set1_ps(d[r])), dx,
+                                           _mm512_loadu_ps(tg + 16 * r));
+                if (!six)
+                    for (int s = 0; s < 8; s++)
+                        t = _mm512_fnmadd_ps(_mm512_set1_ps(mn[r][s]), xm[s], t);
+                _mm512_storeu_ps(tg + 16 * r, t);
+            }
         }
     }
 }
 
-/* out [m, n] for m >= 2 rows of x on the tiles: x in groups of 16 rows (the last one padded
- * with zero rows), weight rows 16 a task. */
+/* out [m, n] on the tiles (any m; gg_linear_q8 gives AMX_MIN_ROWS or more): x in groups of 16 rows (the last one padded with zero
+ * rows), weight rows 16 a task. */
 static int amx_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                       const int8_t *xq, const float *dx, const int32_t *xs, int64_t m,
                       float *out, int64_t ldo, int threads) {
@@ -1084,28 +1103,29 @@ static int amx_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, 
     const size_t xb_bytes = (size_t)(16 * k), per = xb_bytes + (size_t)(nb * 16 + nb * 128) * 4;
     uint8_t *xbuf = aligned_alloc(64, (size_t)groups * per);
     if (!xbuf) return -1;
-    memset(xbuf, 0, (size_t)groups * per);
-    for (int64_t i = 0; i < m; i++) {
-        uint8_t *g = xbuf + (size_t)(i / 16) * per;
-        int32_t *xb = (int32_t *)g;
-        float *dxv = (float *)(g + xb_bytes), *xmv = dxv + nb * 16;
-        const int32_t *xi = (const int32_t *)(xq + i * k);
-        const int c = (int)(i % 16);
-        for (int64_t q4 = 0; q4 < k / 4; q4++) xb[q4 * 16 + c] = xi[q4];
-        for (int64_t b = 0; b < nb; b++) {
-            float d = dx[i * nb + b];
-            dxv[b * 16 + c] = d;
-            for (int s = 0; s < 8; s++) {
-                const int32_t *x16 = xs + i * (k / 16) + b * 16 + 2 * s;
-                xmv[(b * 8 + s) * 16 + c] = d * (float)(x16[0] + x16[1]);
-            }
-        }
-    }
+    if (m % 16) memset(xbuf + (size_t)(groups - 1) * per, 0, per);  /* the padding rows */
     int failed = 0;
     const int ks = type == GG_Q6_K ? 16 : 32;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
-        uint8_t *ub = aligned_alloc(64, 16 * 256 + 2 * 1024 + 1024);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {  /* x into the B layout, its scales and sums */
+            uint8_t *g = xbuf + (size_t)(i / 16) * per;
+            int32_t *xb = (int32_t *)g;
+            float *dxv = (float *)(g + xb_bytes), *xmv = dxv + nb * 16;
+            const int32_t *xi = (const int32_t *)(xq + i * k);
+            const int c = (int)(i % 16);
+            for (int64_t q4 = 0; q4 < k / 4; q4++) xb[q4 * 16 + c] = xi[q4];
+            for (int64_t b = 0; b < nb; b++) {
+                float d = dx[i * nb + b];
+                dxv[b * 16 + c] = d;
+                for (int s = 0; s < 8; s++) {
+                    const int32_t *x16 = xs + i * (k / 16) + b * 16 + 2 * s;
+                    xmv[(b * 8 + s) * 16 + c] = d * (float)(x16[0] + x16[1]);
+                }
+            }
+        }
+        uint8_t *ub = aligned_alloc(64, 16 * 256 + 2048 + (size_t)groups * 1024);
         if (!ub) {
 #pragma omp atomic write
             failed = 1;
@@ -1114,24 +1134,19 @@ static int amx_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, 
         }
         int32_t *cb = ub ? (int32_t *)(ub + 16 * 256) : NULL;
         float *tot = ub ? (float *)(ub + 16 * 256 + 2048) : NULL;
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(static)
         for (int64_t t = 0; t < (n + 15) / 16; t++) {
-            for (int64_t g = 0; g < groups; g++) {
-                if (!ub) continue;
-                const int64_t r0 = 16 * t;
-                const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
-                const uint8_t *gx = xbuf + (size_t)g * per;
-                const float *dxv = (const float *)(gx + xb_bytes), *xmv = dxv + nb * 16;
-                switch (type) {
-                case GG_Q4_K: amx_rows(GG_Q4_K, w, row_bytes, r0, nr, k, (const int8_t *)gx, dxv, xmv, tot, ub, cb); break;
-                case GG_Q5_K: amx_rows(GG_Q5_K, w, row_bytes, r0, nr, k, (const int8_t *)gx, dxv, xmv, tot, ub, cb); break;
-                default: amx_rows(GG_Q6_K, w, row_bytes, r0, nr, k, (const int8_t *)gx, dxv, xmv, tot, ub, cb); break;
-                }
-                const int64_t rows_x = m - 16 * g < 16 ? m - 16 * g : 16;
-                for (int r = 0; r < nr; r++)
-                    for (int64_t c = 0; c < rows_x; c++)
-                        out[(16 * g + c) * ldo + r0 + r] = tot[16 * r + c];
+            if (!ub) continue;
+            const int64_t r0 = 16 * t;
+            const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
+            switch (type) {
+            case GG_Q4_K: amx_rows(GG_Q4_K, w, row_bytes, r0, nr, k, xbuf, per, groups, tot, ub, cb); break;
+            case GG_Q5_K: amx_rows(GG_Q5_K, w, row_bytes, r0, nr, k, xbuf, per, groups, tot, ub, cb); break;
+            default: amx_rows(GG_Q6_K, w, row_bytes, r0, nr, k, xbuf, per, groups, tot, ub, cb); break;
             }
+            for (int64_t g = 0; g < groups; g++)
+                amx_store(tot + g * 256, nr, m - 16 * g < 16 ? m - 16 * g : 16,
+                          out + 16 * g * ldo + r0, ldo);
         }
         if (ub) _tile_release();
         free(ub);
@@ -1139,6 +1154,7 @@ static int amx_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, 
     free(xbuf);
     return failed ? -1 : 0;
 }
+
 #endif
 
 static void kq512_two(int type, const uint8_t *row, int64_t row_bytes, int64_t k,

@@ -7,9 +7,9 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
     path                   when                                   reads
     VNNI int4 (qgemv)      Q4_0/Q4_1/Q4_K, AVX512-VNNI, M <= 12/64  its int4 layout (built once,
                            files up to 256 MB: gguf_quant)        beside raw)
-    row kernel (cpu_gguf)  M <= row_limit (16; K-quants 48), not   raw: a row at a time into L1
-                           a prompt step (a head's rows: also in
-                           one)
+    row kernel (cpu_gguf)  M <= row_limit (16; K-quants 48, with   raw: a row at a time into L1
+                           AMX-INT8 96), not a prompt step (a     (K-quants from 8 rows on AMX:
+                           head's rows: also in one)              16 rows a tile)
     bf16 GEMM              otherwise, CPUs with AMX-BF16 or       raw: BF16_CHUNK weights to
                            AVX512-BF16 (not a head)               bf16 at a time, oneDNN's GEMM
     tiled GEMM             otherwise                              raw: TILE_BYTES of fp32 rows
@@ -48,6 +48,9 @@ log = logging.getLogger("duplex.kernels")
 # for up to 4 x rows, so its rows win up to ~64 (Q4_K 2048x2048 at 16 rows: 1.6x the tiles).
 GEMV_ROWS = 16
 K_QUANT_ROW_FACTOR = 3  # K-quants: GEMV_ROWS * this
+# K-quants on AMX-INT8 tiles (cpu_gguf.c, from cpu_gguf.AMX_ROWS rows): they beat the bf16 GEMM
+# up to ~100 rows at the 1B shape (ffn_down 96 rows: 5.2 against 6.0 ms; 128: 6.8 against 5.5)
+AMX_ROW_LIMIT = 96
 TILE_BYTES = 1 << 22  # fp32 rows dequantized at a time: half an L3 (measured, docs/BENCHMARKS.md)
 MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
 BF16_CHUNK = 1 << 24  # weights dequantized at a time for the bf16 GEMM (32 MB): a 1B FFN weight
@@ -296,4 +299,6 @@ def _fp32(rows: torch.Tensor) -> torch.Tensor:
 
 def row_limit(type_id: int) -> int:
     """The most rows of a decode step the row kernel takes for this block type."""
-    return GEMV_ROWS * (K_QUANT_ROW_FACTOR if cpu_gguf.TYPES[type_id][1] == 256 else 1)
+    if cpu_gguf.TYPES[type_id][1] != 256:
+        return GEMV_ROWS
+    return AMX_ROW_LIMIT if cpu_gguf.amx_available() else GEMV_ROWS * K_QUANT_ROW_FACTOR
