@@ -50,7 +50,13 @@ from typing import Any, NamedTuple
 
 SERVERS = ("llama", "duplex")
 NAMES = {"llama": "llama-server", "duplex": "Duplex", "vllm": "vLLM"}
-LLAMA_SERVER_ARGS = ("-np", "16", "-c", "32768")
+# the same context on both sides: llama-server's 16 slots share -c tokens of KV cache; Duplex
+# gets a pool of as many tokens (16-token blocks; allocated untouched, so RSS counts what is
+# used). Its default 512 MB pool holds 4.5k tokens at the 3B shape, fewer than 16 prompts
+# of 130-390 tokens and their 128 outputs: requests queued for blocks.
+CONTEXT_TOKENS = 32768
+LLAMA_SERVER_ARGS = ("-np", "16", "-c", str(CONTEXT_TOKENS))
+DUPLEX_SERVER_ARGS = ("--num-kv-blocks", str(CONTEXT_TOKENS // 16))
 BIN_GLOB = "llama_cpp_python-*/vendor/llama.cpp/build/bin"
 REPACK_CHOICES = ("auto", "on", "off")
 HEALTH_TIMEOUT_S = 600.0
@@ -423,7 +429,8 @@ def running_targets(args: argparse.Namespace, llama: LlamaCpp):
         if duplex_url is None:
             port = free_port()
             duplex_proc = stack.enter_context(running_server(
-                ["serve", "--model", llama.model, "--num-threads", str(args.threads)], port,
+                ["serve", "--model", llama.model, "--num-threads", str(args.threads),
+                 *DUPLEX_SERVER_ARGS], port,
                 timeout_s=HEALTH_TIMEOUT_S))
             duplex_url, pgids["duplex"] = f"http://127.0.0.1:{port}", duplex_proc.pid
         urls = {"llama": f"http://127.0.0.1:{llama_port}", "duplex": duplex_url}
