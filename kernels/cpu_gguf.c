@@ -992,11 +992,9 @@ static void amx_config(int ks) {
     gg_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 2; t++) {  /* 0, 1: C (16 x 16 int32); 2, 3: A (16 x ks); 4, 5: B */
-        cfg.rows[t] = 16; cfg.colsb[t] = 64;
-        cfg.rows[2 + t] = 16; cfg.colsb[2 + t] = (uint16_t)ks;
-        cfg.rows[4 + t] = (uint8_t)(ks / 4); cfg.colsb[4 + t] = 64;
-    }
+    for (int t = 0; t < 4; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  /* C: 16 x 16 int32 */
+    for (int t = 4; t < 6; t++) { cfg.rows[t] = 16; cfg.colsb[t] = (uint16_t)ks; }  /* A */
+    for (int t = 6; t < 8; t++) { cfg.rows[t] = (uint8_t)(ks / 4); cfg.colsb[t] = 64; }  /* B */
     _tile_loadconfig(&cfg);
 }
 
@@ -1021,27 +1019,28 @@ ALWAYS_INLINE void amx_unpack(int type, const uint8_t *blk, uint8_t *q, float *s
                                        _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(m))));
 }
 
-/* The sub-blocks s, s + 1 of the block in ub against B tiles at xb (stride 64): C tiles 0, 1
- * stored to cb[0], cb[1]; then every row's lanes scaled and summed into blk[r]. */
-#define AMX_PAIR(SIX, KS)                                                                     \
+/* Sub-block S of the block in ub (A tile TA) against x's (B tile TB) into C tile TC */
+#define AMX_SUB(SIX, KS, TC, TA, TB, S)                                                       \
     do {                                                                                      \
-        _tile_loadd(2, ub + (s) * (KS), 256);                                                 \
-        _tile_loadd(4, xb + (b * 256 + (s) * (KS)) * 16, 64);                                 \
-        _tile_loadd(3, ub + (s + 1) * (KS), 256);                                             \
-        _tile_loadd(5, xb + (b * 256 + (s + 1) * (KS)) * 16, 64);                             \
-        _tile_zero(0);                                                                        \
-        _tile_zero(1);                                                                        \
-        if (SIX) { _tile_dpbssd(0, 2, 4); _tile_dpbssd(1, 3, 5); }                            \
-        else { _tile_dpbusd(0, 2, 4); _tile_dpbusd(1, 3, 5); }                                \
-        _tile_stored(0, cb, 64);                                                              \
-        _tile_stored(1, cb + 256, 64);                                                        \
-        for (int r = 0; r < 16; r++) {                                                        \
-            blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cb + 16 * r))), \
-                                     _mm512_set1_ps(sc[r][s]), blk[r]);                       \
-            blk[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cb + 256 + 16 * r))), \
-                                     _mm512_set1_ps(sc[r][s + 1]), blk[r]);                   \
-        }                                                                                     \
+        _tile_loadd(TA, ub + (S) * (KS), 256);                                                \
+        _tile_loadd(TB, xb + (b * 256 + (S) * (KS)) * 16, 64);                                \
+        _tile_zero(TC);                                                                       \
+        if (SIX) _tile_dpbssd(TC, TA, TB); else _tile_dpbusd(TC, TA, TB);                     \
     } while (0)
+
+/* Every sub-block of the block in ub against one group of x: four tile multiplies in flight
+ * (C tiles 0-3), then their sums stored to cb [sub-block][16 r][16 c] */
+#define AMX_BLOCK(SIX, KS)                                                                    \
+    for (int s = 0; s < 256 / (KS); s += 4) {                                                 \
+        AMX_SUB(SIX, KS, 0, 4, 6, s);                                                         \
+        AMX_SUB(SIX, KS, 1, 5, 7, s + 1);                                                     \
+        AMX_SUB(SIX, KS, 2, 4, 6, s + 2);                                                     \
+        AMX_SUB(SIX, KS, 3, 5, 7, s + 3);                                                     \
+        _tile_stored(0, cb + 256 * s, 64);                                                    \
+        _tile_stored(1, cb + 256 * (s + 1), 64);                                              \
+        _tile_stored(2, cb + 256 * (s + 2), 64);                                              \
+        _tile_stored(3, cb + 256 * (s + 3), 64);                                              \
+    }
 
 /* tot [16 r][16 c] (fp32) -> out[c * ldo + r] for r < nr, c < nc: transposed 16 x 16 */
 ALWAYS_INLINE void amx_store(const float *tot, int nr, int64_t nc, float *out, int64_t ldo) {
@@ -1067,22 +1066,28 @@ ALWAYS_INLINE void amx_rows(int type, const uint8_t *w, int64_t row_bytes, int64
     memset(sc, 0, sizeof sc); memset(mn, 0, sizeof mn); memset(d, 0, sizeof d);
     memset(ub, 0, 16 * 256);
     for (int64_t j = 0; j < groups * 256; j++) tot[j] = 0.0f;
+    const int ns = six ? 16 : 8;
     for (int64_t b = 0; b < nb; b++) {
-        for (int r = 0; r < nr; r++)
-            amx_unpack(type, w + (r0 + r) * row_bytes + b * bb, ub + 256 * r, sc[r], mn[r], &d[r]);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *blk = w + (r0 + r) * row_bytes + b * bb;
+            if (b + 2 < nb)  /* 16 rows' streams: more than the prefetchers follow */
+                for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + 2 * bb + line, _MM_HINT_T0);
+            amx_unpack(type, blk, ub + 256 * r, sc[r], mn[r], &d[r]);
+        }
         for (int64_t g = 0; g < groups; g++) {
             const int8_t *xb = (const int8_t *)(xg + (size_t)g * per);
             const float *dxv = (const float *)(xg + (size_t)g * per + xb_bytes), *xmv = dxv + nb * 16;
             float *tg = tot + g * 256;
-            __m512 blk[16];
-            for (int r = 0; r < 16; r++) blk[r] = _mm512_setzero_ps();
-            if (six) for (int s = 0; s < 16; s += 2) AMX_PAIR(1, 16);
-            else for (int s = 0; s < 8; s += 2) AMX_PAIR(0, 32);
+            if (six) { AMX_BLOCK(1, 16) } else { AMX_BLOCK(0, 32) }
             const __m512 dx = _mm512_loadu_ps(dxv + 16 * b);
             __m512 xm[8];
             for (int s = 0; s < 8; s++) xm[s] = six ? dx : _mm512_loadu_ps(xmv + (b * 8 + s) * 16);
-            for (int r = 0; r < nr; r++) {
-                __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(blk[r], _mm512_set1_ps(d[r])), dx,
+            for (int r = 0; r < nr; r++) {  /* each row: its sub-blocks' sums by their scales */
+                __m512 a = _mm512_setzero_ps();
+                for (int s = 0; s < ns; s++)
+                    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cb + 256 * s + 16 * r))),
+                                        _mm512_set1_ps(sc[r][s]), a);
+                __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(a, _mm512_set1_ps(d[r])), dx,
                                            _mm512_loadu_ps(tg + 16 * r));
                 if (!six)
                     for (int s = 0; s < 8; s++)
@@ -1125,7 +1130,7 @@ static int amx_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, 
                 }
             }
         }
-        uint8_t *ub = aligned_alloc(64, 16 * 256 + 2048 + (size_t)groups * 1024);
+        uint8_t *ub = aligned_alloc(64, 16 * 256 + 16 * 1024 + (size_t)groups * 1024);
         if (!ub) {
 #pragma omp atomic write
             failed = 1;
@@ -1133,7 +1138,7 @@ static int amx_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, 
             amx_config(ks);
         }
         int32_t *cb = ub ? (int32_t *)(ub + 16 * 256) : NULL;
-        float *tot = ub ? (float *)(ub + 16 * 256 + 2048) : NULL;
+        float *tot = ub ? (float *)(ub + 16 * 256 + 16 * 1024) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < (n + 15) / 16; t++) {
             if (!ub) continue;
