@@ -119,16 +119,33 @@ typedef struct { float a[2], c[2]; } factors;
 
 /* Expand one ggml block (32 or 256 weights) into q [bs] bytes (unsigned; Q8_0's are its
  * int8 values) and one `factors` per 32. */
+/* A K-quant block's factors alone (expand_block's): one `factors` per 32 weights. */
+static void kq_factors(int type, const uint8_t *b, factors *f) {
+    if (type == GG_Q6_K) {
+        const int8_t *scales = (const int8_t *)(b + 192);
+        float d = f16_at(b + 208);
+        for (int sb = 0; sb < 8; sb++)
+            for (int half = 0; half < 2; half++) {
+                f[sb].a[half] = d * (float)scales[2 * sb + half];
+                f[sb].c[half] = -32.0f * f[sb].a[half];
+            }
+        return;
+    }
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min_k4(j, b + 4, &sc, &mn);
+        f[j].a[0] = f[j].a[1] = d * (float)sc;
+        f[j].c[0] = f[j].c[1] = -dmin * (float)mn;
+    }
+}
+
 static void expand_block(int type, const uint8_t *b, uint8_t *q, factors *f) {
     if (type == GG_Q4_K || type == GG_Q5_K) {
         int five = type == GG_Q5_K;
-        float d = f16_at(b), dmin = f16_at(b + 2);
         const uint8_t *qh = b + 16, *ql = five ? b + 48 : b + 16;
+        kq_factors(type, b, f);
         for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(j, b + 4, &sc, &mn);
-            f[j].a[0] = f[j].a[1] = d * (float)sc;
-            f[j].c[0] = f[j].c[1] = -dmin * (float)mn;
             const uint8_t *p = ql + 32 * (j / 2);
             int shift = (j & 1) * 4;
             for (int i = 0; i < 32; i++)
@@ -139,8 +156,7 @@ static void expand_block(int type, const uint8_t *b, uint8_t *q, factors *f) {
     }
     if (type == GG_Q6_K) {
         const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        float d = f16_at(b + 208);
+        kq_factors(type, b, f);
         for (int h = 0; h < 2; h++)
             for (int s = 0; s < 4; s++) {
                 const uint8_t *p = ql + 64 * h + 32 * (s & 1);
@@ -148,10 +164,6 @@ static void expand_block(int type, const uint8_t *b, uint8_t *q, factors *f) {
                 for (int i = 0; i < 32; i++)
                     q[32 * sb + i] = (uint8_t)(((p[i] >> shift) & 0x0F) |
                                                (((qh[32 * h + i] >> (2 * s)) & 3) << 4));
-                for (int half = 0; half < 2; half++) {
-                    f[sb].a[half] = d * (float)scales[2 * sb + half];
-                    f[sb].c[half] = -32.0f * f[sb].a[half];
-                }
             }
         return;
     }
@@ -242,6 +254,12 @@ static inline void bf16x16(uint16_t *y, const uint8_t *p, float a, float c, int 
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GG_KQ512 1
+/* A K-quant block's 256 weight bytes, as expand_block writes them (the AVX-512 section) */
+static void kq512_bytes(int type, const uint8_t *blk, uint8_t *q);
+#endif
+
 /* One row -> bf16 [k]: the fp32 weights of dequant_row, each rounded once to bf16 (so a
  * bf16 tile is exactly the fp32 tile's .to(torch.bfloat16)). Block types are expanded a
  * block at a time (with AVX512-BF16, 16 weights an instruction sequence). */
@@ -263,9 +281,15 @@ static void dequant_row_bf16(int type, const uint8_t *row, int64_t k, uint16_t *
         return;
     }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    uint8_t q[256];
+    uint8_t q[256] __attribute__((aligned(64)));
     factors f[8];
     for (i = 0; i < k / bs; i++) {
+#if defined(GG_KQ512)
+        if (bs == 256) {  /* the K-quants' bytes from 512-bit unpacking: the same bytes */
+            kq512_bytes(type, row + i * bb, q);
+            kq_factors(type, row + i * bb, f);
+        } else
+#endif
         expand_block(type, row + i * bb, q, f);
         for (int h = 0; h < bs / 16; h++)
             bf16x16(y + i * bs + 16 * h, q + 16 * h, f[h / 2].a[h & 1], f[h / 2].c[h & 1], type);
@@ -797,6 +821,16 @@ ALWAYS_INLINE void kq512_unpack(int type, const uint8_t *blk, kq512_block *u) {
             all);
     u->d = f16_at(blk);
     u->dmin = f16_at(blk + 2);
+}
+
+static void kq512_bytes(int type, const uint8_t *blk, uint8_t *q) {
+    kq512_block u;
+    switch (type) {  /* one unpacking per type, its scales left unused */
+    case GG_Q4_K: kq512_unpack(GG_Q4_K, blk, &u); break;
+    case GG_Q5_K: kq512_unpack(GG_Q5_K, blk, &u); break;
+    default: kq512_unpack(GG_Q6_K, blk, &u); break;
+    }
+    for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(q + 64 * j), u.q[j]);
 }
 
 /* kq_dot's sums for one unpacked block and one row of x, into 16 fp32 lanes */

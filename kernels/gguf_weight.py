@@ -196,7 +196,7 @@ class GGUFWeight(QuantWeight):
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
         if (few and m <= self.row_limit()) or (prompt and self.int8_prompt()):
             return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows))
-        return self._tiled(_fp32(rows))
+        return self._tiled(rows)  # bf16 rows (the bf16 stream) stay bf16 for the bf16 GEMM
 
     def int8_prompt(self) -> bool:
         """Whether prompt steps take the int8 row kernel, at any row count (so a prompt's
@@ -217,6 +217,7 @@ class GGUFWeight(QuantWeight):
         (int8 activations after it would magnify them)."""
         if prompt_gemm_dtype() == torch.bfloat16 and not self.fp32_out:
             return self._bf16_chunks(rows.to(torch.bfloat16))
+        rows = _fp32(rows)
         m = rows.shape[0]
         if m < MIN_ROWS:
             return self._tiled(torch.cat([rows, rows.new_zeros(MIN_ROWS - m, rows.shape[1])]))[:m]
