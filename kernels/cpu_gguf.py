@@ -91,6 +91,21 @@ def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Te
     return out
 
 
+def unblock_bf16(blocked: torch.Tensor, m: int) -> torch.Tensor:
+    """bf16 `[blocks, n, size]` (the bf16 GEMM's output: per block of `size` rows of x, n
+    columns of `size`) -> its first m rows `[m, n]`, contiguous:
+    `blocked.transpose(1, 2).reshape(-1, n)[:m]`, in one C pass (16 x 32 tiles with AVX-512)."""
+    blocks, n, size = blocked.shape
+    assert blocked.dtype == torch.bfloat16 and blocked.is_contiguous() and 1 <= m <= blocks * size
+    if not available():
+        return blocked.transpose(1, 2).reshape(blocks * size, n)[:m].contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if _load().gg_unblock_bf16(blocked.data_ptr(), blocks, n, size, m, out.data_ptr(),
+                               torch.get_num_threads()) != 0:
+        raise RuntimeError(f"gg_unblock_bf16 refused {tuple(blocked.shape)} -> {m} rows")
+    return out
+
+
 def x_group(type_id: int) -> int:
     """Inputs per activation scale in the int8 kernels: 32, and 256 for the K-quants (one
     scale a block, llama.cpp's Q8_K, so a block's sub-block sums stay in integers)."""
@@ -150,6 +165,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_quantize_x.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P]
     lib.gg_linear_q8.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P, _P, _I, _P, _I,
                                  ctypes.c_int]
+    lib.gg_unblock_bf16.restype = ctypes.c_int
+    lib.gg_unblock_bf16.argtypes = [_P, _I, _I, _I, _I, _P, ctypes.c_int]
     apply_amx_switch(lib)
     return lib
 

@@ -256,8 +256,7 @@ class GGUFWeight(QuantWeight):
             cpu_gguf.dequant(self.type_id, self.raw[n0:n0 + step], k, part)
             for b in range(blocks):
                 torch.mm(part, rows[b * size:(b + 1) * size].T, out=out[b, n0:n0 + part.shape[0]])
-        # one block: the reshape is a transposed view, whose rows are not contiguous
-        return out.transpose(1, 2).reshape(blocks * size, n)[:m].contiguous()
+        return cpu_gguf.unblock_bf16(out, m)  # [block, N, row] -> [M, N]
 
 
 _local = threading.local()
