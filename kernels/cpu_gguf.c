@@ -1230,16 +1230,14 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     int failed = 0, direct = avx2_type(type);
     /* one row of x against K-quants: weight rows two at a time (AVX2) */
     const int64_t step = direct && m == 1 && block_size(type) == 256 ? 2 : 1;
+#if defined(GG_AMX)
+    if (direct && block_size(type) == 256 && m >= AMX_MIN_ROWS && amx_ok())
+        return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+#endif
     float *xsf = direct ? malloc((size_t)(m * (k / 16)) * sizeof(float)) : NULL;
     int16_t *xs16 = (int16_t *)xsf;  /* the same scratch: one or the other */
     if (direct && !xsf) return -1;
     if (direct) x_sums(type, m, k, dx, xs, xsf, xs16);
-#if defined(GG_AMX)
-    if (direct && block_size(type) == 256 && m >= AMX_MIN_ROWS && amx_ok()) {
-        free(xsf);
-        return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
-    }
-#endif
 #if defined(GG_AVX512)
     if (direct && block_size(type) == 256 && m > 1) {
         kq512_groups(type, w, row_bytes, n, k, xq, dx, xs16, m, out, ldo, threads, &failed);
