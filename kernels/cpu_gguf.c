@@ -1362,6 +1362,148 @@ int gg_unblock_bf16(const uint16_t *src, int64_t blocks, int64_t n, int64_t size
     return 0;
 }
 
+#if defined(GG_AMX) && defined(GG_KQ512) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* ------------------------------------------------ AMX-BF16: prompt steps on the file's blocks
+ *
+ * out [m, n] bf16 = x [m, k] bf16 @ w.T with fp32 sums. The weights are dequantized to bf16
+ * a panel at a time into L2 and never written to memory: GB_NP weight rows by GB_KC inputs
+ * (256 KB, dequant_row_bf16's bytes, the bf16 chunks'), rows as they are: the A tiles (16
+ * weight rows by 32 inputs). x is laid out once per call as the B tiles want it ([input
+ * pair][16 rows of x][2]). Four C tiles (32 weight rows by 32 rows of x) are in flight;
+ * between input slices their sums wait in an fp32 buffer (stored and loaded exactly), so
+ * every output is one sum over its inputs in one order, whatever m, the row's place or the
+ * blocking: a prompt's rows give the same bits alone, after a prefix-cache hit or inside a
+ * long prompt. */
+#define GB_NP 256   /* weight rows a panel */
+#define GB_KC 512   /* inputs a slice (a multiple of 256: whole K-quant blocks) */
+#define GB_MC 1024  /* rows of x a pass (their sums for a panel: GB_MC x GB_NP fp32, 1 MB) */
+
+int gg_amx_bf16_available(void) { return amx_ok(); }
+
+static void gb_config(void) {
+    gg_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* C tiles (+)= 32 weight rows at wa (row stride GB_KC) by the 32 rows of x whose B tiles
+ * start at xb (the second 16 rows `xstep` tiles on), `steps` pairs of tiles; the sums at c
+ * ([weight row][row of x], row stride ldc) */
+static void gb_tiles(const uint16_t *wa, const uint16_t *xb, int64_t xstep, int64_t steps,
+                     float *c, int64_t ldc, int first) {
+    if (first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, c, ldc * 4);
+        _tile_loadd(1, c + 16, ldc * 4);
+        _tile_loadd(2, c + 16 * ldc, ldc * 4);
+        _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+    }
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(6, xb + 512 * s, 64);
+        _tile_loadd(7, xb + 512 * (xstep + s), 64);
+        _tile_loadd(4, wa + 32 * s, GB_KC * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, wa + 16 * GB_KC + 32 * s, GB_KC * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+    _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+/* out [m, n] bf16 (row stride ldo) = x [m, k] bf16 (row stride ldx) @ w.T; k a multiple
+ * of 32. Weight panels are split between the threads. -1: refused (no AMX here, bad
+ * arguments, no memory). */
+int gg_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                 const uint16_t *x, int64_t ldx, int64_t m, uint16_t *out, int64_t ldo,
+                 int threads) {
+    if (gg_check(type, k, row_bytes) || m < 1 || n < 1 || k % 32 || !amx_ok()) return -1;
+    const int bs = block_size(type), bb = block_bytes(type);
+    const int64_t npanels = (n + GB_NP - 1) / GB_NP, ks = k / 32;
+    const int64_t groups = (m + 31) / 32 * 2;  /* of 16 rows of x: whole pairs */
+    uint16_t *xb = aligned_alloc(64, (size_t)(groups * ks) * 1024);
+    if (!xb) return -1;
+    int failed = 0;
+    const int64_t mc = m < GB_MC ? groups * 16 : GB_MC;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < groups * ks; t++) {  /* x into B tiles: 16 rows' input pairs */
+            const int64_t g = t / ks, s = t % ks;
+            __m512i v[16];
+            for (int r = 0; r < 16; r++) {
+                const int64_t i = 16 * g + r;
+                v[r] = i < m ? _mm512_loadu_si512((const void *)(x + i * ldx + 32 * s))
+                             : _mm512_setzero_si512();
+            }
+            transpose16(v);  /* v[p]: input pair p of the 16 rows */
+            uint16_t *tile = xb + t * 512;
+            for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(tile + 32 * p), v[p]);
+        }
+        uint16_t *vb = aligned_alloc(64, (size_t)GB_NP * GB_KC * 2);
+        float *acc = aligned_alloc(64, (size_t)(mc * GB_NP) * 4);
+        if (!vb || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            gb_config();
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < npanels; p++) {
+            if (!vb || !acc) continue;
+            const int64_t r0 = p * GB_NP;
+            const int nr = n - r0 < GB_NP ? (int)(n - r0) : GB_NP, npairs = (nr + 31) / 32;
+            for (int64_t m0 = 0; m0 < m; m0 += mc) {  /* one pass: all of k for mc rows */
+                const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+                for (int64_t k0 = 0; k0 < k; k0 += GB_KC) {
+                    const int64_t kl = k - k0 < GB_KC ? k - k0 : GB_KC;
+                    for (int r = 0; r < 32 * npairs; r++) {
+                        if (r < nr) {
+                            const uint8_t *row = w + (r0 + r) * row_bytes + k0 / bs * bb;
+                            dequant_row_bf16(type, row, kl, vb + (int64_t)r * GB_KC);
+                            /* the row's next slice: 256 strided streams, which the
+                             * prefetchers do not follow; in L2 when this row comes again */
+                            if (k0 + GB_KC < k)
+                                for (int64_t b = kl / bs * bb; b < 2 * kl / bs * bb && b < row_bytes - k0 / bs * bb; b += 64)
+                                    _mm_prefetch((const char *)row + b, _MM_HINT_T1);
+                        } else
+                            memset(vb + (int64_t)r * GB_KC, 0, (size_t)kl * 2);
+                    }
+                    for (int64_t i0 = m0; i0 < m1; i0 += 32)
+                        for (int wp = 0; wp < npairs; wp++)
+                            gb_tiles(vb + (int64_t)32 * wp * GB_KC,
+                                     xb + ((i0 / 16) * ks + k0 / 32) * 512, ks, kl / 32,
+                                     acc + (int64_t)32 * wp * mc + (i0 - m0), mc, k0 == 0);
+                }
+                /* the sums [weight row][row of x] -> out rows, rounded once to bf16 */
+                for (int64_t i0 = m0; i0 < m1; i0 += 16)
+                    for (int c0 = 0; c0 < nr; c0 += 16) {
+                        __m512i v[16];
+                        for (int c = 0; c < 16; c++)
+                            v[c] = _mm512_load_si512((const void *)(acc + (int64_t)(c0 + c) * mc + (i0 - m0)));
+                        transpose16(v);  /* v[u]: row i0 + u of x, 16 weight rows */
+                        const __mmask16 keep = nr - c0 >= 16 ? (__mmask16)0xFFFF
+                                                             : (__mmask16)((1u << (nr - c0)) - 1);
+                        for (int u = 0; u < 16 && i0 + u < m1; u++)
+                            _mm256_mask_storeu_epi16(out + (i0 + u) * ldo + r0 + c0, keep,
+                                                     (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(v[u])));
+                    }
+            }
+        }
+        if (vb && acc) _tile_release();
+        free(vb); free(acc);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+#endif
+
 /* gg_quantize_x then gg_linear_q8 in one call: x [m, k] fp32 (row stride ldx). */
 int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                 const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {

@@ -106,6 +106,30 @@ def unblock_bf16(blocked: torch.Tensor, m: int) -> torch.Tensor:
     return out
 
 
+def gemm_bf16(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Tensor | None:
+    """x `[M, k]` bf16 (rows contiguous) @ w.T -> `[M, N]` bf16 on AMX-BF16 tiles, the weights
+    dequantized a panel at a time into the cache (gg_gemm_bf16: every output one fp32 sum in
+    one order whatever M, rounded once); None where that kernel cannot run (no AMX-BF16, the
+    switch off, k not a multiple of 32)."""
+    _check(type_id, raw, k)
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
+    if k % 32 or not amx_bf16_available():
+        return None
+    out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.bfloat16)
+    if _load().gg_gemm_bf16(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k, x.data_ptr(),
+                            x.stride(0), x.shape[0], out.data_ptr(), raw.shape[0],
+                            torch.get_num_threads()) != 0:
+        raise RuntimeError(f"gg_gemm_bf16 refused {TYPES[type_id][0]} [{raw.shape[0]}, {k}]")
+    return out
+
+
+def amx_bf16_available() -> bool:
+    """Whether prompt GEMMs run on AMX-BF16 tiles here (`gemm_bf16`): built with AMX-BF16,
+    Linux gave this process the tile state, and DUPLEX_GGUF_AMX is not 0."""
+    lib = _load() if available() else None
+    return bool(lib) and hasattr(lib, "gg_gemm_bf16") and lib.gg_amx_bf16_available() == 1
+
+
 def x_group(type_id: int) -> int:
     """Inputs per activation scale in the int8 kernels: 32, and 256 for the K-quants (one
     scale a block, llama.cpp's Q8_K, so a block's sub-block sums stay in integers)."""
@@ -167,6 +191,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                  ctypes.c_int]
     lib.gg_unblock_bf16.restype = ctypes.c_int
     lib.gg_unblock_bf16.argtypes = [_P, _I, _I, _I, _I, _P, ctypes.c_int]
+    if hasattr(lib, "gg_gemm_bf16"):
+        lib.gg_gemm_bf16.restype = lib.gg_amx_bf16_available.restype = ctypes.c_int
+        lib.gg_gemm_bf16.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I,
+                                     ctypes.c_int]
     apply_amx_switch(lib)
     return lib
 

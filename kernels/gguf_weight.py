@@ -244,6 +244,10 @@ class GGUFWeight(QuantWeight):
         in the last bits), so a fixed M is what keeps a prompt's numbers the same whether its
         tokens come alone after a prefix-cache hit or inside a long prompt."""
         n, k = self.shape
+        tiles = cpu_gguf.gemm_bf16(self.type_id, self.raw, k,
+                                   rows if rows.stride(1) == 1 else rows.contiguous())
+        if tiles is not None:  # AMX-BF16: the blocks dequantized in cache, any M
+            return tiles
         m, size = rows.shape[0], BF16_ROWS_SMALL if n * k <= BF16_SMALL_WEIGHT else BF16_ROWS
         blocks = -(-m // size)
         if blocks * size != m:

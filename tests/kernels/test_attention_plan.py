@@ -7,7 +7,8 @@ import torch
 
 from duplex.kernels import ops
 from duplex.kernels.attention import paged_attention_planned, paged_attention_ref, plan_attention
-from tests.kernels.kernel_factories import attention_args, make_paged_batch, naive_attention
+from tests.kernels.kernel_factories import (attention_args, make_paged_batch, naive_attention,
+                                           pack_paged_batch)
 
 SEQS = {
     "one decode": [(37, 1)],
@@ -52,3 +53,26 @@ def test_consecutive_blocks_are_read_as_a_view():
                                rtol=1e-6, atol=1e-6)
     shuffled = plan_attention(torch.tensor([[3, 2, 4]], dtype=torch.int32), [1], [11], block_size)
     assert shuffled.decode_span is None
+
+
+@pytest.mark.parametrize("seq_len", [5, 300, 700, 1100])  # past the fused kernel's 512-key blocks
+def test_a_whole_prompt_takes_the_causal_kernel_with_the_masks_bits(seq_len):
+    """A prompt with no cached prefix is planned causal (the fused kernel's own mask, which
+    skips the key blocks above the diagonal): bitwise the explicit mask's result, and each of
+    its last rows bitwise the same computed after a prefix-cache hit (the mask path)."""
+    torch.manual_seed(seq_len)
+    k, v = torch.randn(2, seq_len, 2, 16).to(torch.bfloat16)
+    q = torch.randn(seq_len, 6, 16).to(torch.bfloat16)
+    cold = pack_paged_batch([(k, v, q)], block_size=16)
+    plan = _plan(cold, None)
+    assert plan.prefills[0].causal
+    args = (cold["q"], cold["k_cache"], cold["v_cache"])
+    out = paged_attention_planned(*args, plan, 0.25)
+    masked = plan._replace(prefills=(plan.prefills[0]._replace(causal=False),))
+    assert torch.equal(paged_attention_planned(*args, masked, 0.25), out)
+    tail = max(2, seq_len // 3)
+    warm = pack_paged_batch([(k, v, q[-tail:])], block_size=16)
+    warm_plan = _plan(warm, None)
+    assert not warm_plan.prefills[0].causal
+    got = paged_attention_planned(warm["q"], warm["k_cache"], warm["v_cache"], warm_plan, 0.25)
+    assert torch.equal(got, out[-tail:])

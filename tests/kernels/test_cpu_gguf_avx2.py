@@ -229,3 +229,65 @@ def test_unblock_bf16_is_torchs_transposed_copy(blocks, n, size, m):
     x = torch.randn(blocks, n, size, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
     want = x.transpose(1, 2).reshape(blocks * size, n)[:m].contiguous()
     assert torch.equal(cpu_gguf.unblock_bf16(x, m), want)
+
+
+GEMM_ROWS = (1, 16, 17, 31, 32, 33, 100)  # a row, one tile of rows, padded, a pair, past it
+
+
+@pytest.mark.skipif(not cpu_gguf.amx_bf16_available(), reason="no AMX-BF16 on this CPU (or not given)")
+@pytest.mark.parametrize("type_name, k", [("Q4_K", 1280), ("Q6_K", 768), ("Q5_K", 512),
+                                          ("Q4_0", 608), ("Q8_0", 96), ("F16", 544),
+                                          ("BF16", 64)])
+def test_amx_bf16_gemm(type_name, k):
+    """The prompt GEMM on AMX-BF16 tiles (gg_gemm_bf16): x and the dequantized weights in
+    bf16, fp32 sums rounded once. k covers one input slice, a slice and a part, and parts of
+    a K-quant slice; n = 300 is two weight panels, the second 44 rows (a pair of 16-row groups
+    and a half-empty one). Each row's output is the same bits whatever the row count (1 to
+    100 rows, from another row than the first, and 1100: two passes of rows), on one thread or
+    two, and for rows with a stride."""
+    n = 300
+    raw = random_blocks(type_name, n, k, seed=k, extreme=False) if cpu_gguf.TYPES[
+        cpu_gguf.TYPE_IDS[type_name]][1] > 1 else _float_rows(type_name, n, k)
+    type_id = cpu_gguf.TYPE_IDS[type_name]
+    w = cpu_gguf.dequant(type_id, raw, k, dtype=torch.bfloat16).double()
+    assert torch.equal(w, reference_w(type_name, raw, k).to(torch.bfloat16).double())
+    wide = random_x(max(GEMM_ROWS), k + 32, seed=k).to(torch.bfloat16)
+    x = wide[:, 16:16 + k]  # rows with a stride above k
+    full = cpu_gguf.gemm_bf16(type_id, raw, k, x)
+    assert full is not None and full.dtype == torch.bfloat16 and full.shape == (x.shape[0], n)
+    ref = x.double() @ w.T
+    err = (full.double() - ref).abs()
+    bound = 2.0 ** -8 * ref.abs() + 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert (err <= bound).all(), f"worst {(err / bound).max().item():.2f}x the bound"
+    for m in GEMM_ROWS:
+        torch.set_num_threads(1 + m % 2)
+        try:
+            assert torch.equal(cpu_gguf.gemm_bf16(type_id, raw, k, x[:m].contiguous()), full[:m])
+        finally:
+            torch.set_num_threads(2)
+    assert torch.equal(cpu_gguf.gemm_bf16(type_id, raw, k, x[5:40]), full[5:40])  # other lanes
+    many = x.repeat(11, 1)[:1100]
+    assert torch.equal(cpu_gguf.gemm_bf16(type_id, raw, k, many)[1000:1100], full)
+
+
+def _float_rows(type_name: str, n: int, k: int) -> torch.Tensor:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k))
+    w = w.to(torch.float16 if type_name == "F16" else torch.bfloat16)
+    return w.view(torch.uint8).reshape(n, -1).contiguous()
+
+
+def test_amx_bf16_switch(monkeypatch):
+    """DUPLEX_GGUF_AMX=0 turns the AMX-BF16 prompt GEMM off with the AMX-INT8 tiles."""
+    lib = cpu_gguf._load()
+    if not hasattr(lib, "gg_set_amx"):
+        pytest.skip("built without AMX")
+    monkeypatch.setenv("DUPLEX_GGUF_AMX", "0")
+    cpu_gguf.apply_amx_switch(lib)
+    try:
+        assert not cpu_gguf.amx_bf16_available()
+        raw = random_blocks("Q4_K", 16, 256, seed=1, extreme=False)
+        assert cpu_gguf.gemm_bf16(cpu_gguf.TYPE_IDS["Q4_K"], raw, 256,
+                                  torch.ones(3, 256, dtype=torch.bfloat16)) is None
+    finally:
+        monkeypatch.delenv("DUPLEX_GGUF_AMX")
+        cpu_gguf.apply_amx_switch(lib)
