@@ -10,8 +10,10 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
     row kernel (cpu_gguf)  M <= row_limit (16; K-quants 48, with   raw: a row at a time into L1
                            AMX-INT8 96), not a prompt step (a     (K-quants from 8 rows on AMX:
                            head's rows: also in one)              16 rows a tile)
-    bf16 GEMM              otherwise, CPUs with AMX-BF16 or       raw: BF16_CHUNK weights to
-                           AVX512-BF16 (not a head)               bf16 at a time, oneDNN's GEMM
+    AMX-BF16 GEMM          otherwise, CPUs with AMX-BF16 (not a   raw: 256 x 512 weights to bf16
+                           head)                                  into L2 at a time (gemm_bf16)
+    bf16 GEMM              otherwise, CPUs with AVX512-BF16 (not  raw: BF16_CHUNK weights to
+                           a head)                                bf16 at a time, oneDNN's GEMM
     tiled GEMM             otherwise                              raw: TILE_BYTES of fp32 rows
                                                                   at a time, then torch's GEMM
 
@@ -234,9 +236,11 @@ class GGUFWeight(QuantWeight):
         return out_t.T.contiguous()  # callers view slices of the output
 
     def _bf16_chunks(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows `[M, K]` bf16 -> `[M, N]` bf16: up to BF16_CHUNK weights at a time are
-        dequantized straight to bf16 into one reused buffer (this thread's) and multiplied
-        by oneDNN's bf16 GEMM (AMX or AVX512-BF16) as `chunk @ block.T`, the weight in the
+        """rows `[M, K]` bf16 -> `[M, N]` bf16. With AMX-BF16, one C call on the blocks
+        (cpu_gguf.gemm_bf16: each row's bits independent of M by construction). Else up to
+        BF16_CHUNK weights at a time are dequantized straight to bf16 into one reused buffer
+        (this thread's) and multiplied by oneDNN's bf16 GEMM (AVX512-BF16; AMX with
+        DUPLEX_GGUF_AMX=0) as `chunk @ block.T`, the weight in the
         GEMM's row-major A place, where it is read as it is: in the other place oneDNN
         repacks it on every call. The rows go in blocks of exactly BF16_ROWS (the last one
         zero-padded; the count depends only on the weight's size): oneDNN picks its kernel by

@@ -46,14 +46,18 @@ MAX_PACKED_ROWS = 4  # torch's kernels: above this many rows, a dense copy is fa
 
 
 def vnni_rows() -> int:
-    """The most rows the int4 VNNI kernel (kernels.cpu_qgemv) takes before the bf16 dense
-    copy does, by CPU, as measured (docs/BENCHMARKS.md): with AMX (the Intel VM) oneDNN's
-    bf16 GEMM wins from ~16 rows, so 12; without (AMD Zen 5, avx512_bf16) the VNNI kernel is
-    faster through 64 (the decode step at 16 rows 0.57x, at 64 0.92x the bf16 one's).
-    DUPLEX_VNNI_ROWS sets it, for comparisons."""
+    """The most rows the int4 VNNI kernel (kernels.cpu_qgemv) takes before a bf16 GEMM does,
+    as measured (docs/BENCHMARKS.md). With AMX (the Intel VM) oneDNN's GEMM on a bf16 dense
+    copy wins from ~16 rows, so 12 where GGUF weights keep one (DUPLEX_DENSE_WEIGHTS=1). Without
+    copies (the default) the alternative is the GEMM on weights dequantized per call, which
+    the VNNI kernel beats through 96 rows at SmolLM2's shapes even on AMX tiles (576 x 1536
+    at 64 rows: 0.25 against 0.39 ms; a concurrency-16 decode step 27 against 74 ms on the
+    row kernels), so 64, as on CPUs without AMX (AMD Zen 5: 0.57x the bf16 step at 16 rows,
+    0.92x at 64). DUPLEX_VNNI_ROWS sets it, for comparisons."""
     if switches.value("DUPLEX_VNNI_ROWS"):
         return int(switches.value("DUPLEX_VNNI_ROWS"))
-    return 12 if b" amx_bf16" in cpu_flags() else 64
+    dense = switches.value("DUPLEX_DENSE_WEIGHTS") == "1"
+    return 12 if dense and b" amx_bf16" in cpu_flags() else 64
 
 
 MAX_VNNI_ROWS = vnni_rows()

@@ -39,7 +39,7 @@ SWITCHES = (
     Switch("DUPLEX_ONEDNN_PACK", "1", "developer",
            "0: bf16 dense copies stay plain, not oneDNN-blocked (kernels/quant.py)"),
     Switch("DUPLEX_VNNI_ROWS", "", "developer",
-           "most rows the VNNI kernel takes before the bf16 copy (empty: 12 with AMX, else 64)"),
+           "most rows the VNNI kernel takes before a bf16 GEMM (empty: 64; 12 with AMX and dense copies)"),
     Switch("DUPLEX_INT8_PROMPT", "0", "developer",
            "1: GGUF prompt steps on CPUs without AVX512-VNNI take the int8 row kernel, not the "
            "fp32 tiles (kernels/gguf_weight.py; it broke SmolLM2's answers: opt-in)"),
