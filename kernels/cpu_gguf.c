@@ -910,8 +910,14 @@ static void kq512_group(int type, const uint8_t *w, int64_t row_bytes, int64_t r
     for (int64_t j = 0; j < (r1 - r0) * m; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
         int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
-        for (int64_t r = r0; r < r1; r++)
+        for (int64_t r = r0; r < r1; r++) {
+            /* the next row's part of this chunk, while this one computes (m > 1: the rows'
+             * streams restart at every chunk and page, where the streamer loses them) */
+            const char *next = (const char *)w + (r + 1) * row_bytes + b0 * block_bytes(type);
+            for (int64_t line = 0; line < (b1 - b0) * block_bytes(type); line += 64)
+                _mm_prefetch(next + line, _MM_HINT_T0);
             kq512_pass(type, w + r * row_bytes, k, b0, b1, xq, dx, xs16, m, acc + (r - r0) * m);
+        }
     }
     for (int64_t r = r0; r < r1; r++)
         for (int64_t i = 0; i < m; i++)
@@ -931,6 +937,11 @@ ALWAYS_INLINE void kq512_two_rows(int type, const uint8_t *row, int64_t row_byte
     __m512 a = _mm512_setzero_ps(), c = a;
     for (int64_t b = 0; b < k / 256; b++) {
         kq512_block u, v;
+        /* the next pair's blocks, a pair of rows ahead (the streamer stops at each page) */
+        for (int line = 0; line < bb; line += 64) {
+            _mm_prefetch((const char *)row + 2 * row_bytes + b * bb + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + 3 * row_bytes + b * bb + line, _MM_HINT_T0);
+        }
         kq512_unpack(type, row + b * bb, &u);
         kq512_dot(type, &u, xq + 256 * b, dx[b], xs + 16 * b, &a);
         kq512_unpack(type, row + row_bytes + b * bb, &v);
