@@ -972,6 +972,217 @@ static void kq512_groups(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     }
 }
 
+/* 16 x 16 int32 in registers, transposed (unpack 32 / 64-bit, then 128-bit lanes twice) */
+ALWAYS_INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* ------------------------------------------------ VNNI with weight rows in the lanes: the
+ * K-quants at several rows of x where there are no AMX tiles (AMD Zen 4/5; Intel before
+ * Sapphire Rapids; or DUPLEX_GGUF_AMX=0)
+ *
+ * The loop above (kq512_group) puts 64 weights of one row in a register: per row of x and
+ * block, 4 vpmaddubsw + 4 vpdpwssd, then the block's mins, conversion and fmadd, ~16
+ * operations for 256 products, and the block is unpacked again for every 8 rows of x. Here
+ * 16 weight rows' blocks are unpacked once and transposed into registers of 4 weights x 16
+ * rows (lanes: weight rows, vn_block.w), and one vpdpbusd adds those times 4 bytes of a row
+ * of x broadcast from memory (x is the signed operand as it is; Q4_K / Q5_K / Q6_K weights
+ * are unsigned). A sub-block (32 weights; Q6_K 16) is 8 (4) of them into exact int32 sums,
+ * then one conversion and one fmadd by d sc (a register of the 16 rows' factors): ~90
+ * operations for 16 weight rows x 256 weights and a row of x, where the loop above takes
+ * ~256. Q6_K's -32 starts each sub-block's sum (-32 times x's sum over it); Q4_K's and
+ * Q5_K's mins close each block, dmin m times dx x's sums. Every output's operations are the
+ * same whatever the other rows of x (a row's bits do not depend on the batch on this path),
+ * and differ in the last bits from the one-row loop's (kq512_two), as AMX's do. */
+#define VN_MIN_ROWS 8  /* below: kq512_group (measured, docs/BENCHMARKS.md) */
+#define VN_X_ROWS 16   /* rows of x a pass: their accumulators stay in registers */
+
+typedef struct {
+    uint8_t w[64][64];   /* the block of 16 rows: [k / 4][16 rows][4 weights] */
+    float sc[16][16];    /* [sub-block][row]: d sc (Q6_K: 16 sub-blocks of 16, else 8 of 32) */
+    float mn[8][16];     /* [sub-block][row]: dmin m (Q4_K, Q5_K) */
+} vn_block;
+
+static int gg_vn_off;  /* gg_set_vn(0): kq512_group at every row count (tests, measurements) */
+
+void gg_set_vn(int on) { gg_vn_off = !on; }
+
+/* Block b of weight rows [r0, r0 + nr) into vb (rows from nr on: zero), via ub [16][256] */
+ALWAYS_INLINE void vn_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
+                             int64_t b, int64_t nb, uint8_t *ub, vn_block *vb) {
+    const int bb = block_bytes(type);
+    for (int r = 0; r < 16; r++) {
+        if (r >= nr) {
+            memset(ub + 256 * r, 0, 256);
+            for (int s = 0; s < 16; s++) vb->sc[s][r] = 0.0f;
+            for (int s = 0; s < 8; s++) vb->mn[s][r] = 0.0f;
+            continue;
+        }
+        const uint8_t *blk = w + (r0 + r) * row_bytes + b * bb;
+        if (b + 1 < nb)  /* the 16 rows' next blocks (their streams restart at every page) */
+            for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + bb + line, _MM_HINT_T0);
+        kq512_block u;
+        kq512_unpack(type, blk, &u);
+        for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(ub + 256 * r + 64 * j), u.q[j]);
+        float f[16] __attribute__((aligned(64)));
+        if (type == GG_Q6_K) {
+            _mm512_store_ps(f, _mm512_mul_ps(_mm512_set1_ps(u.d),
+                                             _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.sc16))));
+            for (int s = 0; s < 16; s++) vb->sc[s][r] = f[s];
+            continue;
+        }
+        __m128i m;
+        __m128i s8 = k4_scales(blk + 4, &m);
+        _mm256_store_ps(f, _mm256_mul_ps(_mm256_set1_ps(u.d), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s8))));
+        _mm256_store_ps(f + 8, _mm256_mul_ps(_mm256_set1_ps(u.dmin), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(m))));
+        for (int s = 0; s < 8; s++) {
+            vb->sc[s][r] = f[s];
+            vb->mn[s][r] = f[8 + s];
+        }
+    }
+    for (int j = 0; j < 4; j++) {  /* 64 weights of the 16 rows -> 16 registers of 4 x 16 */
+        __m512i v[16];
+        for (int r = 0; r < 16; r++) v[r] = _mm512_load_si512((const void *)(ub + 256 * r + 64 * j));
+        transpose16(v);
+        for (int i = 0; i < 16; i++) _mm512_store_si512((void *)vb->w[16 * j + i], v[i]);
+    }
+}
+
+/* Block b of vb against rows of x [0, CN) into t[c] (lanes: the 16 weight rows). xq, dx, xe:
+ * the first row's; xe: Q6_K -32 x's sums per 16 [m][k / 16] (int32), else dx x's sums per 32
+ * [m][nb][8] (fp32). */
+ALWAYS_INLINE void vn_rows(int type, const vn_block *vb, const int8_t *xq, int64_t k, int64_t b,
+                           const float *dx, const void *xe, int CN, __m512 *t) {
+    const int six = type == GG_Q6_K, ns = six ? 16 : 8, kg = six ? 4 : 8;
+    const int64_t nb = k / 256;
+    __m512 a[VN_X_ROWS];
+    for (int c = 0; c < CN; c++) a[c] = _mm512_setzero_ps();
+    for (int s = 0; s < ns; s++) {
+        __m512i W[8];
+        for (int i = 0; i < kg; i++) W[i] = _mm512_load_si512((const void *)vb->w[kg * s + i]);
+        const __m512 f = _mm512_load_ps(vb->sc[s]);
+        for (int c = 0; c < CN; c++) {
+            const int32_t *xc = (const int32_t *)(xq + c * k + 256 * b + 4 * kg * s);
+            __m512i acc = six ? _mm512_set1_epi32(((const int32_t *)xe)[c * (k / 16) + 16 * b + s])
+                              : _mm512_setzero_si512();
+            for (int i = 0; i < kg; i++) acc = _mm512_dpbusd_epi32(acc, W[i], _mm512_set1_epi32(xc[i]));
+            a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), f, a[c]);
+        }
+    }
+    for (int c = 0; c < CN; c++) {
+        __m512 v = _mm512_fmadd_ps(a[c], _mm512_set1_ps(dx[c * nb + b]), t[c]);
+        if (!six) {
+            const float *xm = (const float *)xe + (c * nb + b) * 8;
+            for (int s = 0; s < 8; s++) v = _mm512_fnmadd_ps(_mm512_load_ps(vb->mn[s]), _mm512_set1_ps(xm[s]), v);
+        }
+        t[c] = v;
+    }
+}
+
+ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
+                           int64_t k, const int8_t *xq, const float *dx, const uint8_t *xe,
+                           size_t xe_row, int64_t m, float *out, int64_t ldo, uint8_t *ub,
+                           vn_block *vb, __m512 *t) {
+    const int64_t nb = k / 256;
+    for (int64_t c = 0; c < (m + 3) / 4 * 4; c++) t[c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        vn_unpack(type, w, row_bytes, r0, nr, b, nb, ub, vb);
+        for (int64_t c0 = 0; c0 < m; c0 += VN_X_ROWS) {
+            const int8_t *x = xq + c0 * k;
+            const float *d = dx + c0 * nb;
+            const uint8_t *e = xe + c0 * xe_row;
+            /* a constant count of rows (a multiple of 4; x is padded with zero rows to one)
+             * keeps the accumulators in registers: at 12 rows a variable count was slower
+             * than 16 */
+            switch (m - c0 >= VN_X_ROWS ? VN_X_ROWS : (int)(m - c0 + 3) / 4 * 4) {
+            case 4: vn_rows(type, vb, x, k, b, d, e, 4, t + c0); break;
+            case 8: vn_rows(type, vb, x, k, b, d, e, 8, t + c0); break;
+            case 12: vn_rows(type, vb, x, k, b, d, e, 12, t + c0); break;
+            default: vn_rows(type, vb, x, k, b, d, e, VN_X_ROWS, t + c0); break;
+            }
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int64_t c = 0; c < m; c++) _mm512_mask_storeu_ps(out + c * ldo + r0, keep, t[c]);
+}
+
+/* out [m, n] (row stride ldo) on the lanes-as-rows kernel: weight rows 16 a task */
+static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                     const int8_t *xq, const float *dx, const int32_t *xs, int64_t m,
+                     float *out, int64_t ldo, int threads) {
+    const int64_t nb = k / 256, mp = (m + 3) / 4 * 4;  /* rows of x padded to 4 */
+    const int six = type == GG_Q6_K;
+    const size_t xe_row = six ? (size_t)(k / 16) * 4 : (size_t)(nb * 8) * 4;
+    /* per row of x: Q6_K -32 x's sums, else dx x's sums; then x and dx padded with zeros */
+    const size_t xe_bytes = ((size_t)mp * xe_row + 63) / 64 * 64, xq_bytes = (size_t)(mp * k);
+    uint8_t *xe = aligned_alloc(64, xe_bytes + xq_bytes + (size_t)(mp * nb) * 4);
+    if (!xe) return -1;
+    memset(xe, 0, xe_bytes);
+    int8_t *xp = (int8_t *)(xe + xe_bytes);
+    float *dp = (float *)(xe + xe_bytes + xq_bytes);
+    memcpy(xp, xq, (size_t)(m * k));
+    memset(xp + m * k, 0, (size_t)((mp - m) * k));
+    memcpy(dp, dx, (size_t)(m * nb) * 4);
+    memset(dp + m * nb, 0, (size_t)((mp - m) * nb) * 4);
+    xq = xp;
+    dx = dp;
+    for (int64_t i = 0; i < m; i++) {
+        if (six) {
+            int32_t *e = (int32_t *)(xe + i * xe_row);
+            for (int64_t j = 0; j < k / 16; j++) e[j] = -32 * xs[i * (k / 16) + j];
+        } else {
+            float *e = (float *)(xe + i * xe_row);
+            for (int64_t j = 0; j < nb * 8; j++)
+                e[j] = dx[i * nb + j / 8] * (float)(xs[i * (k / 16) + 2 * j] + xs[i * (k / 16) + 2 * j + 1]);
+        }
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+    {
+        uint8_t *ub = aligned_alloc(64, 16 * 256 + sizeof(vn_block) + (size_t)mp * 64);
+        if (!ub) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        vn_block *vb = ub ? (vn_block *)(ub + 16 * 256) : NULL;
+        __m512 *t = ub ? (__m512 *)(ub + 16 * 256 + sizeof(vn_block)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < (n + 15) / 16; g++) {
+            if (!ub) continue;
+            const int64_t r0 = 16 * g;
+            const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
+            switch (type) {
+            case GG_Q4_K: vn_task(GG_Q4_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, ub, vb, t); break;
+            case GG_Q5_K: vn_task(GG_Q5_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, ub, vb, t); break;
+            default: vn_task(GG_Q6_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, ub, vb, t); break;
+            }
+        }
+        free(ub);
+    }
+    free(xe);
+    return failed ? -1 : 0;
+}
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -1245,6 +1456,10 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     if (direct && block_size(type) == 256 && m >= AMX_MIN_ROWS && amx_ok())
         return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #endif
+#if defined(GG_AVX512)
+    if (direct && block_size(type) == 256 && m >= VN_MIN_ROWS && !gg_vn_off)
+        return vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+#endif
     float *xsf = direct ? malloc((size_t)(m * (k / 16)) * sizeof(float)) : NULL;
     int16_t *xs16 = (int16_t *)xsf;  /* the same scratch: one or the other */
     if (direct && !xsf) return -1;
@@ -1302,32 +1517,6 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
  * of x, transposed: what `chunk @ rows.T` writes) -> dst [m][n], dst[i][j] =
  * src[i / size][j][i % size], rows i < m (<= blocks * size). torch's strided copy of the same
  * (transpose, reshape, contiguous) took 1.7 ms for 512 x 8192, 14 % of that GEMM. */
-#if defined(GG_KQ512)
-/* 16 x 16 int32 in registers, transposed (unpack 32 / 64-bit, then 128-bit lanes twice) */
-ALWAYS_INLINE void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-}
-#endif
 
 int gg_unblock_bf16(const uint16_t *src, int64_t blocks, int64_t n, int64_t size, int64_t m,
                     uint16_t *dst, int threads) {

@@ -200,11 +200,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def apply_amx_switch(lib: ctypes.CDLL) -> None:
-    """DUPLEX_GGUF_AMX=0 into a library built from cpu_gguf.c (this one, kernels.cpu_decode's):
-    the K-quants' AMX-INT8 tiles off. Built without AMX, the library has no such switch."""
+    """DUPLEX_GGUF_AMX=0 and DUPLEX_GGUF_VN16=0 into a library built from cpu_gguf.c (this
+    one, kernels.cpu_decode's): the K-quants' AMX-INT8 tiles off, and their AVX-512 kernel with
+    weight rows in the lanes. Built without AMX (AVX-512 VNNI), the library has no such switch."""
     if hasattr(lib, "gg_set_amx"):
         lib.gg_set_amx.argtypes = [ctypes.c_int]
         lib.gg_set_amx(0 if switches.is_off("DUPLEX_GGUF_AMX") else 1)
+    if hasattr(lib, "gg_set_vn"):
+        lib.gg_set_vn.argtypes = [ctypes.c_int]
+        lib.gg_set_vn(0 if switches.is_off("DUPLEX_GGUF_VN16") else 1)
 
 
 def amx_available() -> bool:
@@ -214,4 +218,13 @@ def amx_available() -> bool:
     return bool(lib) and hasattr(lib, "gg_amx_available") and lib.gg_amx_available() == 1
 
 
+def vn_available() -> bool:
+    """Whether the K-quants' matmuls of VN_ROWS or more rows take the AVX-512 VNNI kernel with
+    16 weight rows in a register's lanes (cpu_gguf.c vn_linear): the CPU has AVX-512 VNNI and
+    DUPLEX_GGUF_VN16 is on. Where AMX-INT8 runs, the tiles take 8 rows and more first."""
+    lib = _load() if available() else None
+    return bool(lib) and hasattr(lib, "gg_set_vn") and not switches.is_off("DUPLEX_GGUF_VN16")
+
+
 AMX_ROWS = 8  # cpu_gguf.c AMX_MIN_ROWS
+VN_ROWS = 8  # cpu_gguf.c VN_MIN_ROWS

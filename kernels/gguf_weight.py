@@ -8,8 +8,10 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
     VNNI int4 (qgemv)      Q4_0/Q4_1/Q4_K, AVX512-VNNI, M <= 12/64  its int4 layout (built once,
                            files up to 256 MB: gguf_quant)        beside raw)
     row kernel (cpu_gguf)  M <= row_limit (16; K-quants 48, with   raw: a row at a time into L1
-                           AMX-INT8 96), not a prompt step (a     (K-quants from 8 rows on AMX:
-                           head's rows: also in one)              16 rows a tile)
+                           AMX-INT8 or AVX512-VNNI 96), not a     (K-quants from 8 rows on AMX:
+                           prompt step (a head's rows: also in    16 rows a tile; from 8 rows on
+                           one)                                   AVX512-VNNI: 16 weight rows in
+                                                                  a register's lanes)
     AMX-BF16 GEMM          otherwise, CPUs with AMX-BF16 (not a   raw: 256 x 512 weights to bf16
                            head)                                  into L2 at a time (gemm_bf16)
     bf16 GEMM              otherwise, CPUs with AVX512-BF16 (not  raw: BF16_CHUNK weights to
@@ -51,7 +53,11 @@ log = logging.getLogger("duplex.kernels")
 GEMV_ROWS = 16
 K_QUANT_ROW_FACTOR = 3  # K-quants: GEMV_ROWS * this
 # K-quants on AMX-INT8 tiles (cpu_gguf.c, from cpu_gguf.AMX_ROWS rows): they beat the bf16 GEMM
-# up to ~100 rows at the 1B shape (ffn_down 96 rows: 5.2 against 6.0 ms; 128: 6.8 against 5.5)
+# up to ~100 rows at the 1B shape (ffn_down 96 rows: 5.2 against 6.0 ms; 128: 6.8 against 5.5).
+# The same limit for the AVX-512 VNNI kernel with weight rows in the lanes (from
+# cpu_gguf.VN_ROWS rows, no AMX): on an AMD Zen 4 it beats the bf16 chunks at every row count
+# (a 3B-shape layer at 96 rows: 50 against 101 ms; docs/BENCHMARKS.md); a decode step of more
+# rows is rare, and prompt steps keep the bf16 GEMM (their activations are not rounded to int8)
 AMX_ROW_LIMIT = 96
 TILE_BYTES = 1 << 22  # fp32 rows dequantized at a time: half an L3 (measured, docs/BENCHMARKS.md)
 MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
@@ -114,8 +120,22 @@ class GGUFWeight(QuantWeight):
         assert first.can_cat(weights) and first._packed is None, "mixed types or packed"
         int4 = None if first.int4 is None else tuple(
             torch.cat([w.int4[i] for w in weights]) for i in range(3))
-        return GGUFWeight(first.type_id, torch.cat([w.raw for w in weights]), first.shape[1],
-                          int4, first.with_dense)
+        raws = [w.raw for w in weights]
+        raw = memory.empty((sum(r.shape[0] for r in raws), raws[0].shape[1]), torch.uint8)
+        return GGUFWeight(first.type_id, torch.cat(raws, out=raw), first.shape[1], int4,
+                          first.with_dense)
+
+    @staticmethod
+    def own_bytes(rows) -> torch.Tensor:
+        """A copy of rows (uint8 `[N, row_bytes]`, numpy or torch) on 2 MB pages where the
+        system gives them (kernels.memory): a decode step streams every weight once, and on
+        4 KB pages one token's linears at the 3B shape read 18-20 against 22 GB/s (an AMD
+        Zen 4, docs/BENCHMARKS.md)."""
+        out = memory.empty(tuple(rows.shape), torch.uint8)
+        if isinstance(rows, torch.Tensor):
+            return out.copy_(rows)
+        out.numpy()[...] = rows  # numpy's copy: a read-only file mapping needs no torch view
+        return out
 
     def pack(self, dtype: torch.dtype = torch.bfloat16) -> GGUFWeight:
         """The VNNI layout where it runs (Q4 types), the opt-in dense copy; `raw` stays."""
@@ -309,4 +329,6 @@ def row_limit(type_id: int) -> int:
     """The most rows of a decode step the row kernel takes for this block type."""
     if cpu_gguf.TYPES[type_id][1] != 256:
         return GEMV_ROWS
-    return AMX_ROW_LIMIT if cpu_gguf.amx_available() else GEMV_ROWS * K_QUANT_ROW_FACTOR
+    if cpu_gguf.amx_available() or cpu_gguf.vn_available():
+        return AMX_ROW_LIMIT
+    return GEMV_ROWS * K_QUANT_ROW_FACTOR

@@ -52,6 +52,9 @@ SWITCHES = (
     Switch("DUPLEX_GGUF_AMX", "1", "developer",
            "0: GGUF K-quant matmuls of 8+ rows take the AVX-512 VNNI loop, not AMX-INT8 tiles "
            "(kernels/cpu_gguf.c)"),
+    Switch("DUPLEX_GGUF_VN16", "1", "developer",
+           "0: GGUF K-quant matmuls of 8+ rows without AMX take the AVX-512 VNNI row loop, not "
+           "the kernel with 16 weight rows in a register's lanes (kernels/cpu_gguf.c)"),
     Switch("DUPLEX_DENSE_WEIGHTS", "0", "developer",
            "1: every GGUF weight also keeps a bf16 copy, to measure what one costs "
            "(kernels/gguf_weight.py)"),

@@ -86,12 +86,13 @@ def reference_w(type_name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def vnni_only(lib):
-    """The library's AMX-INT8 tiles off (where it has them) for the block."""
-    if not hasattr(lib, "gg_set_amx"):
-        yield
-        return
-    lib.gg_set_amx(0)
+def vnni_only(lib, lanes: bool = False):
+    """The library's AMX-INT8 tiles off (where it has them) for the block, and the AVX-512
+    kernel with weight rows in the lanes off too unless `lanes`: the VNNI row loop only."""
+    if hasattr(lib, "gg_set_amx"):
+        lib.gg_set_amx(0)
+    if hasattr(lib, "gg_set_vn"):
+        lib.gg_set_vn(1 if lanes else 0)
     try:
         yield
     finally:
@@ -137,6 +138,36 @@ def test_amx_tiles(type_name, k):
     with vnni_only(lib):
         vnni = run(lib, type_name, raw, k, x, threads=2)
     assert not torch.equal(vnni, full)
+
+
+VN_ROWS = (8, 9, 12, 16, 17, 35)  # the lane kernel's fewest rows, padded to 12, a pass of 16, more
+
+
+@pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None, "gg_set_vn"),
+                    reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 1280, 8192])
+def test_vnni_weight_rows_in_lanes(type_name, k):
+    """K-quant rows of x from 8 on (AMX off) take the kernel with 16 weight rows in a
+    register's lanes: held to the same bound, the same bits on one thread or two and for each
+    row of x in any group of 8 or more (its operations are per row of x), and not the row
+    loop's bits (so it did run)."""
+    n = 67  # four tasks of 16 weight rows and a fifth of 3 (13 lanes of zeros)
+    raw = random_blocks(type_name, n, k, seed=k + 2, extreme=True)
+    w = reference_w(type_name, raw, k)
+    x = random_x(max(VN_ROWS), k, seed=k + 2)
+    lib = cpu_gguf._load()
+    with vnni_only(lib, lanes=True):
+        full = run(lib, type_name, raw, k, x, threads=1)
+        check(full, w, x, type_name)
+        assert torch.equal(run(lib, type_name, raw, k, x, threads=2), full)
+        for m in VN_ROWS:
+            assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), full[:m])
+        shifted = run(lib, type_name, raw, k, x[7:].contiguous(), threads=2)
+        assert torch.equal(shifted, full[7:])
+    with vnni_only(lib):
+        loop = run(lib, type_name, raw, k, x, threads=2)
+    assert not torch.equal(loop, full)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
