@@ -929,18 +929,26 @@ static void kq512_group(int type, const uint8_t *w, int64_t row_bytes, int64_t r
 /* the fewest rows of x the AMX tiles take (below: the VNNI loop) */
 #define AMX_MIN_ROWS 8
 
+/* How far ahead kq512_two_rows fetches rows, into L2: ~8 KB (an even count of rows, at least
+ * 2). The loop is as much arithmetic as memory (a block's unpacking, scales and dots: the
+ * 3B shape's linears run at ~47 GB/s from L3), so the rows must already be on their way:
+ * a pair of rows ahead into L1 read 22 GB/s from memory on an AMD Zen 4 (box: 44), 8 KB
+ * ahead into L2 29.5 GB/s; into L1 at any distance, or into L2 at 16-32 KB, less
+ * (docs/BENCHMARKS.md). */
+#define PF_AHEAD_BYTES 8192
 /* kq_two_rows on 512 bits: weight rows row and row + row_bytes against one row of x */
 ALWAYS_INLINE void kq512_two_rows(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
                                   const int8_t *xq, const float *dx, const int16_t *xs,
                                   float *out) {
     const int bb = block_bytes(type);
+    const int64_t ahead = PF_AHEAD_BYTES / row_bytes < 2 ? 2 : PF_AHEAD_BYTES / row_bytes / 2 * 2;
     __m512 a = _mm512_setzero_ps(), c = a;
     for (int64_t b = 0; b < k / 256; b++) {
         kq512_block u, v;
-        /* the next pair's blocks, a pair of rows ahead (the streamer stops at each page) */
+        /* the blocks of the pair ~8 KB ahead (the streamer stops at each page) */
         for (int line = 0; line < bb; line += 64) {
-            _mm_prefetch((const char *)row + 2 * row_bytes + b * bb + line, _MM_HINT_T0);
-            _mm_prefetch((const char *)row + 3 * row_bytes + b * bb + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + ahead * row_bytes + b * bb + line, _MM_HINT_T1);
+            _mm_prefetch((const char *)row + (ahead + 1) * row_bytes + b * bb + line, _MM_HINT_T1);
         }
         kq512_unpack(type, row + b * bb, &u);
         kq512_dot(type, &u, xq + 256 * b, dx[b], xs + 16 * b, &a);
