@@ -69,15 +69,18 @@ def dequant(type_id: int, raw: torch.Tensor, k: int, out: torch.Tensor | None = 
     return out
 
 
-def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Tensor:
-    """x `[M, k]` fp32 (last dim contiguous) @ w.T -> `[M, N]` fp32."""
+def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor, fp32_x: bool = False
+           ) -> torch.Tensor:
+    """x `[M, k]` fp32 (last dim contiguous) @ w.T -> `[M, N]` fp32. Block types round x to
+    int8 (one scale per x_group inputs) unless fp32_x: then each weight row is dequantized
+    and dotted with x in fp32 (gg_linear), the fp32 reference's sums up to their order."""
     _check(type_id, raw, k)
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, (
         f"x must be fp32 [M, {k}] with contiguous rows, got {x.dtype} {tuple(x.shape)}")
     if not available():
         return x @ reference_dequant(type_id, raw, k).T
     out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)
-    if TYPES[type_id][1] == 1:  # F16 / BF16 / F32: fp32 dots
+    if TYPES[type_id][1] == 1 or fp32_x:  # F16 / BF16 / F32 (or asked): fp32 dots
         rc = _load().gg_linear(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
                                x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
                                raw.shape[0], torch.get_num_threads())

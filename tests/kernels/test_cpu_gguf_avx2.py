@@ -322,3 +322,52 @@ def test_amx_bf16_switch(monkeypatch):
     finally:
         monkeypatch.delenv("DUPLEX_GGUF_AMX")
         cpu_gguf.apply_amx_switch(lib)
+
+
+def test_vn16_switch(monkeypatch):
+    """DUPLEX_GGUF_VN16=0 sends K-quant rows of 8 or more (AMX off) back to the row loop, and
+    the decode row limit (gguf_weight.row_limit) follows: 96 with the lane kernel, 48 without."""
+    from duplex.kernels import gguf_weight
+
+    lib = cpu_gguf._load()
+    if not hasattr(lib, "gg_set_vn"):
+        pytest.skip("built without AVX-512 VNNI")
+    type_id, k = cpu_gguf.TYPE_IDS["Q4_K"], 512
+    raw = random_blocks("Q4_K", 40, k, seed=3, extreme=False)
+    x = random_x(16, k, seed=3)
+    with vnni_only(lib):
+        loop = run(lib, "Q4_K", raw, k, x, threads=2)
+    with vnni_only(lib, lanes=True):
+        lanes = run(lib, "Q4_K", raw, k, x, threads=2)
+    assert not torch.equal(loop, lanes)
+    monkeypatch.setenv("DUPLEX_GGUF_VN16", "0")
+    monkeypatch.setenv("DUPLEX_GGUF_AMX", "0")
+    cpu_gguf.apply_amx_switch(lib)
+    try:
+        assert not cpu_gguf.vn_available()
+        assert gguf_weight.row_limit(type_id) == gguf_weight.GEMV_ROWS * gguf_weight.K_QUANT_ROW_FACTOR
+        assert torch.equal(run(lib, "Q4_K", raw, k, x, threads=2), loop)
+    finally:
+        monkeypatch.delenv("DUPLEX_GGUF_VN16")
+        monkeypatch.delenv("DUPLEX_GGUF_AMX")
+        cpu_gguf.apply_amx_switch(lib)
+    if not cpu_gguf.amx_available():
+        assert cpu_gguf.vn_available() and gguf_weight.row_limit(type_id) == 96
+        assert torch.equal(run(lib, "Q4_K", raw, k, x, threads=2), lanes)
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_fp32_activations_path(type_name):
+    """linear(..., fp32_x=True), what a GGUF head's rows take in a prompt step: each weight
+    row dequantized (bitwise gguf's values) and dotted with x in fp32, so its outputs are the
+    fp64 reference's up to fp32 sums, with no int8 rounding of x."""
+    k, n = 1280, 37
+    raw = random_blocks(type_name, n, k, seed=5, extreme=False)
+    w = reference_w(type_name, raw, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    got = cpu_gguf.linear(cpu_gguf.TYPE_IDS[type_name], raw, k, x, fp32_x=True)
+    ref = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((got.double() - ref).abs() <= bound).all()
+    int8 = cpu_gguf.linear(cpu_gguf.TYPE_IDS[type_name], raw, k, x)
+    assert ((int8.double() - ref).abs() > bound).any()  # the int8 path is measurably coarser
