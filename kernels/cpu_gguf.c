@@ -240,29 +240,41 @@ static inline uint16_t gg_round_bf16(float v) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-/* 16 expanded bytes -> 16 bf16 weights: the fp32 of dequant_row's loop (a multiply, then an
- * add: no fused contraction, as the file is built), rounded to nearest even by the CPU. */
-static inline void bf16x16(uint16_t *y, const uint8_t *p, float a, float c, int type) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m512i q = type == GG_Q8_0 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-    if (type == GG_Q6_K) q = _mm512_sub_epi32(q, _mm512_set1_epi32(32));
-    __m512 v = _mm512_mul_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(q));
-    if (type != GG_Q6_K && type != GG_Q8_0) v = _mm512_add_ps(v, _mm512_set1_ps(c));
-    __m256bh h = _mm512_cvtneps_pbh(v);
-    _mm256_storeu_si256((__m256i *)y, (__m256i)h);
-}
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GG_KQ512 1
 /* A K-quant block's 256 weight bytes, as expand_block writes them (the AVX-512 section) */
 static void kq512_bytes(int type, const uint8_t *blk, uint8_t *q);
 #endif
 
+#if defined(__AVX512F__)
+/* 16 expanded bytes -> 16 fp32 weights: dequant_row's loop (a multiply, then an add: no fused
+ * contraction, as the file is built), so the same values. */
+static inline __m512 f32x16(const uint8_t *p, float a, float c, int type) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m512i q = type == GG_Q8_0 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    if (type == GG_Q6_K) q = _mm512_sub_epi32(q, _mm512_set1_epi32(32));
+    __m512 v = _mm512_mul_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(q));
+    if (type != GG_Q6_K && type != GG_Q8_0) v = _mm512_add_ps(v, _mm512_set1_ps(c));
+    return v;
+}
+
+/* One block's weight bytes and factors (K-quants from 512-bit unpacking: the same bytes) */
+static inline void expand_any(int type, const uint8_t *blk, uint8_t *q, factors *f) {
+#if defined(GG_KQ512)
+    if (block_size(type) == 256) {
+        kq512_bytes(type, blk, q);
+        kq_factors(type, blk, f);
+        return;
+    }
+#endif
+    expand_block(type, blk, q, f);
+}
+#endif
+
 /* One row -> bf16 [k]: the fp32 weights of dequant_row, each rounded once to bf16 (so a
  * bf16 tile is exactly the fp32 tile's .to(torch.bfloat16)). Block types are expanded a
- * block at a time (with AVX512-BF16, 16 weights an instruction sequence). */
+ * block at a time (with AVX512-BF16, 16 weights an instruction sequence, rounded to nearest
+ * even by the CPU). */
 static void dequant_row_bf16(int type, const uint8_t *row, int64_t k, uint16_t *y) {
     float buf[256];
     int64_t i;
@@ -284,15 +296,11 @@ static void dequant_row_bf16(int type, const uint8_t *row, int64_t k, uint16_t *
     uint8_t q[256] __attribute__((aligned(64)));
     factors f[8];
     for (i = 0; i < k / bs; i++) {
-#if defined(GG_KQ512)
-        if (bs == 256) {  /* the K-quants' bytes from 512-bit unpacking: the same bytes */
-            kq512_bytes(type, row + i * bb, q);
-            kq_factors(type, row + i * bb, f);
-        } else
-#endif
-        expand_block(type, row + i * bb, q, f);
-        for (int h = 0; h < bs / 16; h++)
-            bf16x16(y + i * bs + 16 * h, q + 16 * h, f[h / 2].a[h & 1], f[h / 2].c[h & 1], type);
+        expand_any(type, row + i * bb, q, f);
+        for (int h = 0; h < bs / 16; h++) {
+            __m256bh v = _mm512_cvtneps_pbh(f32x16(q + 16 * h, f[h / 2].a[h & 1], f[h / 2].c[h & 1], type));
+            _mm256_storeu_si256((__m256i *)(y + i * bs + 16 * h), (__m256i)v);
+        }
     }
 #else
     for (i = 0; i < k; i += bs) {
@@ -302,8 +310,8 @@ static void dequant_row_bf16(int type, const uint8_t *row, int64_t k, uint16_t *
 #endif
 }
 
-/* dequant_row's fp32 weights, block types a block at a time with AVX-512 (16 weights an
- * instruction sequence, the multiply then the add as there: the same values); else it. */
+/* dequant_row's fp32 weights, block types a block at a time with AVX-512 (the same values);
+ * else dequant_row itself. */
 static void dequant_row_fast(int type, const uint8_t *row, int64_t k, float *y) {
 #if defined(__AVX512F__)
     int bs = block_size(type), bb = block_bytes(type);
@@ -311,21 +319,9 @@ static void dequant_row_fast(int type, const uint8_t *row, int64_t k, float *y) 
         uint8_t q[256] __attribute__((aligned(64)));
         factors f[8];
         for (int64_t i = 0; i < k / bs; i++) {
-#if defined(GG_KQ512)
-            if (bs == 256) {
-                kq512_bytes(type, row + i * bb, q);
-                kq_factors(type, row + i * bb, f);
-            } else
-#endif
-            expand_block(type, row + i * bb, q, f);
-            for (int h = 0; h < bs / 16; h++) {
-                __m128i b = _mm_loadu_si128((const __m128i *)(q + 16 * h));
-                __m512i v = type == GG_Q8_0 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-                if (type == GG_Q6_K) v = _mm512_sub_epi32(v, _mm512_set1_epi32(32));
-                __m512 w = _mm512_mul_ps(_mm512_set1_ps(f[h / 2].a[h & 1]), _mm512_cvtepi32_ps(v));
-                if (type != GG_Q6_K && type != GG_Q8_0) w = _mm512_add_ps(w, _mm512_set1_ps(f[h / 2].c[h & 1]));
-                _mm512_storeu_ps(y + i * bs + 16 * h, w);
-            }
+            expand_any(type, row + i * bb, q, f);
+            for (int h = 0; h < bs / 16; h++)
+                _mm512_storeu_ps(y + i * bs + 16 * h, f32x16(q + 16 * h, f[h / 2].a[h & 1], f[h / 2].c[h & 1], type));
         }
         return;
     }
@@ -1065,6 +1061,7 @@ typedef struct {
 static int gg_vn_off;  /* gg_set_vn(0): kq512_group at every row count (tests, measurements) */
 
 void gg_set_vn(int on) { gg_vn_off = !on; }
+int gg_vn_available(void) { return !gg_vn_off; }
 
 /* Block b of weight rows [r0, r0 + nr) into vb (rows from nr on: zero), via ub [16][256] */
 ALWAYS_INLINE void vn_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,

@@ -224,9 +224,10 @@ def amx_available() -> bool:
 def vn_available() -> bool:
     """Whether the K-quants' matmuls of VN_ROWS or more rows take the AVX-512 VNNI kernel with
     16 weight rows in a register's lanes (cpu_gguf.c vn_linear): the CPU has AVX-512 VNNI and
-    DUPLEX_GGUF_VN16 is on. Where AMX-INT8 runs, the tiles take 8 rows and more first."""
+    the library's switch is on (DUPLEX_GGUF_VN16, given it by apply_amx_switch). Where AMX-INT8
+    runs, the tiles take 8 rows and more first."""
     lib = _load() if available() else None
-    return bool(lib) and hasattr(lib, "gg_set_vn") and not switches.is_off("DUPLEX_GGUF_VN16")
+    return bool(lib) and hasattr(lib, "gg_vn_available") and lib.gg_vn_available() == 1
 
 
 AMX_ROWS = 8  # cpu_gguf.c AMX_MIN_ROWS

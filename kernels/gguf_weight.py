@@ -216,11 +216,10 @@ class GGUFWeight(QuantWeight):
         few = not prompt or self.fp32_out
         if few and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
-        if prompt and self.fp32_out and m <= self.row_limit():
-            # a prompt's first token: its logits with x in fp32, not rounded to int8
-            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows), fp32_x=True)
         if (few and m <= self.row_limit()) or (prompt and self.int8_prompt()):
-            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows))
+            # a head's rows in a prompt step (a prompt's first token): x in fp32, not int8
+            head = prompt and self.fp32_out and m <= self.row_limit()
+            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows), fp32_x=head)
         return self._tiled(rows)  # bf16 rows (the bf16 stream) stay bf16 for the bf16 GEMM
 
     def int8_prompt(self) -> bool:

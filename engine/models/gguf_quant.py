@@ -90,7 +90,7 @@ def gguf_weight(type_name: str, raw: np.ndarray, num_cols: int, permute,
             and cpu_qgemv.fits(len(rows), num_cols):
         int4 = tuple(torch.from_numpy(np.ascontiguousarray(a))
                      for a in unpack_int4(type_name, rows, num_cols))
-    return GGUFWeight(cpu_gguf.TYPE_IDS[type_name], GGUFWeight.own_bytes(np.ascontiguousarray(rows)),
+    return GGUFWeight(cpu_gguf.TYPE_IDS[type_name], GGUFWeight.own_bytes(rows),
                       num_cols, int4)
 
 
