@@ -44,6 +44,7 @@ from duplex.engine.kv_manager import KVCacheManager, KVTables, RestorePoint, cdi
 from duplex.engine.kv_tiers import TierHit, TierLink
 from duplex.engine.request import Request
 from duplex.engine.stats import HybridKVStats
+from duplex.kernels import memory
 from duplex.kernels.kv_store import row_width
 
 
@@ -83,10 +84,14 @@ class HybridLayout:
         """(full kv, swa kv, per-layer (k_cache, v_cache)) tensors on `device`, zeroed (an int8
         pool's rows: head_dim values and a scale, kernels.kv_store; NULL dequantizes to 0)."""
         shape = (block_size, args.num_kv_heads, row_width(args.head_dim, dtype))
-        kv = torch.zeros(len(self.full_layers), 2, self.num_full_blocks, *shape, dtype=dtype,
-                         device=device)
-        swa_kv = torch.zeros(len(self.swa_layers), 2, self.num_swa_blocks + 1, *shape,
-                             dtype=dtype, device=device)
+
+        def zeros(*dims):  # on the CPU: pages resident once written (kernels.memory.zeros)
+            if torch.device(device).type == "cpu":
+                return memory.zeros(dims, dtype)
+            return torch.zeros(dims, dtype=dtype, device=device)
+
+        kv = zeros(len(self.full_layers), 2, self.num_full_blocks, *shape)
+        swa_kv = zeros(len(self.swa_layers), 2, self.num_swa_blocks + 1, *shape)
         caches = {}
         for i, layer in enumerate(self.full_layers):
             caches[layer] = (kv[i, 0], kv[i, 1])

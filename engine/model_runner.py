@@ -139,10 +139,9 @@ class ModelRunner:
             self.kv, self.swa_kv, self.kv_caches = layout.allocate(args, block_size, dtype,
                                                                    self.device)
             return
-        # CPU: huge-page advised, then zeroed
-        self.kv = self.platform.empty((args.num_layers, 2, num_blocks, block_size,
+        self.kv = self.platform.zeros((args.num_layers, 2, num_blocks, block_size,
                                        args.num_kv_heads, row_width(args.head_dim, dtype)),
-                                      dtype).zero_()
+                                      dtype)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(args.num_layers)]
 
     def capture_decode_graphs(self, max_model_len: int, max_batch: int) -> None:

@@ -100,11 +100,13 @@ class Platform:
         free, total = torch.cuda.mem_get_info(self.device)
         return max(0, int(total * utilization) - (total - free))
 
-    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised device buffer (the KV pool): huge-page advised on the CPU."""
+    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed device buffer (the KV pool). On the CPU its pages are not touched until
+        written (kernels.memory.zeros: resident memory grows with the blocks used) and are
+        huge-page advised."""
         if not self.is_cuda:
-            return memory.empty(shape, dtype)
-        return torch.empty(shape, dtype=dtype, device=self.device)
+            return memory.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def empty_host(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer for copies to and from the device: pinned on CUDA."""

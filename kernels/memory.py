@@ -10,6 +10,8 @@ ordinary one: nothing else changes.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import sys
 
 import torch
@@ -35,6 +37,22 @@ def trim_heap() -> bool:
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty(shape, dtype=dtype)` whose whole 2 MB pages are advised huge."""
     t = torch.empty(shape, dtype=dtype)
+    advise_huge(t)
+    return t
+
+
+def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed buffer (the KV pool) whose pages are not touched here: an anonymous mapping
+    of its own, whose pages the system zeroes when each is first written, so the resident set
+    grows with what is written (the KV blocks used) instead of holding the whole buffer from
+    the start, as `torch.zeros` (which writes every zero) does. calloc would not do: it may
+    hand back freed heap memory, which it then zeroes by writing. Starts on a 2 MB boundary,
+    huge-page advised like `empty`; unmapped when the tensor is freed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (shared ones are shmem: no THP)
+    flat = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private), dtype=torch.uint8)
+    start = -flat.data_ptr() % HUGE_PAGE
+    t = flat[start:start + nbytes].view(dtype).view(shape)
     advise_huge(t)
     return t
 

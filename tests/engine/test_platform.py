@@ -36,7 +36,8 @@ def test_cpu_buffers_streams_and_events_are_shims():
     assert cpu.kv_pool_bytes(12345) == 12345
     host = cpu.empty_host((4,), torch.float32)
     assert not host.is_pinned() and host.device.type == "cpu"
-    assert cpu.empty((3, 2), torch.int32).shape == (3, 2)
+    pool = cpu.zeros((3, 2), torch.int32)
+    assert pool.shape == (3, 2) and not pool.any()
     t = torch.arange(3)
     assert cpu.to_device(t) is t  # no copy on the CPU
     stream, event = cpu.copy_stream(), cpu.event()
