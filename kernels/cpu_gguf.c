@@ -54,6 +54,11 @@
  * stay in L1 (kq512_group).
  *
  * expand_block also serves the dequantizer (w = a q + c).
+ *
+ * gg_gemm_bf16: prompt steps, out [m, n] bf16 = x [m, k] bf16 @ w.T with fp32 sums, the
+ * weights dequantized to bf16 a panel at a time into L2, on AMX-BF16 tiles (amx_gemm_bf16)
+ * or, without AMX, with AVX512-BF16's vdpbf16ps (bp_gemm_bf16); each output one sum in one
+ * order whatever m (gg_gemm_bf16_kind says which runs).
  */
 #include <math.h>
 #include <stdint.h>
@@ -1598,6 +1603,20 @@ int gg_unblock_bf16(const uint16_t *src, int64_t blocks, int64_t n, int64_t size
     return 0;
 }
 
+#if defined(GG_KQ512)
+/* A buffer of this thread's, grown (never shrunk) to at least `bytes`: a call's x tiles,
+ * panel and sums (megabytes a prompt step) would otherwise be mapped, faulted in and
+ * unmapped on every call. NULL when out of memory. */
+static void *gb_scratch(void **buf, size_t *cap, size_t bytes) {
+    if (*cap < bytes) {
+        free(*buf);
+        *buf = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        *cap = *buf ? bytes : 0;
+    }
+    return *buf;
+}
+#endif
+
 #if defined(GG_AMX) && defined(GG_KQ512) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 /* ------------------------------------------------ AMX-BF16: prompt steps on the file's blocks
  *
@@ -1616,17 +1635,6 @@ int gg_unblock_bf16(const uint16_t *src, int64_t blocks, int64_t n, int64_t size
 
 int gg_amx_bf16_available(void) { return amx_ok(); }
 
-/* A buffer of this thread's, grown (never shrunk) to at least `bytes`: a call's x tiles,
- * panel and sums (megabytes a prompt step) would otherwise be mapped, faulted in and
- * unmapped on every call. NULL when out of memory. */
-static void *gb_scratch(void **buf, size_t *cap, size_t bytes) {
-    if (*cap < bytes) {
-        free(*buf);
-        *buf = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-        *cap = *buf ? bytes : 0;
-    }
-    return *buf;
-}
 static __thread void *gb_x, *gb_vb, *gb_acc;
 static __thread size_t gb_x_cap, gb_vb_cap, gb_acc_cap;
 
@@ -1667,13 +1675,10 @@ static void gb_tiles(const uint16_t *wa, const uint16_t *xb, int64_t xstep, int6
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-/* out [m, n] bf16 (row stride ldo) = x [m, k] bf16 (row stride ldx) @ w.T; k a multiple
- * of 32. Weight panels are split between the threads. -1: refused (no AMX here, bad
- * arguments, no memory). */
-int gg_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
-                 const uint16_t *x, int64_t ldx, int64_t m, uint16_t *out, int64_t ldo,
-                 int threads) {
-    if (gg_check(type, k, row_bytes) || m < 1 || n < 1 || k % 32 || !amx_ok()) return -1;
+/* gg_gemm_bf16 on AMX tiles. Weight panels are split between the threads. -1: no memory. */
+static int amx_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                         const uint16_t *x, int64_t ldx, int64_t m, uint16_t *out, int64_t ldo,
+                         int threads) {
     const int bs = block_size(type), bb = block_bytes(type);
     const int64_t npanels = (n + GB_NP - 1) / GB_NP, ks = k / 32;
     const int64_t groups = (m + 31) / 32 * 2;  /* of 16 rows of x: whole pairs */
@@ -1750,7 +1755,160 @@ int gg_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     }
     return failed ? -1 : 0;
 }
+#define GG_AMX_BF16 1
 #endif
+
+#if defined(GG_KQ512) && defined(__AVX512BF16__)
+/* ----------------------------------------- AVX512-BF16: prompt steps on the file's blocks
+ *
+ * The same product as the AMX-BF16 kernel, for CPUs with AVX512-BF16 and no AMX (an AMD
+ * Zen 4): out [m, n] bf16 = x [m, k] bf16 @ w.T with fp32 sums, the weights dequantized to
+ * bf16 a panel at a time and never written to memory. A panel is BP_NR = 32 weight rows over
+ * all of k, laid out as vdpbf16ps takes them: input pair p of the 32 rows in two registers
+ * ([pair][32 rows][2], k * 64 bytes: 512 KB at k = 8192, streamed from L2). x is laid out
+ * once per call in blocks of BP_MR rows ([block][pair][BP_MR rows], 32-bit pairs), each
+ * pair broadcast to the 16 lanes. A tile, BP_MR rows of x by 32 weight rows, keeps its
+ * 2 * BP_MR sums in registers over all of k and rounds each once to bf16: every output is one
+ * fp32 sum in one order whatever m, the row's place in its block or the threads, so a
+ * prompt's rows give the same bits alone, after a prefix-cache hit or inside a long prompt
+ * (oneDNN's sums change with M: the chunks' reason for fixed 64-row blocks). */
+#define BP_NR 32
+#define BP_MR 12   /* 24 sums, 2 weight registers: 26 of the 32 registers */
+#define BP_KB 256  /* inputs dequantized at a time (one K-quant block) */
+
+static int gg_bp_off;  /* gg_set_bf16_gemm(0): the caller's dequantized chunks instead */
+void gg_set_bf16_gemm(int on) { gg_bp_off = !on; }
+static __thread void *bp_w, *bp_t;
+static __thread size_t bp_w_cap, bp_t_cap;
+static __thread void *bp_x;  /* the calling thread's: its x blocks, read by every thread */
+static __thread size_t bp_x_cap;
+
+ALWAYS_INLINE void bp_tile(const int mr, const uint16_t *wp, const uint32_t *xp, int64_t kp,
+                           uint16_t *out, int64_t ldo, __mmask16 keep0, __mmask16 keep1) {
+    __m512 c0[BP_MR], c1[BP_MR];
+    for (int i = 0; i < mr; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(wp + 64 * p));
+        const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(wp + 64 * p + 32));
+#pragma GCC unroll 12
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[p * BP_MR + i]);
+            c0[i] = _mm512_dpbf16_ps(c0[i], w0, xb);
+            c1[i] = _mm512_dpbf16_ps(c1[i], w1, xb);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm256_mask_storeu_epi16(out + i * ldo, keep0, (__m256i)_mm512_cvtneps_pbh(c0[i]));
+        _mm256_mask_storeu_epi16(out + i * ldo + 16, keep1, (__m256i)_mm512_cvtneps_pbh(c1[i]));
+    }
+}
+
+/* 32 weight rows from r0 (nr of them real, the rest zeros) over all of k -> wp */
+static void bp_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
+                     int64_t k, uint16_t *tmp, uint16_t *wp) {
+    const int bs = block_size(type), bb = block_bytes(type);
+    for (int64_t k0 = 0; k0 < k; k0 += BP_KB) {
+        const int kl = k - k0 < BP_KB ? (int)(k - k0) : BP_KB;
+        for (int r = 0; r < BP_NR; r++) {
+            if (r < nr)
+                dequant_row_bf16(type, w + (r0 + r) * row_bytes + k0 / bs * bb, kl, tmp + r * BP_KB);
+            else
+                memset(tmp + r * BP_KB, 0, (size_t)kl * 2);
+        }
+        for (int g = 0; g < 2; g++)
+            for (int c = 0; c < kl; c += 32) {  /* 16 rows by 16 input pairs, transposed */
+                __m512i v[16];
+                for (int r = 0; r < 16; r++)
+                    v[r] = _mm512_loadu_si512((const void *)(tmp + (16 * g + r) * BP_KB + c));
+                transpose16(v);  /* v[q]: pair q of the 16 rows */
+                for (int q = 0; q < 16; q++)
+                    _mm512_store_si512((void *)(wp + ((k0 + c) / 2 + q) * 64 + 32 * g), v[q]);
+            }
+    }
+}
+
+static int bp_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                        const uint16_t *x, int64_t ldx, int64_t m, uint16_t *out, int64_t ldo,
+                        int threads) {
+    const int64_t kp = k / 2, blocks = (m + BP_MR - 1) / BP_MR, npanels = (n + BP_NR - 1) / BP_NR;
+    uint32_t *xp = gb_scratch(&bp_x, &bp_x_cap, (size_t)(blocks * kp * BP_MR) * 4);
+    if (!xp) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)  /* x into blocks of BP_MR rows, pairs interleaved */
+            for (int r = 0; r < BP_MR; r++) {
+                const int64_t i = b * BP_MR + r;
+                const uint32_t *src = (const uint32_t *)(x + i * ldx);
+                uint32_t *dst = xp + b * kp * BP_MR + r;
+                if (i < m)
+                    for (int64_t p = 0; p < kp; p++) dst[p * BP_MR] = src[p];
+                else
+                    for (int64_t p = 0; p < kp; p++) dst[p * BP_MR] = 0;
+            }
+        uint16_t *wp = gb_scratch(&bp_w, &bp_w_cap, (size_t)k * BP_NR * 2);
+        uint16_t *tmp = gb_scratch(&bp_t, &bp_t_cap, (size_t)BP_NR * BP_KB * 2);
+        if (!wp || !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pn = 0; pn < npanels; pn++) {
+            if (!wp || !tmp) continue;
+            const int64_t r0 = pn * BP_NR;
+            const int nr = n - r0 < BP_NR ? (int)(n - r0) : BP_NR;
+            bp_panel(type, w, row_bytes, r0, nr, k, tmp, wp);
+            const __mmask16 keep0 = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
+            const __mmask16 keep1 = nr >= 32 ? (__mmask16)0xFFFF
+                                  : nr <= 16 ? (__mmask16)0 : (__mmask16)((1u << (nr - 16)) - 1);
+            for (int64_t b = 0; b < blocks; b++) {
+                const int mr = m - b * BP_MR < BP_MR ? (int)(m - b * BP_MR) : BP_MR;
+                const uint32_t *xb = xp + b * kp * BP_MR;
+                uint16_t *o = out + b * BP_MR * ldo + r0;
+                switch (mr) {  /* constant row counts: the sums stay in registers */
+#define BP_CASE(R) case R: bp_tile(R, wp, xb, kp, o, ldo, keep0, keep1); break;
+                    BP_CASE(1) BP_CASE(2) BP_CASE(3) BP_CASE(4) BP_CASE(5) BP_CASE(6)
+                    BP_CASE(7) BP_CASE(8) BP_CASE(9) BP_CASE(10) BP_CASE(11) BP_CASE(12)
+#undef BP_CASE
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+#define GG_BP_BF16 1
+#endif
+
+/* 1: prompt GEMMs run on AMX-BF16 tiles, 2: on AVX512-BF16 (bp_gemm_bf16), 0: neither here
+ * (the caller dequantizes chunks for oneDNN) */
+int gg_gemm_bf16_kind(void) {
+#if defined(GG_AMX_BF16)
+    if (amx_ok()) return 1;
+#endif
+#if defined(GG_BP_BF16)
+    if (!gg_bp_off) return 2;
+#endif
+    return 0;
+}
+
+/* out [m, n] bf16 (row stride ldo) = x [m, k] bf16 (row stride ldx) @ w.T on the file's
+ * blocks (gg_gemm_bf16_kind's kernel); k a multiple of 32. -1: refused (no such kernel
+ * here, bad arguments, no memory). */
+int gg_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                 const uint16_t *x, int64_t ldx, int64_t m, uint16_t *out, int64_t ldo,
+                 int threads) {
+    if (gg_check(type, k, row_bytes) || m < 1 || n < 1 || k % 32) return -1;
+    switch (gg_gemm_bf16_kind()) {
+#if defined(GG_AMX_BF16)
+    case 1: return amx_gemm_bf16(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads);
+#endif
+#if defined(GG_BP_BF16)
+    case 2: return bp_gemm_bf16(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads);
+#endif
+    default: return -1;
+    }
+}
 
 /* gg_quantize_x then gg_linear_q8 in one call: x [m, k] fp32 (row stride ldx). */
 int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,

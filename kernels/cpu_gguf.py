@@ -110,13 +110,13 @@ def unblock_bf16(blocked: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def gemm_bf16(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch.Tensor | None:
-    """x `[M, k]` bf16 (rows contiguous) @ w.T -> `[M, N]` bf16 on AMX-BF16 tiles, the weights
-    dequantized a panel at a time into the cache (gg_gemm_bf16: every output one fp32 sum in
-    one order whatever M, rounded once); None where that kernel cannot run (no AMX-BF16, the
-    switch off, k not a multiple of 32)."""
+    """x `[M, k]` bf16 (rows contiguous) @ w.T -> `[M, N]` bf16 on AMX-BF16 tiles or with
+    AVX512-BF16 (`bf16_gemm_kind`), the weights dequantized a panel at a time into the cache
+    (gg_gemm_bf16: every output one fp32 sum in one order whatever M, rounded once); None where
+    neither kernel runs (no such CPU, the switches off, k not a multiple of 32)."""
     _check(type_id, raw, k)
     assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
-    if k % 32 or not amx_bf16_available():
+    if k % 32 or bf16_gemm_kind() is None:
         return None
     out = torch.empty(x.shape[0], raw.shape[0], dtype=torch.bfloat16)
     if _load().gg_gemm_bf16(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k, x.data_ptr(),
@@ -126,11 +126,17 @@ def gemm_bf16(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor) -> torch
     return out
 
 
-def amx_bf16_available() -> bool:
-    """Whether prompt GEMMs run on AMX-BF16 tiles here (`gemm_bf16`): built with AMX-BF16,
-    Linux gave this process the tile state, and DUPLEX_GGUF_AMX is not 0."""
+def bf16_gemm_kind() -> str | None:
+    """Which kernel runs `gemm_bf16` here: "amx" (AMX-BF16 tiles: built with them, Linux gave
+    this process the tile state, DUPLEX_GGUF_AMX not 0), "avx512" (AVX512-BF16 without AMX,
+    DUPLEX_GGUF_BF16_GEMM not 0), or None."""
     lib = _load() if available() else None
-    return bool(lib) and hasattr(lib, "gg_gemm_bf16") and lib.gg_amx_bf16_available() == 1
+    return {1: "amx", 2: "avx512"}.get(lib.gg_gemm_bf16_kind()) if lib else None
+
+
+def amx_bf16_available() -> bool:
+    """Whether prompt GEMMs run on AMX-BF16 tiles here (`gemm_bf16`)."""
+    return bf16_gemm_kind() == "amx"
 
 
 def x_group(type_id: int) -> int:
@@ -194,24 +200,26 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                  ctypes.c_int]
     lib.gg_unblock_bf16.restype = ctypes.c_int
     lib.gg_unblock_bf16.argtypes = [_P, _I, _I, _I, _I, _P, ctypes.c_int]
-    if hasattr(lib, "gg_gemm_bf16"):
-        lib.gg_gemm_bf16.restype = lib.gg_amx_bf16_available.restype = ctypes.c_int
-        lib.gg_gemm_bf16.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I,
-                                     ctypes.c_int]
+    lib.gg_gemm_bf16.restype = lib.gg_gemm_bf16_kind.restype = ctypes.c_int
+    lib.gg_gemm_bf16.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
     apply_amx_switch(lib)
     return lib
 
 
 def apply_amx_switch(lib: ctypes.CDLL) -> None:
-    """DUPLEX_GGUF_AMX=0 and DUPLEX_GGUF_VN16=0 into a library built from cpu_gguf.c (this
-    one, kernels.cpu_decode's): the K-quants' AMX-INT8 tiles off, and their AVX-512 kernel with
-    weight rows in the lanes. Built without AMX (AVX-512 VNNI), the library has no such switch."""
+    """DUPLEX_GGUF_AMX=0, DUPLEX_GGUF_VN16=0 and DUPLEX_GGUF_BF16_GEMM=0 into a library built
+    from cpu_gguf.c (this one, kernels.cpu_decode's): the AMX tiles off, the K-quants' AVX-512
+    kernel with weight rows in the lanes off, the AVX512-BF16 prompt GEMM off. A library built
+    without what a switch turns off has no such switch."""
     if hasattr(lib, "gg_set_amx"):
         lib.gg_set_amx.argtypes = [ctypes.c_int]
         lib.gg_set_amx(0 if switches.is_off("DUPLEX_GGUF_AMX") else 1)
     if hasattr(lib, "gg_set_vn"):
         lib.gg_set_vn.argtypes = [ctypes.c_int]
         lib.gg_set_vn(0 if switches.is_off("DUPLEX_GGUF_VN16") else 1)
+    if hasattr(lib, "gg_set_bf16_gemm"):
+        lib.gg_set_bf16_gemm.argtypes = [ctypes.c_int]
+        lib.gg_set_bf16_gemm(0 if switches.is_off("DUPLEX_GGUF_BF16_GEMM") else 1)
 
 
 def amx_available() -> bool:

@@ -14,8 +14,11 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
                                                                   a register's lanes)
     AMX-BF16 GEMM          otherwise, CPUs with AMX-BF16 (not a   raw: 256 x 512 weights to bf16
                            head)                                  into L2 at a time (gemm_bf16)
-    bf16 GEMM              otherwise, CPUs with AVX512-BF16 (not  raw: BF16_CHUNK weights to
-                           a head)                                bf16 at a time, oneDNN's GEMM
+    AVX512-BF16 GEMM       otherwise, CPUs with AVX512-BF16 (not  raw: 32 rows x K weights to
+                           a head)                                bf16 into L2 at a time
+                                                                  (gemm_bf16)
+    bf16 GEMM              the two above switched off             raw: BF16_CHUNK weights to
+                                                                  bf16 at a time, oneDNN's GEMM
     tiled GEMM             otherwise                              raw: TILE_BYTES of fp32 rows
                                                                   at a time, then torch's GEMM
 
@@ -258,12 +261,13 @@ class GGUFWeight(QuantWeight):
         return out_t.T.contiguous()  # callers view slices of the output
 
     def _bf16_chunks(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows `[M, K]` bf16 -> `[M, N]` bf16. With AMX-BF16, one C call on the blocks
-        (cpu_gguf.gemm_bf16: each row's bits independent of M by construction). Else up to
-        BF16_CHUNK weights at a time are dequantized straight to bf16 into one reused buffer
-        (this thread's) and multiplied by oneDNN's bf16 GEMM (AVX512-BF16; AMX with
-        DUPLEX_GGUF_AMX=0) as `chunk @ block.T`, the weight in the
-        GEMM's row-major A place, where it is read as it is: in the other place oneDNN
+        """rows `[M, K]` bf16 -> `[M, N]` bf16. With AMX-BF16 or AVX512-BF16, one C call on
+        the blocks (cpu_gguf.gemm_bf16: each row's bits independent of M by construction; at
+        the 1B shape 1.2x oneDNN's chunks at 512 rows, 2.4x at 16, docs/BENCHMARKS.md). Else
+        (DUPLEX_GGUF_AMX=0 and DUPLEX_GGUF_BF16_GEMM=0) up to BF16_CHUNK weights at a time
+        are dequantized straight to bf16 into one reused buffer (this thread's) and
+        multiplied by oneDNN's bf16 GEMM as `chunk @ block.T`, the weight in the GEMM's
+        row-major A place, where it is read as it is: in the other place oneDNN
         repacks it on every call. The rows go in blocks of exactly BF16_ROWS (the last one
         zero-padded; the count depends only on the weight's size): oneDNN picks its kernel by
         the shapes, and its sums for a row change with M (measured: 33 rows against 300 differ
@@ -272,7 +276,7 @@ class GGUFWeight(QuantWeight):
         n, k = self.shape
         tiles = cpu_gguf.gemm_bf16(self.type_id, self.raw, k,
                                    rows if rows.stride(1) == 1 else rows.contiguous())
-        if tiles is not None:  # AMX-BF16: the blocks dequantized in cache, any M
+        if tiles is not None:  # the blocks dequantized in cache, any M
             return tiles
         m, size = rows.shape[0], BF16_ROWS_SMALL if n * k <= BF16_SMALL_WEIGHT else BF16_ROWS
         blocks = -(-m // size)

@@ -55,6 +55,9 @@ SWITCHES = (
     Switch("DUPLEX_GGUF_VN16", "1", "developer",
            "0: GGUF K-quant matmuls of 8+ rows without AMX take the AVX-512 VNNI row loop, not "
            "the kernel with 16 weight rows in a register's lanes (kernels/cpu_gguf.c)"),
+    Switch("DUPLEX_GGUF_BF16_GEMM", "1", "developer",
+           "0: GGUF prompt GEMMs on CPUs with AVX512-BF16 and no AMX take dequantized chunks "
+           "and oneDNN's GEMM, not the C kernel on the file's blocks (kernels/cpu_gguf.c)"),
     Switch("DUPLEX_DENSE_WEIGHTS", "0", "developer",
            "1: every GGUF weight also keeps a bf16 copy, to measure what one costs "
            "(kernels/gguf_weight.py)"),

@@ -265,17 +265,19 @@ def test_unblock_bf16_is_torchs_transposed_copy(blocks, n, size, m):
 GEMM_ROWS = (1, 16, 17, 31, 32, 33, 100)  # a row, one tile of rows, padded, a pair, past it
 
 
-@pytest.mark.skipif(not cpu_gguf.amx_bf16_available(), reason="no AMX-BF16 on this CPU (or not given)")
+@pytest.mark.skipif(cpu_gguf.bf16_gemm_kind() is None,
+                    reason="no AMX-BF16 or AVX512-BF16 on this CPU (or not given)")
 @pytest.mark.parametrize("type_name, k", [("Q4_K", 1280), ("Q6_K", 768), ("Q5_K", 512),
                                           ("Q4_0", 608), ("Q8_0", 96), ("F16", 544),
                                           ("BF16", 64)])
-def test_amx_bf16_gemm(type_name, k):
-    """The prompt GEMM on AMX-BF16 tiles (gg_gemm_bf16): x and the dequantized weights in
-    bf16, fp32 sums rounded once. k covers one input slice, a slice and a part, and parts of
-    a K-quant slice; n = 300 is two weight panels, the second 44 rows (a pair of 16-row groups
-    and a half-empty one). Each row's output is the same bits whatever the row count (1 to
-    100 rows, from another row than the first, and 1100: two passes of rows), on one thread or
-    two, and for rows with a stride."""
+def test_bf16_gemm(type_name, k):
+    """The prompt GEMM on the file's blocks (gg_gemm_bf16: AMX-BF16 tiles or AVX512-BF16,
+    whichever this CPU runs): x and the dequantized weights in bf16, fp32 sums rounded once.
+    k covers one input slice, a slice and a part, and parts of a K-quant block; n = 300 is
+    two AMX panels, the second 44 rows (a pair of 16-row groups and a half-empty one), and
+    nine AVX-512 panels of 32 rows and one of 12. Each row's output is the same bits whatever
+    the row count (1 to 100 rows: whole, part and single blocks of 12 rows; from another row
+    than the first; 1100: two AMX passes), on one thread or two, and for rows with a stride."""
     n = 300
     raw = random_blocks(type_name, n, k, seed=k, extreme=False) if cpu_gguf.TYPES[
         cpu_gguf.TYPE_IDS[type_name]][1] > 1 else _float_rows(type_name, n, k)
@@ -307,21 +309,29 @@ def _float_rows(type_name: str, n: int, k: int) -> torch.Tensor:
     return w.view(torch.uint8).reshape(n, -1).contiguous()
 
 
-def test_amx_bf16_switch(monkeypatch):
-    """DUPLEX_GGUF_AMX=0 turns the AMX-BF16 prompt GEMM off with the AMX-INT8 tiles."""
+def test_bf16_gemm_switches(monkeypatch):
+    """DUPLEX_GGUF_AMX=0 turns the AMX-BF16 prompt GEMM off with the AMX-INT8 tiles, and
+    DUPLEX_GGUF_BF16_GEMM=0 the AVX512-BF16 one: with both off, gemm_bf16 declines (the
+    caller's dequantized chunks and oneDNN take the product)."""
     lib = cpu_gguf._load()
-    if not hasattr(lib, "gg_set_amx"):
-        pytest.skip("built without AMX")
+    if cpu_gguf.bf16_gemm_kind() is None:
+        pytest.skip("no bf16 GEMM kernel on this CPU")
+    raw = random_blocks("Q4_K", 16, 256, seed=1, extreme=False)
+    x = torch.ones(3, 256, dtype=torch.bfloat16)
     monkeypatch.setenv("DUPLEX_GGUF_AMX", "0")
     cpu_gguf.apply_amx_switch(lib)
     try:
         assert not cpu_gguf.amx_bf16_available()
-        raw = random_blocks("Q4_K", 16, 256, seed=1, extreme=False)
-        assert cpu_gguf.gemm_bf16(cpu_gguf.TYPE_IDS["Q4_K"], raw, 256,
-                                  torch.ones(3, 256, dtype=torch.bfloat16)) is None
+        assert cpu_gguf.bf16_gemm_kind() in (None, "avx512")
+        monkeypatch.setenv("DUPLEX_GGUF_BF16_GEMM", "0")
+        cpu_gguf.apply_amx_switch(lib)
+        assert cpu_gguf.bf16_gemm_kind() is None
+        assert cpu_gguf.gemm_bf16(cpu_gguf.TYPE_IDS["Q4_K"], raw, 256, x) is None
     finally:
         monkeypatch.delenv("DUPLEX_GGUF_AMX")
+        monkeypatch.delenv("DUPLEX_GGUF_BF16_GEMM", raising=False)
         cpu_gguf.apply_amx_switch(lib)
+    assert cpu_gguf.gemm_bf16(cpu_gguf.TYPE_IDS["Q4_K"], raw, 256, x) is not None
 
 
 def test_vn16_switch(monkeypatch):
