@@ -36,6 +36,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sampler": ("duplex.bench.sampler", "the batched sampler alone on a real model's logits"),
     "attention": ("duplex.bench.attention", "CPU decode attention alone, from cache and from DRAM, "
                   "beside the box's streaming read rate"),
+    "gguf-linears": ("duplex.bench.gguf_linears", "one layer's linears of a GGUF file through "
+                     "the decode and prompt kernels, at given row counts, in turns"),
     "eplb": ("duplex.bench.eplb", "expert-parallel load balancing benchmark"),
     "frontend-overhead": ("duplex.bench.overhead", "CPU time the API frontend adds per token"),
     "spec": ("duplex.bench.spec", "speculative decoding: drafters, confidence head"),

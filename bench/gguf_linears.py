@@ -1,0 +1,124 @@
+"""`duplex bench gguf-linears`: one layer's linears of a GGUF file, alone, through each path a
+step can send them down (kernels/gguf_weight.py), at the row counts asked for:
+
+* int8-rows: the row kernels on int8 activations (`cpu_gguf.linear`: the row loop, AVX-512
+  VNNI with weight rows in the lanes, AMX-INT8 tiles), which decode steps take (Q4_0 / Q4_1
+  weights of small files with the VNNI int4 layout take kernels/cpu_qgemv.c instead);
+* prompt: what a prompt step runs (`GGUFWeight._tiled`): the bf16 GEMM on the file's blocks
+  (`cpu_gguf.gemm_bf16`: AMX-BF16 tiles or AVX512-BF16), else fp32 tiles;
+* prompt-onednn: where the CPU has a bf16 GEMM on the blocks, the same product with it
+  switched off (DUPLEX_GGUF_AMX=0, DUPLEX_GGUF_BF16_GEMM=0): weights dequantized to bf16 in
+  chunks for oneDNN's GEMM, in blocks of 64 or 128 rows.
+
+The paths take turns, round after round, so a box whose speed drifts (a shared VM's memory
+rate does) moves them alike; each figure is the median over rounds of one pass through all of
+the layer's linears, in ms.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from duplex.bench.report import write_json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="GGUF file (default: the default model)")
+    parser.add_argument("--layer", type=int, default=0, help="whose linears (blk.N.*)")
+    parser.add_argument("--rows", default="1,16,64,512", help="row counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="turns of every path")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+
+
+def layer_weights(path: str, layer: int) -> list[tuple[str, int, torch.Tensor, int]]:
+    """(name, ggml type, raw uint8 [N, row_bytes], K) of blk.{layer}'s 2-D weights."""
+    from gguf import GGUFReader
+
+    from duplex.kernels import cpu_gguf
+
+    found = []
+    for t in GGUFReader(path).tensors:
+        if (t.name.startswith(f"blk.{layer}.") and t.name.endswith(".weight")
+                and len(t.shape) == 2 and int(t.tensor_type) in cpu_gguf.TYPES):
+            n, k = int(t.shape[1]), int(t.shape[0])
+            raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(n, -1))
+            found.append((t.name, int(t.tensor_type), raw, k))
+    if not found:
+        raise SystemExit(f"{path}: no 2-D weights of a supported type in blk.{layer}")
+    return found
+
+
+def paths(weights, m: int) -> dict[str, Callable[[], None]]:
+    """name -> one pass through the weights at m rows."""
+    from duplex.kernels import cpu_gguf
+    from duplex.kernels.gguf_weight import GGUFWeight
+
+    lib = cpu_gguf._load()
+    g = torch.Generator().manual_seed(m)
+    cases = [(GGUFWeight(type_id, raw, k), type_id, raw, k, torch.randn(m, k, generator=g))
+             for _, type_id, raw, k in weights]
+    for case in cases:
+        case[0].pack()
+
+    def int8_rows():
+        for _, type_id, raw, k, x in cases:
+            cpu_gguf.linear(type_id, raw, k, x)
+
+    def prompt():
+        for w, *_, x in cases:
+            w._tiled(x)
+
+    def onednn():
+        for name in ("gg_set_amx", "gg_set_bf16_gemm"):
+            if hasattr(lib, name):
+                getattr(lib, name)(0)
+        try:
+            prompt()
+        finally:
+            cpu_gguf.apply_amx_switch(lib)
+
+    found = {"prompt": prompt}
+    if cpu_gguf.available():
+        found["int8-rows"] = int8_rows
+    if cpu_gguf.bf16_gemm_kind() is not None:
+        found["prompt-onednn"] = onednn
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    from duplex.engine.config import default_model_path
+    from duplex.kernels import cpu_gguf
+
+    torch.set_num_threads(args.threads)
+    model = args.model or str(default_model_path())
+    weights = layer_weights(model, args.layer)
+    result = {"model": model, "layer": args.layer, "threads": args.threads,
+              "bf16_gemm": cpu_gguf.bf16_gemm_kind(), "rounds": args.rounds,
+              "weights": [(name, cpu_gguf.TYPES[t][0], raw.shape[0], k)
+                          for name, t, raw, k in weights], "ms": {}}
+    print(f"{model} blk.{args.layer}: {len(weights)} linears, {args.threads} threads, "
+          f"bf16 GEMM on the blocks: {result['bf16_gemm'] or 'none'}")
+    for m in (int(v) for v in args.rows.split(",")):
+        fns = paths(weights, m)
+        for fn in fns.values():
+            fn()  # warm: packing, scratch buffers, oneDNN's kernel choice
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        result["ms"][m] = {name: statistics.median(t) for name, t in times.items()}
+        print(f"rows {m:5d}: " + "  ".join(f"{name} {ms:8.2f} ms"
+                                           for name, ms in result["ms"][m].items()), flush=True)
+    if args.out:
+        print(f"wrote {write_json(Path(args.out), result)}")
+    return 0
