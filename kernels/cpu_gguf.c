@@ -1633,8 +1633,6 @@ static void *gb_scratch(void **buf, size_t *cap, size_t bytes) {
 #define GB_KC 512   /* inputs a slice (a multiple of 256: whole K-quant blocks) */
 #define GB_MC 1024  /* rows of x a pass (their sums for a panel: GB_MC x GB_NP fp32, 1 MB) */
 
-int gg_amx_bf16_available(void) { return amx_ok(); }
-
 static __thread void *gb_x, *gb_vb, *gb_acc;
 static __thread size_t gb_x_cap, gb_vb_cap, gb_acc_cap;
 
