@@ -263,7 +263,7 @@ class GGUFWeight(QuantWeight):
     def _bf16_chunks(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[M, K]` bf16 -> `[M, N]` bf16. With AMX-BF16 or AVX512-BF16, one C call on
         the blocks (cpu_gguf.gemm_bf16: each row's bits independent of M by construction; at
-        the 1B shape 1.2x oneDNN's chunks at 512 rows, 2.4x at 16, docs/BENCHMARKS.md). Else
+        the 1B shape 1.2x oneDNN's chunks at 512 rows, 2.9x at 16, docs/BENCHMARKS.md). Else
         (DUPLEX_GGUF_AMX=0 and DUPLEX_GGUF_BF16_GEMM=0) up to BF16_CHUNK weights at a time
         are dequantized straight to bf16 into one reused buffer (this thread's) and
         multiplied by oneDNN's bf16 GEMM as `chunk @ block.T`, the weight in the GEMM's
