@@ -12,7 +12,10 @@ step can send them down (kernels/gguf_weight.py), at the row counts asked for:
 
 The paths take turns, round after round, so a box whose speed drifts (a shared VM's memory
 rate does) moves them alike; each figure is the median over rounds of one pass through all of
-the layer's linears, in ms.
+the layer's linears, in ms, and its arithmetic rate (2 m n k a linear) beside the CPU's own
+limit where the path's kernel is built on one instruction: the prompt GEMM on AVX512-BF16
+against vdpbf16ps issued back to back, the int8 rows on AVX-512 VNNI (no AMX) against
+vpdpbusd (`cpu_gguf.peak_ops`, measured first).
 """
 from __future__ import annotations
 
@@ -93,6 +96,31 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
     return found
 
 
+def peaks(threads: int, tries: int = 3) -> dict[str, float]:
+    """The CPU's limit (ops/s, the best of `tries` probes) for each path whose kernel one
+    instruction bounds here: the prompt GEMM on AVX512-BF16, the int8 rows on AVX-512 VNNI
+    with weight rows in the lanes (VN_ROWS rows and more, no AMX)."""
+    from duplex.kernels import cpu_gguf
+
+    kinds = {}
+    if cpu_gguf.bf16_gemm_kind() == "avx512":
+        kinds["prompt"] = "bf16"
+    if cpu_gguf.vn_available() and not cpu_gguf.amx_available():
+        kinds["int8-rows"] = "int8"
+    found = {name: max(cpu_gguf.peak_ops(kind, threads) or 0.0 for _ in range(tries))
+             for name, kind in kinds.items()}
+    return {name: rate for name, rate in found.items() if rate > 0}
+
+
+def rate_text(name: str, m: int, ms: float, ops: float, limits: dict[str, float]) -> str:
+    from duplex.kernels import cpu_gguf
+
+    rate = ops / (ms / 1e3)
+    text = f"{name} {ms:8.2f} ms {rate / 1e9:5.0f} G/s"
+    bounded = name in limits and (name != "int8-rows" or m >= cpu_gguf.VN_ROWS)
+    return text + (f" ({rate / limits[name]:4.0%})" if bounded else "")
+
+
 def run(args: argparse.Namespace) -> int:
     from duplex.engine.config import default_model_path
     from duplex.kernels import cpu_gguf
@@ -106,6 +134,13 @@ def run(args: argparse.Namespace) -> int:
                           for name, t, raw, k in weights], "ms": {}}
     print(f"{model} blk.{args.layer}: {len(weights)} linears, {args.threads} threads, "
           f"bf16 GEMM on the blocks: {result['bf16_gemm'] or 'none'}")
+    limits = result["peak_gops"] = peaks(args.threads)
+    if limits:
+        print("CPU limit, the kernel's instruction back to back: " + ", ".join(
+            f"{name} {rate / 1e9:.0f} G/s" for name, rate in limits.items())
+            + "; (%): each figure's share of it")
+    result["gops"] = {}
+    macs = sum(raw.shape[0] * k for _, _, raw, k in weights)
     for m in (int(v) for v in args.rows.split(",")):
         fns = paths(weights, m)
         for fn in fns.values():
@@ -117,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
                 fn()
                 times[name].append((time.perf_counter() - start) * 1e3)
         result["ms"][m] = {name: statistics.median(t) for name, t in times.items()}
-        print(f"rows {m:5d}: " + "  ".join(f"{name} {ms:8.2f} ms"
+        result["gops"][m] = {name: 2 * m * macs / ms / 1e6 for name, ms in result["ms"][m].items()}
+        print(f"rows {m:5d}: " + "  ".join(rate_text(name, m, ms, 2 * m * macs, limits)
                                            for name, ms in result["ms"][m].items()), flush=True)
     if args.out:
         print(f"wrote {write_json(Path(args.out), result)}")

@@ -1112,25 +1112,27 @@ ALWAYS_INLINE void vn_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
 /* Block b of vb against rows of x [0, CN) into t[c] (lanes: the 16 weight rows). xq, dx, xe:
  * the first row's; xe: Q6_K -32 x's sums per 16 [m][k / 16] (int32), else dx x's sums per 32
  * [m][nb][8] (fp32). */
-ALWAYS_INLINE void vn_rows(int type, const vn_block *vb, const int8_t *xq, int64_t k, int64_t b,
-                           const float *dx, const void *xe, int CN, __m512 *t) {
+ALWAYS_INLINE void vn_group(int type, const vn_block *vb, const int8_t *xq, int64_t k, int64_t b,
+                            const float *dx, const void *xe, const int G, __m512 *t) {
     const int six = type == GG_Q6_K, ns = six ? 16 : 8, kg = six ? 4 : 8;
     const int64_t nb = k / 256;
-    __m512 a[VN_X_ROWS];
-    for (int c = 0; c < CN; c++) a[c] = _mm512_setzero_ps();
+    __m512 a[8];
+    for (int c = 0; c < G; c++) a[c] = _mm512_setzero_ps();
     for (int s = 0; s < ns; s++) {
-        __m512i W[8];
+        __m512i W[8], acc[8];
         for (int i = 0; i < kg; i++) W[i] = _mm512_load_si512((const void *)vb->w[kg * s + i]);
         const __m512 f = _mm512_load_ps(vb->sc[s]);
-        for (int c = 0; c < CN; c++) {
-            const int32_t *xc = (const int32_t *)(xq + c * k + 256 * b + 4 * kg * s);
-            __m512i acc = six ? _mm512_set1_epi32(((const int32_t *)xe)[c * (k / 16) + 16 * b + s])
-                              : _mm512_setzero_si512();
-            for (int i = 0; i < kg; i++) acc = _mm512_dpbusd_epi32(acc, W[i], _mm512_set1_epi32(xc[i]));
-            a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), f, a[c]);
-        }
+        for (int c = 0; c < G; c++)
+            acc[c] = six ? _mm512_set1_epi32(((const int32_t *)xe)[c * (k / 16) + 16 * b + s])
+                         : _mm512_setzero_si512();
+        /* the G rows' sums in turn, so G independent vpdpbusd are in flight */
+        for (int i = 0; i < kg; i++)
+            for (int c = 0; c < G; c++)
+                acc[c] = _mm512_dpbusd_epi32(acc[c], W[i], _mm512_set1_epi32(
+                    ((const int32_t *)(xq + c * k + 256 * b + 4 * kg * s))[i]));
+        for (int c = 0; c < G; c++) a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), f, a[c]);
     }
-    for (int c = 0; c < CN; c++) {
+    for (int c = 0; c < G; c++) {
         __m512 v = _mm512_fmadd_ps(a[c], _mm512_set1_ps(dx[c * nb + b]), t[c]);
         if (!six) {
             const float *xm = (const float *)xe + (c * nb + b) * 8;
@@ -1138,6 +1140,17 @@ ALWAYS_INLINE void vn_rows(int type, const vn_block *vb, const int8_t *xq, int64
         }
         t[c] = v;
     }
+}
+
+ALWAYS_INLINE void vn_rows(int type, const vn_block *vb, const int8_t *xq, int64_t k, int64_t b,
+                           const float *dx, const void *xe, int CN, __m512 *t) {
+    const int64_t nb = k / 256;
+    const size_t xe_row = type == GG_Q6_K ? (size_t)(k / 16) * 4 : (size_t)(nb * 8) * 4;
+    int c = 0;
+    for (; c + 8 <= CN; c += 8)
+        vn_group(type, vb, xq + c * k, k, b, dx + c * nb, (const uint8_t *)xe + c * xe_row, 8, t + c);
+    if (c < CN)
+        vn_group(type, vb, xq + c * k, k, b, dx + c * nb, (const uint8_t *)xe + c * xe_row, 4, t + c);
 }
 
 ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
@@ -1914,6 +1927,74 @@ int gg_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
 #endif
     default: return -1;
     }
+}
+
+/* ------------------------------------------------ the CPU's own limits, measured
+ *
+ * gg_peak: operations a second (2 per multiply-add, summed over `threads` threads) of the
+ * instruction an inner loop above is built on, issued back to back into 24 independent
+ * accumulators, `iters` times 24 per thread: the most that kernel's arithmetic could do on
+ * this box. kind 0: vdpbf16ps on 512 bits (bp_gemm_bf16: 32 multiply-adds), 1: vpdpbusd on
+ * 512 bits (vn_linear, kq512: 64), 2: vpdpbusd on 256 bits (32). -1: not built here.
+ * `duplex bench gguf-linears` prints each kernel's rate beside these (on the Zen 4 VM of
+ * docs/BENCHMARKS.md both issue one a cycle a core: int8 has twice the multiply-adds). */
+#include <time.h>
+
+/* 24 accumulators in registers 8-31, written in assembly: compilers copy or spill some of
+ * them around a destructive instruction, which a rate probe cannot have */
+#define GG_ACC24(op, r)                                                                         \
+    op " %1, %0, %%" r "8\n\t" op " %1, %0, %%" r "9\n\t" op " %1, %0, %%" r "10\n\t"          \
+    op " %1, %0, %%" r "11\n\t" op " %1, %0, %%" r "12\n\t" op " %1, %0, %%" r "13\n\t"        \
+    op " %1, %0, %%" r "14\n\t" op " %1, %0, %%" r "15\n\t" op " %1, %0, %%" r "16\n\t"        \
+    op " %1, %0, %%" r "17\n\t" op " %1, %0, %%" r "18\n\t" op " %1, %0, %%" r "19\n\t"        \
+    op " %1, %0, %%" r "20\n\t" op " %1, %0, %%" r "21\n\t" op " %1, %0, %%" r "22\n\t"        \
+    op " %1, %0, %%" r "23\n\t" op " %1, %0, %%" r "24\n\t" op " %1, %0, %%" r "25\n\t"        \
+    op " %1, %0, %%" r "26\n\t" op " %1, %0, %%" r "27\n\t" op " %1, %0, %%" r "28\n\t"        \
+    op " %1, %0, %%" r "29\n\t" op " %1, %0, %%" r "30\n\t" op " %1, %0, %%" r "31\n\t"
+#define GG_CLOBBER24(r)                                                                         \
+    r "8", r "9", r "10", r "11", r "12", r "13", r "14", r "15", r "16", r "17", r "18",       \
+    r "19", r "20", r "21", r "22", r "23", r "24", r "25", r "26", r "27", r "28", r "29",     \
+    r "30", r "31"
+
+#if defined(GG_AVX512)
+static __attribute__((noinline)) void peak_loop(int kind, int64_t iters) {
+    const __m512i w = _mm512_set1_epi32(0x3f803f80);  /* bf16 1.0 pairs; bytes 0x80, 0x3f */
+    const __m512i x = _mm512_set1_epi32(0x00010001);  /* small: fp32 sums stay normal */
+    __asm__ volatile(GG_ACC24("vpxord", "zmm") :: "v"(w), "v"(w) : GG_CLOBBER24("zmm"));
+    for (int64_t n = 0; n < iters; n++) {
+        if (kind == 0) {
+#if defined(GG_BP_BF16)
+            __asm__ volatile(GG_ACC24("vdpbf16ps", "zmm") :: "v"(w), "v"(x) : GG_CLOBBER24("zmm"));
+#endif
+        } else if (kind == 1) {
+            __asm__ volatile(GG_ACC24("vpdpbusd", "zmm") :: "v"(w), "v"(x) : GG_CLOBBER24("zmm"));
+        } else {
+            const __m256i w8 = _mm512_castsi512_si256(w), x8 = _mm512_castsi512_si256(x);
+            __asm__ volatile(GG_ACC24("vpdpbusd", "ymm") :: "v"(w8), "v"(x8) : GG_CLOBBER24("ymm"));
+        }
+    }
+}
+#endif
+
+double gg_peak(int kind, int threads, int64_t iters) {
+    static const double ops[3] = {64, 128, 64};  /* per instruction: 2 a multiply-add */
+    int built = 0;
+#if defined(GG_AVX512)
+    built = kind == 1 || kind == 2;
+#if defined(GG_BP_BF16)
+    built = built || kind == 0;
+#endif
+#endif
+    if (!built || threads < 1 || iters < 1) return -1;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+#if defined(GG_AVX512)
+#pragma omp parallel num_threads(threads)
+    peak_loop(kind, iters);
+#endif
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    return (double)threads * (double)iters * 24.0 * ops[kind] / s;
 }
 
 /* gg_quantize_x then gg_linear_q8 in one call: x [m, k] fp32 (row stride ldx). */

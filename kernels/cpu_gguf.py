@@ -139,6 +139,21 @@ def amx_bf16_available() -> bool:
     return bf16_gemm_kind() == "amx"
 
 
+# gg_peak's kinds: the instruction each kernel's inner loop is built on
+PEAK_KINDS = {"bf16": 0, "int8": 1, "int8-256": 2}
+
+
+def peak_ops(kind: str, threads: int, iters: int = 10_000_000) -> float | None:
+    """Operations a second (2 a multiply-add, all threads together) of the instruction a
+    kernel is built on, issued back to back into independent accumulators on `threads`
+    threads (cpu_gguf.c gg_peak): "bf16" 512-bit vdpbf16ps (the AVX512-BF16 prompt GEMM),
+    "int8" 512-bit vpdpbusd (the VNNI kernels), "int8-256" its 256-bit form. The most that
+    kernel's arithmetic can do on this box; None where the library has no such kernel."""
+    lib = _load() if available() else None
+    rate = lib.gg_peak(PEAK_KINDS[kind], threads, iters) if lib else -1.0
+    return rate if rate > 0 else None
+
+
 def x_group(type_id: int) -> int:
     """Inputs per activation scale in the int8 kernels: 32, and 256 for the K-quants (one
     scale a block, llama.cpp's Q8_K, so a block's sub-block sums stay in integers)."""
@@ -202,6 +217,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_unblock_bf16.argtypes = [_P, _I, _I, _I, _I, _P, ctypes.c_int]
     lib.gg_gemm_bf16.restype = lib.gg_gemm_bf16_kind.restype = ctypes.c_int
     lib.gg_gemm_bf16.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
+    lib.gg_peak.restype = ctypes.c_double
+    lib.gg_peak.argtypes = [ctypes.c_int, ctypes.c_int, _I]
     apply_amx_switch(lib)
     return lib
 

@@ -53,9 +53,17 @@ def test_every_path_runs_and_reports(tiny, tmp_path, capsys):
     assert set(result["ms"]) == {"1", "17"}
     expected = {"prompt"} | ({"int8-rows"} if cpu_gguf.available() else set()) | (
         {"prompt-onednn"} if cpu_gguf.bf16_gemm_kind() else set())
+    macs = 48 * 256 + 64 * 96  # the layer's two linears, n k each
     for m in ("1", "17"):
         assert set(result["ms"][m]) == expected and all(v > 0 for v in result["ms"][m].values())
-    assert "rows    17" in capsys.readouterr().out
+        for name, ms in result["ms"][m].items():  # G op/s: 2 m n k over the time
+            assert result["gops"][m][name] == pytest.approx(2 * int(m) * macs / ms / 1e6)
+    printed = capsys.readouterr().out
+    assert "rows    17" in printed
+    assert set(result["peak_gops"]) == {name for name, kind in (
+        ("prompt", cpu_gguf.bf16_gemm_kind() == "avx512"),
+        ("int8-rows", cpu_gguf.vn_available() and not cpu_gguf.amx_available())) if kind}
+    assert ("CPU limit" in printed) == bool(result["peak_gops"])
 
 
 @pytest.mark.skipif(cpu_gguf.bf16_gemm_kind() is None, reason="no bf16 GEMM on the blocks here")
@@ -80,3 +88,20 @@ def test_the_prompt_paths_compute_the_same_product(tiny):
     ref = x.bfloat16().double() @ w.dequantize().bfloat16().double().T
     for got in (blocks, chunks):
         assert torch.allclose(got.double(), ref, rtol=2 ** -7, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not cpu_gguf.available(), reason="no C compiler for the GGUF kernels")
+def test_peak_probe_counts_its_operations():
+    """gg_peak's rate is its instruction count times the operations of one, over the time:
+    a miscount by a factor (or a loop the compiler dropped) leaves the bounds a 2-core box
+    can reach, 1 G/s to 2 instructions a cycle at 6 GHz on every thread."""
+    for kind, ops in (("bf16", 64), ("int8", 128), ("int8-256", 64)):
+        rate = cpu_gguf.peak_ops(kind, 1, iters=200_000)
+        built = kind != "bf16" or cpu_gguf.bf16_gemm_kind() == "avx512" or (
+            cpu_gguf.bf16_gemm_kind() == "amx")
+        if rate is None:
+            assert not (kind == "int8" and cpu_gguf.vn_available())
+            continue
+        assert built and 1e9 <= rate <= 2 * 6e9 * ops
+    with pytest.raises(KeyError):
+        cpu_gguf.peak_ops("fp64", 1)
