@@ -55,9 +55,12 @@ class Quality(NamedTuple):
     weight_bytes: int
 
 
-def teacher_forced_logits(core, token_ids: list[int]) -> torch.Tensor:
-    """fp32 logits `[L, vocab]` of every position of one sequence, in one forward pass."""
+def teacher_forced_logits(core, token_ids: list[int], prompt: bool = True) -> torch.Tensor:
+    """fp32 logits `[L, vocab]` of every position of one sequence, in one forward pass: a
+    prompt step, as the engine runs one (the kernels a prompt takes, kernels.quant), or with
+    prompt=False a step of as many decode rows."""
     from duplex.engine.models import ForwardContext
+    from duplex.kernels.quant import prompt_step
 
     n, bs = len(token_ids), core.block_size
     assert n <= core.num_kv_blocks * bs, "the text does not fit in the KV pool"
@@ -68,7 +71,7 @@ def teacher_forced_logits(core, token_ids: list[int]) -> torch.Tensor:
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32), kv_caches=core.runner.kv_caches,
         query_lens=[n], host_seq_lens=[n], block_size=bs, slots_valid=True)
-    with torch.inference_mode():
+    with torch.inference_mode(), prompt_step(prompt):
         hidden = core.model.forward(torch.tensor(token_ids), ctx)
         return core.model.compute_logits(hidden)
 
@@ -97,9 +100,11 @@ def _weights(obj, depth: int = 0):
 
 
 def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
-            num_threads: int = 0, reference: str = "float32") -> list[Quality]:
+            num_threads: int = 0, reference: str = "float32",
+            prompt: bool = True) -> list[Quality]:
     """Perplexity and top-1 agreement with `reference` (a precision, DTYPE or DTYPE:KV;
-    float32 by default) of each precision on `text`."""
+    float32 by default) of each precision on `text`, in a prompt step (or prompt=False:
+    a decode step's kernels)."""
     from duplex.engine.core import EngineCore
     from duplex.engine.text.tokenizer import load_tokenizer
 
@@ -111,7 +116,7 @@ def measure(model: str | None, dtypes: list[str], text: str = FIXED_TEXT,
                                           enable_prefix_caching=False), progress=False)
         if expected is None:
             ids = load_tokenizer(core.model_path).encode(text)
-        logits = teacher_forced_logits(core, ids)
+        logits = teacher_forced_logits(core, ids, prompt)
         top1 = logits[:-1].argmax(-1)
         expected = top1 if expected is None else expected
         nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
@@ -132,7 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=0)
     parser.add_argument("--decode-path", action="store_true",
                         help="run every position through the small-batch kernels (int4 / "
-                             "VNNI) instead of the bf16 copies that a prompt pass takes")
+                             "VNNI, GGUF rows on int8 activations) of a decode step instead "
+                             "of those a prompt step takes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -144,11 +150,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"duplex bench quality: unknown dtypes {unknown}", file=sys.stderr)
         return 2
-    if args.decode_path:
-        from duplex.kernels import quant
+    if args.decode_path:  # every row count takes the few-row kernels
+        from duplex.kernels import gguf_weight, quant
         quant.MAX_PACKED_ROWS = quant.MAX_VNNI_ROWS = 10**9
+        gguf_weight.GEMV_ROWS = gguf_weight.AMX_ROW_LIMIT = 10**9
     results = measure(args.model, dtypes, num_threads=args.num_threads,
-                      reference=args.reference)
+                      reference=args.reference, prompt=not args.decode_path)
     if args.json:
         print(json.dumps([q._asdict() for q in results], indent=2))
         return 0

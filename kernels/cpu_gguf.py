@@ -69,11 +69,13 @@ def dequant(type_id: int, raw: torch.Tensor, k: int, out: torch.Tensor | None = 
     return out
 
 
-def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor, fp32_x: bool = False
-           ) -> torch.Tensor:
+def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor, fp32_x: bool = False,
+           lanes: bool = False) -> torch.Tensor:
     """x `[M, k]` fp32 (last dim contiguous) @ w.T -> `[M, N]` fp32. Block types round x to
     int8 (one scale per x_group inputs) unless fp32_x: then each weight row is dequantized
-    and dotted with x in fp32 (gg_linear), the fp32 reference's sums up to their order."""
+    and dotted with x in fp32 (gg_linear), the fp32 reference's sums up to their order.
+    lanes (K-quants where `vn_available`): the AVX-512 VNNI kernel with weight rows in the
+    lanes at every M, so a row's bits do not depend on M (gg_linear_lanes)."""
     _check(type_id, raw, k)
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, (
         f"x must be fp32 [M, {k}] with contiguous rows, got {x.dtype} {tuple(x.shape)}")
@@ -84,6 +86,10 @@ def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor, fp32_x: boo
         rc = _load().gg_linear(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
                                x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
                                raw.shape[0], torch.get_num_threads())
+    elif lanes:
+        rc = _load().gg_linear_lanes(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
+                                     x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
+                                     raw.shape[0], torch.get_num_threads())
     else:
         # quantize_x and the int8 dots in one call (gg_linear_x)
         rc = _load().gg_linear_x(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
@@ -209,6 +215,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_dequant_bf16.argtypes = lib.gg_dequant.argtypes
     lib.gg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
     lib.gg_linear_x.argtypes = lib.gg_linear.argtypes
+    lib.gg_linear_lanes.restype = ctypes.c_int
+    lib.gg_linear_lanes.argtypes = lib.gg_linear.argtypes
     lib.gg_quantize_x.restype = lib.gg_linear_q8.restype = ctypes.c_int
     lib.gg_quantize_x.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P]
     lib.gg_linear_q8.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _P, _P, _I, _P, _I,

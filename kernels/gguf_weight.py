@@ -178,7 +178,7 @@ class GGUFWeight(QuantWeight):
         (engine.models.llama.stream_rows)."""
         if self._packed is None:
             self.pack()
-        if self.fp32_out:
+        if self.fp32_out or (self.dense is None and self.int8_prompt()):
             return None
         if self.dense is not None:
             return (self.row_limit() if self._vnni is None else quant.MAX_VNNI_ROWS) + 1
@@ -222,19 +222,31 @@ class GGUFWeight(QuantWeight):
         if (few and m <= self.row_limit()) or (prompt and self.int8_prompt()):
             # a head's rows in a prompt step (a prompt's first token): x in fp32, not int8
             head = prompt and self.fp32_out and m <= self.row_limit()
-            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows), fp32_x=head)
+            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows), fp32_x=head,
+                                   lanes=prompt and not head and self._lanes_prompt())
         return self._tiled(rows)  # bf16 rows (the bf16 stream) stay bf16 for the bf16 GEMM
 
     def int8_prompt(self) -> bool:
-        """Whether prompt steps take the int8 row kernel, at any row count (so a prompt's
-        numbers, row by row, never depend on how much of it was a cache hit): block types on
-        a CPU without AVX512-VNNI with DUPLEX_INT8_PROMPT=1 (opt-in). A prompt tile costs its
-        whole dequantization however few rows it has (1.2 s a step at the 1B shape), but int8
-        prompt activations change SmolLM2's answer to "What is the capital of France?" (as
-        llama.cpp's do on the same file), so the fp32 tiles, which give transformers'
-        answer, stay the default (docs/BENCHMARKS.md)."""
-        return (self.group_size >= 32 and cpu_gguf.available() and not cpu_qgemv.available()
-                and switches.value("DUPLEX_INT8_PROMPT") == "1")
+        """Whether prompt steps take int8 activations, at any row count (so a prompt's
+        numbers, row by row, never depend on how much of it was a cache hit), with
+        DUPLEX_INT8_PROMPT=1 (opt-in): K-quants on AVX-512 VNNI without AMX (`_lanes_prompt`;
+        1.2-1.3x the AVX512-BF16 GEMM at 200-512 rows on a Zen 4), block types on a CPU
+        without AVX512-VNNI (a prompt tile costs its whole dequantization however few rows it
+        has: 1.2 s a step at the 1B shape). Off, the bf16 or fp32 tiles keep a prompt's
+        numbers the fp32 reference's up to their rounding: int8 prompt activations change
+        SmolLM2's answer to "What is the capital of France?" (as llama.cpp's do on the same
+        file), and on its Q4_K_M requantization, where only ffn_down is a K-quant, they take
+        the top-1 agreement with fp32 from 99.7 to 96.3 % (docs/BENCHMARKS.md)."""
+        if self.group_size < 32 or not cpu_gguf.available() \
+                or switches.value("DUPLEX_INT8_PROMPT") != "1":
+            return False
+        return self._lanes_prompt() or not cpu_qgemv.available()
+
+    def _lanes_prompt(self) -> bool:
+        """K-quants on AVX-512 VNNI without AMX: int8 prompts take the kernel with weight rows
+        in the lanes at every row count (cpu_gguf.linear(lanes=True)), whose rows' bits do
+        not depend on how many there are."""
+        return self.group_size == 256 and cpu_gguf.vn_available() and not cpu_gguf.amx_available()
 
     def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[M, K]` fp32 -> `[M, N]`, on the dequantized weight in the prompt GEMM's

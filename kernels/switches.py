@@ -41,8 +41,10 @@ SWITCHES = (
     Switch("DUPLEX_VNNI_ROWS", "", "developer",
            "most rows the VNNI kernel takes before a bf16 GEMM (empty: 64; 12 with AMX and dense copies)"),
     Switch("DUPLEX_INT8_PROMPT", "0", "developer",
-           "1: GGUF prompt steps on CPUs without AVX512-VNNI take the int8 row kernel, not the "
-           "fp32 tiles (kernels/gguf_weight.py; it broke SmolLM2's answers: opt-in)"),
+           "1: GGUF prompt steps take int8 activations, as decode steps do: K-quants on "
+           "AVX-512 VNNI without AMX (1.2-1.3x the bf16 GEMM at 200-512 rows), block types on "
+           "CPUs without AVX512-VNNI (kernels/gguf_weight.py; they move a prompt's numbers "
+           "further from fp32's: opt-in)"),
     Switch("DUPLEX_PROMPT_GEMM", "", "developer",
            "fp32 | bf16: the GEMM of GGUF prompt steps (empty: bf16 where the CPU has AMX-BF16 "
            "or AVX512-BF16, else fp32; kernels/gguf_weight.py)"),

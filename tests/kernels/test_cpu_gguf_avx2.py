@@ -170,6 +170,44 @@ def test_vnni_weight_rows_in_lanes(type_name, k):
     assert not torch.equal(loop, full)
 
 
+@pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None, "gg_set_vn"),
+                    reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_lanes_kernel_at_every_row_count(type_name):
+    """gg_linear_lanes (int8 prompt steps): the kernel with weight rows in the lanes at any
+    number of rows of x, below its decode-step minimum (8) too, so a row's bits are the same
+    alone or in a batch; gg_linear_x's bits from 8 rows on, its one-row loop's not below; and
+    -1 for a type it has no lanes kernel for or with the kernel switched off."""
+    k, n = 1280, 35
+    raw = random_blocks(type_name, n, k, seed=9, extreme=True)
+    w = reference_w(type_name, raw, k)
+    x = random_x(20, k, seed=9)
+    lib = cpu_gguf._load()
+    type_id = cpu_gguf.TYPE_IDS[type_name]
+
+    def lanes(rows, threads=2):
+        out = torch.full((rows.shape[0], n), float("nan"))
+        assert lib.gg_linear_lanes(type_id, raw.data_ptr(), raw.shape[1], n, k, rows.data_ptr(),
+                                   rows.stride(0), rows.shape[0], out.data_ptr(), n, threads) == 0
+        return out
+
+    with vnni_only(lib, lanes=True):
+        full = lanes(x)
+        check(full, w, x, type_name)
+        assert torch.equal(full, run(lib, type_name, raw, k, x, threads=2))
+        for start, end in ((0, 1), (3, 4), (5, 8), (2, 13), (19, 20)):
+            assert torch.equal(lanes(x[start:end].contiguous(), threads=1), full[start:end])
+        assert torch.equal(cpu_gguf.linear(type_id, raw, k, x[:3].contiguous(), lanes=True),
+                           full[:3])
+        assert not torch.equal(run(lib, type_name, raw, k, x[:1].contiguous(), threads=1), full[:1])
+        q8 = random_blocks("Q8_0", n, k, seed=9, extreme=False)
+        assert lib.gg_linear_lanes(cpu_gguf.TYPE_IDS["Q8_0"], q8.data_ptr(), q8.shape[1], n, k,
+                                   x.data_ptr(), k, 1, full.data_ptr(), n, 1) == -1
+    with vnni_only(lib):
+        assert lib.gg_linear_lanes(type_id, raw.data_ptr(), raw.shape[1], n, k, x.data_ptr(), k,
+                                   1, full.data_ptr(), n, 1) == -1
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_odd_count_of_32_blocks(type_name):
     """k = 9 x 32: the 32-block loop's two accumulators and its last block alone."""

@@ -120,20 +120,24 @@ def test_int8_activations():
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q6_K"])
 def test_prompt_step_takes_one_path_at_any_row_count(type_name, int8_prompt, monkeypatch):
     """A prompt step's rows take one kernel whatever their count, so a prompt's numbers do
-    not depend on how much of it came from the cache: the int8 row kernel on a CPU without
-    VNNI with DUPLEX_INT8_PROMPT=1, else the fp32 tiles."""
+    not depend on how much of it came from the cache: with DUPLEX_INT8_PROMPT=1 the int8
+    row kernel on a CPU without VNNI, and K-quants' kernel with weight rows in the lanes on
+    AVX-512 VNNI without AMX (at every row count, fewer than its decode-step minimum too);
+    else the fp32 (or bf16) tiles."""
     monkeypatch.setenv("DUPLEX_INT8_PROMPT", int8_prompt)
     k = 256
     raw = raw_rows(type_name, 32, k)
     w = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], raw, k, with_dense=False)
-    int8 = int8_prompt == "1" and not cpu_qgemv.available()
+    lanes = type_name == "Q6_K" and cpu_gguf.vn_available() and not cpu_gguf.amx_available()
+    int8 = int8_prompt == "1" and (not cpu_qgemv.available() or lanes)
     assert w.int8_prompt() == int8
+    assert (w.dense_from_rows() is None) == (int8 or gguf_weight.prompt_gemm_dtype() == torch.float32)
     x = torch.randn(70, k)  # above the decode row kernel's limit
     with quant.prompt_step():
         many, two = ops.linear(x, w), ops.linear(x[:2], w)
     assert torch.equal(two, many[:2])  # bitwise, row by row
     if int8:
-        assert torch.equal(many, cpu_gguf.linear(w.type_id, raw, k, x))
+        assert torch.equal(many, cpu_gguf.linear(w.type_id, raw, k, x, lanes=lanes))
     else:
         assert torch.equal(many, w._tiled(x))
     assert_close(many, reference(type_name, raw, k, x, int8_x=int8))
