@@ -1997,6 +1997,27 @@ double gg_peak(int kind, int threads, int64_t iters) {
     return (double)threads * (double)iters * 24.0 * ops[kind] / s;
 }
 
+/* x [m, k] fp32 (row stride ldx) to int8 (gg_quantize_x, x_group(type) inputs a scale), then
+ * its int8 product: gg_linear_q8, or with `lanes` vn_linear (K-quants, AVX-512 VNNI) */
+static int quantized_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                            const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo,
+                            int threads, int lanes) {
+    size_t nq = (size_t)(m * k + 63) & ~(size_t)63;
+    /* 64-byte aligned: the 512-bit loads of xq then never split a cache line */
+    uint8_t *buf = aligned_alloc(64, (nq + (size_t)(m * (k / 32) + m * (k / 16)) * 4 + 63) & ~(size_t)63);
+    if (!buf) return -1;
+    int8_t *xq = (int8_t *)buf;
+    float *dx = (float *)(buf + nq);
+    int32_t *xs = (int32_t *)(dx + m * (k / 32));
+    int rc = gg_quantize_x(x, ldx, m, k, x_group(type), xq, dx, xs);
+#if defined(GG_AVX512)
+    if (rc == 0 && lanes) rc = vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+#endif
+    if (rc == 0 && !lanes) rc = gg_linear_q8(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    free(buf);
+    return rc;
+}
+
 /* gg_linear_x on the AVX-512 VNNI kernel with weight rows in the lanes (vn_linear) at every
  * row count, which gg_linear_q8 gives only from VN_MIN_ROWS rows: a row's bits are then the
  * same in any batch, however few rows it has. K-quants only; -1 where it is not built or
@@ -2006,19 +2027,10 @@ int gg_linear_lanes(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
                     int threads) {
 #if defined(GG_AVX512)
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) != 256 || gg_vn_off) return -1;
-    size_t nq = (size_t)(m * k + 63) & ~(size_t)63;
-    uint8_t *buf = aligned_alloc(64, (nq + (size_t)(m * (k / 256) + m * (k / 16)) * 4 + 63) & ~(size_t)63);
-    if (!buf) return -1;
-    int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(buf + nq);
-    int32_t *xs = (int32_t *)(dx + m * (k / 256));
-    int rc = gg_quantize_x(x, ldx, m, k, 256, xq, dx, xs);
-    if (rc == 0) rc = vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
-    free(buf);
-    return rc;
+    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 1);
 #else
     (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m;
-    (void)out, (void)ldo, (void)threads;
+    (void)out, (void)ldo, (void)threads, (void)quantized_linear;
     return -1;
 #endif
 }
@@ -2027,15 +2039,5 @@ int gg_linear_lanes(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
 int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                 const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
-    size_t nq = (size_t)(m * k + 63) & ~(size_t)63;
-    /* 64-byte aligned: the 512-bit loads of xq then never split a cache line */
-    uint8_t *buf = aligned_alloc(64, (nq + (size_t)(m * (k / 32) + m * (k / 16)) * 4 + 63) & ~(size_t)63);
-    if (!buf) return -1;
-    int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(buf + nq);
-    int32_t *xs = (int32_t *)(dx + m * (k / 32));
-    int rc = gg_quantize_x(x, ldx, m, k, x_group(type), xq, dx, xs);
-    if (rc == 0) rc = gg_linear_q8(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
-    free(buf);
-    return rc;
+    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 0);
 }
