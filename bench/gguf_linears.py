@@ -112,13 +112,12 @@ def peaks(threads: int, tries: int = 3) -> dict[str, float]:
     return {name: rate for name, rate in found.items() if rate > 0}
 
 
-def rate_text(name: str, m: int, ms: float, ops: float, limits: dict[str, float]) -> str:
+def rate_text(name: str, m: int, ms: float, gops: float, limits: dict[str, float]) -> str:
     from duplex.kernels import cpu_gguf
 
-    rate = ops / (ms / 1e3)
-    text = f"{name} {ms:8.2f} ms {rate / 1e9:5.0f} G/s"
+    text = f"{name} {ms:8.2f} ms {gops:5.0f} G/s"
     bounded = name in limits and (name != "int8-rows" or m >= cpu_gguf.VN_ROWS)
-    return text + (f" ({rate / limits[name]:4.0%})" if bounded else "")
+    return text + (f" ({gops * 1e9 / limits[name]:4.0%})" if bounded else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 times[name].append((time.perf_counter() - start) * 1e3)
         result["ms"][m] = {name: statistics.median(t) for name, t in times.items()}
         result["gops"][m] = {name: 2 * m * macs / ms / 1e6 for name, ms in result["ms"][m].items()}
-        print(f"rows {m:5d}: " + "  ".join(rate_text(name, m, ms, 2 * m * macs, limits)
+        print(f"rows {m:5d}: " + "  ".join(rate_text(name, m, ms, result["gops"][m][name], limits)
                                            for name, ms in result["ms"][m].items()), flush=True)
     if args.out:
         print(f"wrote {write_json(Path(args.out), result)}")

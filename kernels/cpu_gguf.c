@@ -1055,7 +1055,6 @@ ALWAYS_INLINE void transpose16(__m512i r[16]) {
  * same whatever the other rows of x (a row's bits do not depend on the batch on this path),
  * and differ in the last bits from the one-row loop's (kq512_two), as AMX's do. */
 #define VN_MIN_ROWS 8  /* below: kq512_group (measured, docs/BENCHMARKS.md) */
-#define VN_X_ROWS 16   /* rows of x a pass: their accumulators stay in registers */
 
 typedef struct {
     uint8_t w[64][64];   /* the block of 16 rows: [k / 4][16 rows][4 weights] */
@@ -1109,7 +1108,7 @@ ALWAYS_INLINE void vn_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
     }
 }
 
-/* Block b of vb against rows of x [0, CN) into t[c] (lanes: the 16 weight rows). xq, dx, xe:
+/* Block b of vb against rows of x [0, G) into t[c] (lanes: the 16 weight rows). xq, dx, xe:
  * the first row's; xe: Q6_K -32 x's sums per 16 [m][k / 16] (int32), else dx x's sums per 32
  * [m][nb][8] (fp32). */
 ALWAYS_INLINE void vn_group(int type, const vn_block *vb, const int8_t *xq, int64_t k, int64_t b,
@@ -1142,39 +1141,20 @@ ALWAYS_INLINE void vn_group(int type, const vn_block *vb, const int8_t *xq, int6
     }
 }
 
-ALWAYS_INLINE void vn_rows(int type, const vn_block *vb, const int8_t *xq, int64_t k, int64_t b,
-                           const float *dx, const void *xe, int CN, __m512 *t) {
-    const int64_t nb = k / 256;
-    const size_t xe_row = type == GG_Q6_K ? (size_t)(k / 16) * 4 : (size_t)(nb * 8) * 4;
-    int c = 0;
-    for (; c + 8 <= CN; c += 8)
-        vn_group(type, vb, xq + c * k, k, b, dx + c * nb, (const uint8_t *)xe + c * xe_row, 8, t + c);
-    if (c < CN)
-        vn_group(type, vb, xq + c * k, k, b, dx + c * nb, (const uint8_t *)xe + c * xe_row, 4, t + c);
-}
-
 ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
                            int64_t k, const int8_t *xq, const float *dx, const uint8_t *xe,
                            size_t xe_row, int64_t m, float *out, int64_t ldo, uint8_t *ub,
                            vn_block *vb, __m512 *t) {
-    const int64_t nb = k / 256;
-    for (int64_t c = 0; c < (m + 3) / 4 * 4; c++) t[c] = _mm512_setzero_ps();
+    const int64_t nb = k / 256, mp = (m + 3) / 4 * 4;  /* x is padded with zero rows to mp */
+    for (int64_t c = 0; c < mp; c++) t[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         vn_unpack(type, w, row_bytes, r0, nr, b, nb, ub, vb);
-        for (int64_t c0 = 0; c0 < m; c0 += VN_X_ROWS) {
-            const int8_t *x = xq + c0 * k;
-            const float *d = dx + c0 * nb;
-            const uint8_t *e = xe + c0 * xe_row;
-            /* a constant count of rows (a multiple of 4; x is padded with zero rows to one)
-             * keeps the accumulators in registers: at 12 rows a variable count was slower
-             * than 16 */
-            switch (m - c0 >= VN_X_ROWS ? VN_X_ROWS : (int)(m - c0 + 3) / 4 * 4) {
-            case 4: vn_rows(type, vb, x, k, b, d, e, 4, t + c0); break;
-            case 8: vn_rows(type, vb, x, k, b, d, e, 8, t + c0); break;
-            case 12: vn_rows(type, vb, x, k, b, d, e, 12, t + c0); break;
-            default: vn_rows(type, vb, x, k, b, d, e, VN_X_ROWS, t + c0); break;
-            }
-        }
+        /* rows of x 8 at a time, then 4: a constant count keeps the sums in registers */
+        int64_t c = 0;
+        for (; c + 8 <= mp; c += 8)
+            vn_group(type, vb, xq + c * k, k, b, dx + c * nb, xe + c * xe_row, 8, t + c);
+        if (c < mp)
+            vn_group(type, vb, xq + c * k, k, b, dx + c * nb, xe + c * xe_row, 4, t + c);
     }
     const __mmask16 keep = (__mmask16)((1u << nr) - 1);
     for (int64_t c = 0; c < m; c++) _mm512_mask_storeu_ps(out + c * ldo + r0, keep, t[c]);
