@@ -96,16 +96,17 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
     return found
 
 
-def peaks(threads: int, tries: int = 3) -> dict[str, float]:
+def peaks(threads: int, weights, tries: int = 3) -> dict[str, float]:
     """The CPU's limit (ops/s, the best of `tries` probes) for each path whose kernel one
     instruction bounds here: the prompt GEMM on AVX512-BF16, the int8 rows on AVX-512 VNNI
-    with weight rows in the lanes (VN_ROWS rows and more, no AMX)."""
+    with weight rows in the lanes (K-quants only, VN_ROWS rows and more, no AMX)."""
     from duplex.kernels import cpu_gguf
 
     kinds = {}
     if cpu_gguf.bf16_gemm_kind() == "avx512":
         kinds["prompt"] = "bf16"
-    if cpu_gguf.vn_available() and not cpu_gguf.amx_available():
+    k_quants = all(cpu_gguf.TYPES[type_id][1] == 256 for _, type_id, _, _ in weights)
+    if k_quants and cpu_gguf.vn_available() and not cpu_gguf.amx_available():
         kinds["int8-rows"] = "int8"
     found = {name: max(cpu_gguf.peak_ops(kind, threads) or 0.0 for _ in range(tries))
              for name, kind in kinds.items()}
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                           for name, t, raw, k in weights], "ms": {}}
     print(f"{model} blk.{args.layer}: {len(weights)} linears, {args.threads} threads, "
           f"bf16 GEMM on the blocks: {result['bf16_gemm'] or 'none'}")
-    limits = result["peak_gops"] = peaks(args.threads)
+    limits = result["peak_gops"] = peaks(args.threads, weights)
     if limits:
         print("CPU limit, the kernel's instruction back to back: " + ", ".join(
             f"{name} {rate / 1e9:.0f} G/s" for name, rate in limits.items())

@@ -60,9 +60,8 @@ def test_every_path_runs_and_reports(tiny, tmp_path, capsys):
             assert result["gops"][m][name] == pytest.approx(2 * int(m) * macs / ms / 1e6)
     printed = capsys.readouterr().out
     assert "rows    17" in printed
-    assert set(result["peak_gops"]) == {name for name, kind in (
-        ("prompt", cpu_gguf.bf16_gemm_kind() == "avx512"),
-        ("int8-rows", cpu_gguf.vn_available() and not cpu_gguf.amx_available())) if kind}
+    # the int8 rows' limit only for a layer of K-quants (this one is Q8_0 and F16)
+    assert set(result["peak_gops"]) == ({"prompt"} if cpu_gguf.bf16_gemm_kind() == "avx512" else set())
     assert ("CPU limit" in printed) == bool(result["peak_gops"])
 
 
@@ -105,3 +104,12 @@ def test_peak_probe_counts_its_operations():
         assert built and 1e9 <= rate <= 2 * 6e9 * ops
     with pytest.raises(KeyError):
         cpu_gguf.peak_ops("fp64", 1)
+
+
+def test_int8_rows_limit_only_for_a_layer_of_k_quants():
+    q4_k, q8_0 = cpu_gguf.TYPE_IDS["Q4_K"], cpu_gguf.TYPE_IDS["Q8_0"]
+    lanes = cpu_gguf.vn_available() and not cpu_gguf.amx_available()
+    k_quants = gguf_linears.peaks(1, [("a", q4_k, None, 256)], tries=1)
+    mixed = gguf_linears.peaks(1, [("a", q4_k, None, 256), ("b", q8_0, None, 256)], tries=1)
+    assert ("int8-rows" in k_quants) == lanes and "int8-rows" not in mixed
+    assert all(rate > 0 for rate in k_quants.values())
