@@ -17,23 +17,29 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
     AVX512-BF16 GEMM       otherwise, CPUs with AVX512-BF16 (not  raw: 32 rows x K weights to
                            a head)                                bf16 into L2 at a time
                                                                   (gemm_bf16)
+    int8 lanes (cpu_gguf)  prompt steps of K-quants on AVX512-    raw: 16 weight rows in a
+                           VNNI without AMX (DUPLEX_INT8_PROMPT:  register's lanes, every M
+                           auto), before the two above
     bf16 GEMM              the two above switched off             raw: BF16_CHUNK weights to
                                                                   bf16 at a time, oneDNN's GEMM
     tiled GEMM             otherwise                              raw: TILE_BYTES of fp32 rows
                                                                   at a time, then torch's GEMM
 
-Why tiles and not int8 activations (llama.cpp's way) for big M: a fp32 GEMM on a dequantized
-tile costs the dequantization once per call (N * K, amortized over M rows) and runs at the
-BLAS's speed; its result is the fp32 reference's up to summation order, where int8
-activations would add their rounding to every prompt token. The dense bf16 copy the engine
+Why tiles and not int8 activations (llama.cpp's way) for big M, where the CPU has no VNNI
+kernel that beats them: a GEMM on a dequantized tile costs the dequantization once per call
+(N * K, amortized over M rows) and runs at the GEMM's speed; its result is the fp32
+reference's up to summation order and bf16 rounding, where int8 activations add theirs to
+every prompt token. On AVX-512 VNNI without AMX, K-quant prompts take int8 activations by
+default all the same: there `vpdpbusd` does twice the multiply-adds of `vdpbf16ps` a cycle,
+and the measured cost is 14.094 -> 14.120 perplexity (`int8_prompt`). The dense bf16 copy the engine
 used to keep for this (2 bytes a weight beside the ~0.6 of the file) is opt-in:
 DUPLEX_DENSE_WEIGHTS=1 keeps one per weight and logs what it costs.
 
 A GGUF token embedding is a `GGUFWeight` too (`lookup(ids)` dequantizes only the rows asked
 for), and a tied output head is the same object: the table's bytes are held once.
 
-Inside `quant.prompt_step()` every M takes the bf16 GEMM or the tiled path, so a prompt's
-numbers do not depend on how much of it came from the prefix cache.
+Inside `quant.prompt_step()` every M takes one path (the int8 lanes, the bf16 GEMM or the
+tiled path), so a prompt's numbers do not depend on how much of it came from the prefix cache.
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ K_QUANT_ROW_FACTOR = 3  # K-quants: GEMV_ROWS * this
 # The same limit for the AVX-512 VNNI kernel with weight rows in the lanes (from
 # cpu_gguf.VN_ROWS rows, no AMX): on an AMD Zen 4 it beats the bf16 chunks at every row count
 # (a 3B-shape layer at 96 rows: 50 against 101 ms; docs/BENCHMARKS.md); a decode step of more
-# rows is rare, and prompt steps keep the bf16 GEMM (their activations are not rounded to int8)
+# rows is rare; prompt steps take the lanes kernel at every row count (GGUFWeight.int8_prompt)
 AMX_ROW_LIMIT = 96
 TILE_BYTES = 1 << 22  # fp32 rows dequantized at a time: half an L3 (measured, docs/BENCHMARKS.md)
 MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
@@ -228,19 +234,21 @@ class GGUFWeight(QuantWeight):
 
     def int8_prompt(self) -> bool:
         """Whether prompt steps take int8 activations, at any row count (so a prompt's
-        numbers, row by row, never depend on how much of it was a cache hit), with
-        DUPLEX_INT8_PROMPT=1 (opt-in): K-quants on AVX-512 VNNI without AMX (`_lanes_prompt`;
-        1.2-1.3x the AVX512-BF16 GEMM at 200-512 rows on a Zen 4), block types on a CPU
-        without AVX512-VNNI (a prompt tile costs its whole dequantization however few rows it
-        has: 1.2 s a step at the 1B shape). Off, the bf16 or fp32 tiles keep a prompt's
-        numbers the fp32 reference's up to their rounding: int8 prompt activations change
-        SmolLM2's answer to "What is the capital of France?" (as llama.cpp's do on the same
-        file), and on its Q4_K_M requantization, where only ffn_down is a K-quant, they take
-        the top-1 agreement with fp32 from 99.7 to 96.3 % (docs/BENCHMARKS.md)."""
-        if self.group_size < 32 or not cpu_gguf.available() \
-                or switches.value("DUPLEX_INT8_PROMPT") != "1":
+        numbers, row by row, never depend on how much of it was a cache hit).
+        DUPLEX_INT8_PROMPT=auto (the default): K-quants on AVX-512 VNNI without AMX
+        (`_lanes_prompt`), as llama.cpp's prompts and every decode step take them: 1.35x the
+        AVX512-BF16 GEMM at 512 rows on a Zen 4, 1.16x the output tokens/s at concurrency 16
+        at the 1B shape, for 14.094 -> 14.120 perplexity on SmolLM2's Q4_K_M requantization
+        (docs/BENCHMARKS.md). =1: block types on a CPU without AVX512-VNNI too (a prompt tile
+        costs its whole dequantization there however few rows it has: 1.2 s a step at the 1B
+        shape), where they change SmolLM2's Q4_1 answer to "What is the capital of France?"
+        (as llama.cpp's do on the same file). =0: the bf16 or fp32 tiles everywhere, a
+        prompt's numbers the fp32 reference's up to their rounding. With AMX, auto keeps the
+        AMX-BF16 prompt tiles (int8 prompts on AMX tiles are not measured yet)."""
+        mode = switches.value("DUPLEX_INT8_PROMPT")
+        if self.group_size < 32 or not cpu_gguf.available() or mode == "0":
             return False
-        return self._lanes_prompt() or not cpu_qgemv.available()
+        return self._lanes_prompt() or (mode == "1" and not cpu_qgemv.available())
 
     def _lanes_prompt(self) -> bool:
         """K-quants on AVX-512 VNNI without AMX: int8 prompts take the kernel with weight rows

@@ -120,13 +120,15 @@ def test_mixed_type_projections_take_the_bf16_stream(tmp_path, monkeypatch):
     like single weights (quant.FusedWeight.dense_from_rows: the most of its parts'), and the
     stream's tokens and logprobs are bitwise those of the fp32 activations path. (Before,
     one fused projection turned the stream off for the whole model: pp512 312 against 382
-    tok/s at the 1B shape in Q4_K_M on an AMX CPU.)"""
+    tok/s at the 1B shape in Q4_K_M on an AMX CPU.) The Q6_K part's prompts take the bf16
+    GEMM too: their int8 activations (the default on AVX-512 VNNI without AMX) are off."""
     from duplex.kernels import cpu_fused, quant
     from tests.engine.test_quantized import VOCAB, write_mixed_llama
 
     path = str(tmp_path / "mixed.gguf")
     write_mixed_llama(path)
     monkeypatch.setenv("DUPLEX_PROMPT_GEMM", "bf16")
+    monkeypatch.setenv("DUPLEX_INT8_PROMPT", "0")
     monkeypatch.setattr(core_module, "load", functools.lru_cache(maxsize=1)(loader.load))
     calls = []
     fused = cpu_fused.rope_store_kv

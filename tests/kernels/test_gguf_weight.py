@@ -116,20 +116,20 @@ def test_int8_activations():
     assert err / full.norm() < 2e-2
 
 
-@pytest.mark.parametrize("int8_prompt", ["1", "0"])
+@pytest.mark.parametrize("int8_prompt", ["auto", "1", "0"])
 @pytest.mark.parametrize("type_name", ["Q5_0", "Q6_K"])
 def test_prompt_step_takes_one_path_at_any_row_count(type_name, int8_prompt, monkeypatch):
     """A prompt step's rows take one kernel whatever their count, so a prompt's numbers do
-    not depend on how much of it came from the cache: with DUPLEX_INT8_PROMPT=1 the int8
-    row kernel on a CPU without VNNI, and K-quants' kernel with weight rows in the lanes on
-    AVX-512 VNNI without AMX (at every row count, fewer than its decode-step minimum too);
-    else the fp32 (or bf16) tiles."""
+    not depend on how much of it came from the cache: K-quants' kernel with weight rows in
+    the lanes on AVX-512 VNNI without AMX (at every row count, fewer than its decode-step
+    minimum too) unless DUPLEX_INT8_PROMPT=0, and with =1 the int8 row kernel on a CPU
+    without VNNI; else the fp32 (or bf16) tiles."""
     monkeypatch.setenv("DUPLEX_INT8_PROMPT", int8_prompt)
     k = 256
     raw = raw_rows(type_name, 32, k)
     w = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], raw, k, with_dense=False)
     lanes = type_name == "Q6_K" and cpu_gguf.vn_available() and not cpu_gguf.amx_available()
-    int8 = int8_prompt == "1" and (not cpu_qgemv.available() or lanes)
+    int8 = (int8_prompt != "0" and lanes) or (int8_prompt == "1" and not cpu_qgemv.available())
     assert w.int8_prompt() == int8
     assert (w.dense_from_rows() is None) == (int8 or gguf_weight.prompt_gemm_dtype() == torch.float32)
     x = torch.randn(70, k)  # above the decode row kernel's limit
@@ -172,8 +172,10 @@ def test_bf16_dequant_is_the_fp32_weights_rounded(type_name):
 @pytest.mark.parametrize("m", [37, 130])
 def test_bf16_prompt_gemm_matches_the_bf16_reference(type_name, m, monkeypatch):
     """DUPLEX_PROMPT_GEMM=bf16 (the default on AMX / AVX512-BF16 CPUs): x and the weights
-    rounded to bf16, fp32 sums, a bf16 result; the weight in several chunks."""
+    rounded to bf16, fp32 sums, a bf16 result; the weight in several chunks (K-quants: with
+    their int8 prompts off, the default on AVX-512 VNNI without AMX)."""
     monkeypatch.setenv("DUPLEX_PROMPT_GEMM", "bf16")
+    monkeypatch.setenv("DUPLEX_INT8_PROMPT", "0")
     monkeypatch.setattr(gguf_weight, "BF16_CHUNK", 16 * 768)  # 16-row chunks, odd last one
     n, k = 67, 768
     raw = raw_rows(type_name, n, k, seed=m)
