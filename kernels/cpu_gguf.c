@@ -1108,7 +1108,8 @@ ALWAYS_INLINE void vn_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
     }
 }
 
-/* Block b of vb against rows of x [0, G) into t[c] (lanes: the 16 weight rows). xq, dx, xe:
+/* Block b of vb against rows of x [0, G) into t[c] (lanes: the 16 weight rows). xq: the
+ * first row's 256 bytes of block b, the next rows' 256 bytes apart (x block-major); dx, xe:
  * the first row's; xe: Q6_K -32 x's sums per 16 [m][k / 16] (int32), else dx x's sums per 32
  * [m][nb][8] (fp32). */
 ALWAYS_INLINE void vn_group(int type, const vn_block *vb, const int8_t *xq, int64_t k, int64_t b,
@@ -1128,7 +1129,7 @@ ALWAYS_INLINE void vn_group(int type, const vn_block *vb, const int8_t *xq, int6
         for (int i = 0; i < kg; i++)
             for (int c = 0; c < G; c++)
                 acc[c] = _mm512_dpbusd_epi32(acc[c], W[i], _mm512_set1_epi32(
-                    ((const int32_t *)(xq + c * k + 256 * b + 4 * kg * s))[i]));
+                    ((const int32_t *)(xq + 256 * c + 4 * kg * s))[i]));
         for (int c = 0; c < G; c++) a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), f, a[c]);
     }
     for (int c = 0; c < G; c++) {
@@ -1152,9 +1153,9 @@ ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_
         /* rows of x 8 at a time, then 4: a constant count keeps the sums in registers */
         int64_t c = 0;
         for (; c + 8 <= mp; c += 8)
-            vn_group(type, vb, xq + c * k, k, b, dx + c * nb, xe + c * xe_row, 8, t + c);
+            vn_group(type, vb, xq + (b * mp + c) * 256, k, b, dx + c * nb, xe + c * xe_row, 8, t + c);
         if (c < mp)
-            vn_group(type, vb, xq + c * k, k, b, dx + c * nb, xe + c * xe_row, 4, t + c);
+            vn_group(type, vb, xq + (b * mp + c) * 256, k, b, dx + c * nb, xe + c * xe_row, 4, t + c);
     }
     const __mmask16 keep = (__mmask16)((1u << nr) - 1);
     for (int64_t c = 0; c < m; c++) _mm512_mask_storeu_ps(out + c * ldo + r0, keep, t[c]);
@@ -1167,15 +1168,19 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     const int64_t nb = k / 256, mp = (m + 3) / 4 * 4;  /* rows of x padded to 4 */
     const int six = type == GG_Q6_K;
     const size_t xe_row = six ? (size_t)(k / 16) * 4 : (size_t)(nb * 8) * 4;
-    /* per row of x: Q6_K -32 x's sums, else dx x's sums; then x and dx padded with zeros */
+    /* per row of x: Q6_K -32 x's sums, else dx x's sums; then x block-major ([nb][mp][256]:
+     * a block's rows of x one stream, not 256 bytes of each row k apart: 1.04-1.06x at 512
+     * rows, docs/BENCHMARKS.md) and dx, both padded with zero rows */
     const size_t xe_bytes = ((size_t)mp * xe_row + 63) / 64 * 64, xq_bytes = (size_t)(mp * k);
     uint8_t *xe = aligned_alloc(64, xe_bytes + xq_bytes + (size_t)(mp * nb) * 4);
     if (!xe) return -1;
     memset(xe, 0, xe_bytes);
     int8_t *xp = (int8_t *)(xe + xe_bytes);
     float *dp = (float *)(xe + xe_bytes + xq_bytes);
-    memcpy(xp, xq, (size_t)(m * k));
-    memset(xp + m * k, 0, (size_t)((mp - m) * k));
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t i = 0; i < m; i++) memcpy(xp + (b * mp + i) * 256, xq + i * k + 256 * b, 256);
+        memset(xp + (b * mp + m) * 256, 0, (size_t)((mp - m) * 256));
+    }
     memcpy(dp, dx, (size_t)(m * nb) * 4);
     memset(dp + m * nb, 0, (size_t)((mp - m) * nb) * 4);
     xq = xp;
