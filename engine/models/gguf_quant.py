@@ -41,6 +41,7 @@ VNNI_MAX_FILE_BYTES = 256 << 20
 
 log = logging.getLogger("duplex.engine")
 _said_dequantized: set[str] = set()  # the types say_dequantized has logged
+_said_int8_prompt: set[str] = set()  # the types whose int8 prompts gguf_weight has logged
 
 
 def say_dequantized(type_name: str, dtype: torch.dtype) -> None:
@@ -90,8 +91,13 @@ def gguf_weight(type_name: str, raw: np.ndarray, num_cols: int, permute,
             and cpu_qgemv.fits(len(rows), num_cols):
         int4 = tuple(torch.from_numpy(np.ascontiguousarray(a))
                      for a in unpack_int4(type_name, rows, num_cols))
-    return GGUFWeight(cpu_gguf.TYPE_IDS[type_name], GGUFWeight.own_bytes(rows),
-                      num_cols, int4)
+    weight = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], GGUFWeight.own_bytes(rows), num_cols, int4)
+    if type_name not in _said_int8_prompt and weight.int8_prompt():
+        _said_int8_prompt.add(type_name)  # a prompt's numbers move further from fp32's: say so
+        log.info("GGUF %s prompt steps take int8 activations here, as decode steps do "
+                 "(DUPLEX_INT8_PROMPT=%s; 0: the bf16 or fp32 GEMM)", type_name,
+                 switches.value("DUPLEX_INT8_PROMPT"))
+    return weight
 
 
 def unpack_int4(type_name: str, raw: np.ndarray, num_cols: int) -> Int4Rows:

@@ -12,7 +12,7 @@ import torch
 from duplex.bench.quality import measure
 from duplex.engine.config import EngineConfig
 from duplex.engine.core import EngineCore
-from duplex.kernels import gguf_weight, quant
+from duplex.kernels import cpu_gguf, gguf_weight, quant
 from duplex.engine.sampling_params import SamplingParams
 from duplex.kernels.gguf_weight import GGUFWeight
 from duplex.kernels.quant import FusedWeight, QuantWeight
@@ -185,6 +185,25 @@ def test_mixed_types_run_with_their_own_bits_and_match_the_dequantized_model(mix
         first = 5e-2 if layer.mlp.down_weight.int8_prompt() else 1e-2 if bf16 else 1e-4
         torch.testing.assert_close(logprobs[0], reference[0], rtol=0, atol=first)
         torch.testing.assert_close(logprobs[1:], reference[1:], rtol=0, atol=5e-2)
+
+
+@pytest.mark.parametrize("mode", ["auto", "0"])
+def test_int8_prompts_are_said_once_per_type(mode, caplog, monkeypatch):
+    """Where a type's prompt steps take int8 activations (by default: K-quants on AVX-512
+    VNNI without AMX), loading says so once; with DUPLEX_INT8_PROMPT=0 it never does."""
+    from duplex.engine.models import gguf_quant
+
+    monkeypatch.setenv("DUPLEX_INT8_PROMPT", mode)
+    gguf_quant._said_int8_prompt.discard("Q6_K")
+    with caplog.at_level("INFO", logger="duplex.engine"):
+        weights = [gguf_quant.quantized_linear("Q6_K", np.zeros((16, 210), np.uint8), 256,
+                                               lambda r: r, "auto", torch.float32)
+                   for _ in range(2)]
+    said = [r.message for r in caplog.records if "int8 activations" in r.message]
+    int8 = weights[0].int8_prompt()
+    assert int8 == (mode == "auto" and cpu_gguf.vn_available() and not cpu_gguf.amx_available())
+    assert said == ([f"GGUF Q6_K prompt steps take int8 activations here, as decode steps do "
+                     f"(DUPLEX_INT8_PROMPT={mode}; 0: the bf16 or fp32 GEMM)"] if int8 else [])
 
 
 def test_types_without_a_kernel_are_dequantized_and_said_once(caplog):
