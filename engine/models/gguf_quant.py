@@ -40,15 +40,15 @@ OWN_BITS_TYPES = tuple(name for name in cpu_gguf.TYPE_IDS if name != "F32")
 VNNI_MAX_FILE_BYTES = 256 << 20
 
 log = logging.getLogger("duplex.engine")
-_said_dequantized: set[str] = set()  # the types say_dequantized has logged
-_said_int8_prompt: set[str] = set()  # the types whose int8 prompts gguf_weight has logged
+_said: set[tuple[str, str]] = set()  # the (news, GGUF type) pairs say_once has logged
 
 
-def say_dequantized(type_name: str, dtype: torch.dtype) -> None:
-    """One log line per GGUF type whose linear weights have no kernel and are dequantized."""
-    if type_name not in _said_dequantized:
-        _said_dequantized.add(type_name)
-        log.info("GGUF %s weights have no kernel here: dequantized to %s", type_name, dtype)
+def say_once(news: str, type_name: str, message: str, *args) -> None:
+    """One log line per GGUF type and kind of news: its linear weights dequantized (no
+    kernel here), its prompt steps on int8 activations."""
+    if (news, type_name) not in _said:
+        _said.add((news, type_name))
+        log.info(message, type_name, *args)
 
 
 def vnni_layouts(file_bytes: int) -> bool:
@@ -76,7 +76,8 @@ def quantized_linear(type_name: str, raw: np.ndarray, num_cols: int, permute, qu
     if quant == "int4" and type_name in INT4_TYPES:
         return unpack_int4(type_name, raw, num_cols).map_rows(permute).to_weight()
     if quant == "auto" and type_name != "F32":
-        say_dequantized(type_name, dtype)
+        say_once("dequantized", type_name, "GGUF %s weights have no kernel here: dequantized to %s",
+                 dtype)
     return None
 
 
@@ -92,10 +93,9 @@ def gguf_weight(type_name: str, raw: np.ndarray, num_cols: int, permute,
         int4 = tuple(torch.from_numpy(np.ascontiguousarray(a))
                      for a in unpack_int4(type_name, rows, num_cols))
     weight = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], GGUFWeight.own_bytes(rows), num_cols, int4)
-    if type_name not in _said_int8_prompt and weight.int8_prompt():
-        _said_int8_prompt.add(type_name)  # a prompt's numbers move further from fp32's: say so
-        log.info("GGUF %s prompt steps take int8 activations here, as decode steps do "
-                 "(DUPLEX_INT8_PROMPT=%s; 0: the bf16 or fp32 GEMM)", type_name,
+    if weight.int8_prompt():  # a prompt's numbers move further from fp32's: say so
+        say_once("int8 prompts", type_name, "GGUF %s prompt steps take int8 activations here, "
+                 "as decode steps do (DUPLEX_INT8_PROMPT=%s; 0: the bf16 or fp32 GEMM)",
                  switches.value("DUPLEX_INT8_PROMPT"))
     return weight
 

@@ -194,7 +194,7 @@ def test_int8_prompts_are_said_once_per_type(mode, caplog, monkeypatch):
     from duplex.engine.models import gguf_quant
 
     monkeypatch.setenv("DUPLEX_INT8_PROMPT", mode)
-    gguf_quant._said_int8_prompt.discard("Q6_K")
+    gguf_quant._said.discard(("int8 prompts", "Q6_K"))
     with caplog.at_level("INFO", logger="duplex.engine"):
         weights = [gguf_quant.quantized_linear("Q6_K", np.zeros((16, 210), np.uint8), 256,
                                                lambda r: r, "auto", torch.float32)
@@ -209,7 +209,7 @@ def test_int8_prompts_are_said_once_per_type(mode, caplog, monkeypatch):
 def test_types_without_a_kernel_are_dequantized_and_said_once(caplog):
     from duplex.engine.models import gguf_quant
 
-    gguf_quant._said_dequantized.discard("Q3_K")
+    gguf_quant._said.discard(("dequantized", "Q3_K"))
     raw = np.zeros((4, 110), dtype=np.uint8)  # Q3_K: 110 bytes per 256 weights
     with caplog.at_level("INFO", logger="duplex.engine"):
         for _ in range(2):
