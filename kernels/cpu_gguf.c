@@ -1067,44 +1067,87 @@ static int gg_vn_off;  /* gg_set_vn(0): kq512_group at every row count (tests, m
 void gg_set_vn(int on) { gg_vn_off = !on; }
 int gg_vn_available(void) { return !gg_vn_off; }
 
-/* Block b of weight rows [r0, r0 + nr) into vb (rows from nr on: zero), via ub [16][256] */
+/* A bit field of every byte: (v >> s) & mask (s < 0: v << -s), |s| < 8; the shifts are 16-bit,
+ * and a bit that crosses into the other byte of a 16-bit lane falls outside the mask */
+ALWAYS_INLINE __m512i vn_bits(__m512i v, int s, int mask) {
+    return _mm512_and_si512(s >= 0 ? _mm512_srli_epi16(v, s) : _mm512_slli_epi16(v, -s),
+                            _mm512_set1_epi8((char)mask));
+}
+
+/* Block b of weight rows [r0, r0 + nr) into vb (rows from nr on: zero). The 16 rows' packed
+ * bits are transposed as they are in the file, 4 bytes a lane (a 4-byte group of quants is 4
+ * weights of one row, so the transposed groups are vn_block.w's registers once the bit
+ * fields are split), and so are their scales (one register of 16 per row). Unpacking each
+ * row into bytes first and transposing those took twice the shuffles and a round trip
+ * through memory (docs/BENCHMARKS.md). */
 ALWAYS_INLINE void vn_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
-                             int64_t b, int64_t nb, uint8_t *ub, vn_block *vb) {
-    const int bb = block_bytes(type);
+                             int64_t b, int64_t nb, vn_block *vb) {
+    const int bb = block_bytes(type), six = type == GG_Q6_K, five = type == GG_Q5_K;
+    const int qs = six ? 0 : five ? 48 : 16;  /* Q6_K: ql; else qs (nibbles) */
+    __m512i lo[16], hi[16], h[16], f[16];
     for (int r = 0; r < 16; r++) {
         if (r >= nr) {
-            memset(ub + 256 * r, 0, 256);
-            for (int s = 0; s < 16; s++) vb->sc[s][r] = 0.0f;
-            for (int s = 0; s < 8; s++) vb->mn[s][r] = 0.0f;
+            lo[r] = hi[r] = h[r] = f[r] = _mm512_setzero_si512();
             continue;
         }
         const uint8_t *blk = w + (r0 + r) * row_bytes + b * bb;
         if (b + 1 < nb)  /* the 16 rows' next blocks (their streams restart at every page) */
             for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + bb + line, _MM_HINT_T0);
-        kq512_block u;
-        kq512_unpack(type, blk, &u);
-        for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(ub + 256 * r + 64 * j), u.q[j]);
-        float f[16] __attribute__((aligned(64)));
-        if (type == GG_Q6_K) {
-            _mm512_store_ps(f, _mm512_mul_ps(_mm512_set1_ps(u.d),
-                                             _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.sc16))));
-            for (int s = 0; s < 16; s++) vb->sc[s][r] = f[s];
-            continue;
+        lo[r] = _mm512_loadu_si512((const void *)(blk + qs));
+        hi[r] = _mm512_loadu_si512((const void *)(blk + qs + 64));
+        /* Q6_K: qh (64 bytes); Q5_K: qh (32) and 32 bytes of qs, unused */
+        h[r] = six ? _mm512_loadu_si512((const void *)(blk + 128))
+                   : five ? _mm512_loadu_si512((const void *)(blk + 16)) : _mm512_setzero_si512();
+        __m512 fr;
+        if (six) {
+            fr = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk + 208)), _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+        } else {  /* lanes 0-7: d sc, 8-15: dmin m */
+            __m128i m;
+            __m128i s8 = k4_scales(blk + 4, &m);
+            const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(f16_at(blk)),
+                                                 _mm256_set1_ps(f16_at(blk + 2)), 1);
+            fr = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(
+                _mm512_cvtepi16_epi32(_mm256_set_m128i(m, s8))));
         }
-        __m128i m;
-        __m128i s8 = k4_scales(blk + 4, &m);
-        _mm256_store_ps(f, _mm256_mul_ps(_mm256_set1_ps(u.d), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s8))));
-        _mm256_store_ps(f + 8, _mm256_mul_ps(_mm256_set1_ps(u.dmin), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(m))));
-        for (int s = 0; s < 8; s++) {
-            vb->sc[s][r] = f[s];
-            vb->mn[s][r] = f[8 + s];
-        }
+        f[r] = _mm512_castps_si512(fr);
     }
-    for (int j = 0; j < 4; j++) {  /* 64 weights of the 16 rows -> 16 registers of 4 x 16 */
-        __m512i v[16];
-        for (int r = 0; r < 16; r++) v[r] = _mm512_load_si512((const void *)(ub + 256 * r + 64 * j));
-        transpose16(v);
-        for (int i = 0; i < 16; i++) _mm512_store_si512((void *)vb->w[16 * j + i], v[i]);
+    transpose16(f);
+    for (int s = 0; s < 16; s++) {
+        if (six) _mm512_store_si512((void *)vb->sc[s], f[s]);
+        else if (s < 8) _mm512_store_si512((void *)vb->sc[s], f[s]);
+        else _mm512_store_si512((void *)vb->mn[s - 8], f[s]);
+    }
+    if (six || five) transpose16(h);
+    transpose16(lo);
+    transpose16(hi);
+    /* lane group p of lo (hi: + 128 weights): Q4_K / Q5_K byte 4 (p % 8) of 32-byte chunk c
+     * = p / 8 (2 + p / 8): low nibbles weights 64c + 4 (p % 8), high ones 32 further; Q6_K
+     * ql of half 0 (1): low nibbles weights 4p, high ones 64 further, and qh dword 8 half
+     * + p % 8 the 2 high bits, bits 0-1 / 4-5 (p < 8) or 2-3 / 6-7 (p >= 8) */
+    for (int half = 0; half < 2; half++) {
+        const __m512i *v = half ? hi : lo;
+        for (int p = 0; p < 16; p++) {
+            __m512i a = vn_bits(v[p], 0, 0x0F), z = vn_bits(v[p], 4, 0x0F);
+            int wa, wz;
+            if (six) {
+                const __m512i q = h[8 * half + p % 8];
+                a = _mm512_or_si512(a, vn_bits(q, p < 8 ? -4 : -2, 0x30));
+                z = _mm512_or_si512(z, vn_bits(q, p < 8 ? 0 : 2, 0x30));
+                wa = 32 * half + p;
+                wz = wa + 16;
+            } else {
+                const int c = 2 * half + p / 8;
+                if (five) {  /* bit 2c (low nibbles) and 2c + 1 (high) of qh, to bit 4 */
+                    a = _mm512_or_si512(a, vn_bits(h[p % 8], 2 * c - 4, 0x10));
+                    z = _mm512_or_si512(z, vn_bits(h[p % 8], 2 * c - 3, 0x10));
+                }
+                wa = 16 * c + p % 8;
+                wz = wa + 8;
+            }
+            _mm512_store_si512((void *)vb->w[wa], a);
+            _mm512_store_si512((void *)vb->w[wz], z);
+        }
     }
 }
 
@@ -1144,12 +1187,12 @@ ALWAYS_INLINE void vn_group(int type, const vn_block *vb, const int8_t *xq, int6
 
 ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
                            int64_t k, const int8_t *xq, const float *dx, const uint8_t *xe,
-                           size_t xe_row, int64_t m, float *out, int64_t ldo, uint8_t *ub,
-                           vn_block *vb, __m512 *t) {
+                           size_t xe_row, int64_t m, float *out, int64_t ldo, vn_block *vb,
+                           __m512 *t) {
     const int64_t nb = k / 256, mp = (m + 3) / 4 * 4;  /* x is padded with zero rows to mp */
     for (int64_t c = 0; c < mp; c++) t[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        vn_unpack(type, w, row_bytes, r0, nr, b, nb, ub, vb);
+        vn_unpack(type, w, row_bytes, r0, nr, b, nb, vb);
         /* rows of x 8 at a time, then 4: a constant count keeps the sums in registers */
         int64_t c = 0;
         for (; c + 8 <= mp; c += 8)
@@ -1198,22 +1241,22 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
-        uint8_t *ub = aligned_alloc(64, 16 * 256 + sizeof(vn_block) + (size_t)mp * 64);
+        uint8_t *ub = aligned_alloc(64, sizeof(vn_block) + (size_t)mp * 64);
         if (!ub) {
 #pragma omp atomic write
             failed = 1;
         }
-        vn_block *vb = ub ? (vn_block *)(ub + 16 * 256) : NULL;
-        __m512 *t = ub ? (__m512 *)(ub + 16 * 256 + sizeof(vn_block)) : NULL;
+        vn_block *vb = (vn_block *)ub;
+        __m512 *t = ub ? (__m512 *)(ub + sizeof(vn_block)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < (n + 15) / 16; g++) {
             if (!ub) continue;
             const int64_t r0 = 16 * g;
             const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
             switch (type) {
-            case GG_Q4_K: vn_task(GG_Q4_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, ub, vb, t); break;
-            case GG_Q5_K: vn_task(GG_Q5_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, ub, vb, t); break;
-            default: vn_task(GG_Q6_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, ub, vb, t); break;
+            case GG_Q4_K: vn_task(GG_Q4_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, vb, t); break;
+            case GG_Q5_K: vn_task(GG_Q5_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, vb, t); break;
+            default: vn_task(GG_Q6_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, vb, t); break;
             }
         }
         free(ub);
