@@ -52,6 +52,30 @@ def test_silu_mul_matches_reference():
     assert not cpu_fused.is_enabled()  # the switch is scoped to its block
 
 
+def test_fp32_row_kernels_share_rows_over_threads_with_the_same_bits(monkeypatch):
+    """rms_norm, silu_mul and rope_neox_ on a prompt step's rows: shared out over two
+    threads, every row's bits are the one-thread kernel's (the decode step calls that one)."""
+    torch.manual_seed(3)
+    rows, n = 67, 576  # enough rows to share out; an odd count
+    x, residual, w = torch.randn(rows, n), torch.randn(rows, n), torch.randn(n)
+    gate_up = torch.randn(rows, 2 * n) * 4
+    cache = rope_cos_sin_cache(64, 512)
+    positions = torch.randint(0, 512, (rows,))
+    qk = torch.randn(rows, 12, 64)
+
+    def run(threads):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        out, new_residual = cpu_fused.rms_norm(x, w, 1e-5, residual)
+        return (out, new_residual, cpu_fused.rms_norm(x, w, 1e-5), cpu_fused.silu_mul(gate_up),
+                cpu_fused.rope_neox_(qk.clone(), positions, cache))
+
+    one, two = run(1), run(2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    lib, single = cpu_fused._load(), torch.empty(rows, n)
+    lib.silu_mul_f32(gate_up.data_ptr(), single.data_ptr(), rows, n)
+    assert torch.equal(single, two[3])
+
+
 def test_ops_use_the_fused_norm_only_when_switched_on():
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.equal(ops.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))  # exact mode
