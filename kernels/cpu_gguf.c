@@ -1055,6 +1055,7 @@ ALWAYS_INLINE void transpose16(__m512i r[16]) {
  * same whatever the other rows of x (a row's bits do not depend on the batch on this path),
  * and differ in the last bits from the one-row loop's (kq512_two), as AMX's do. */
 #define VN_MIN_ROWS 8  /* below: kq512_group (measured, docs/BENCHMARKS.md) */
+#define VN_STREAM_ROWS 64  /* from this many rows of x, outputs are stored past the caches */
 
 typedef struct {
     uint8_t w[64][64];   /* the block of 16 rows: [k / 4][16 rows][4 weights] */
@@ -1201,7 +1202,15 @@ ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_
             vn_group(type, vb, xq + (b * mp + c) * 256, k, b, dx + c * nb, xe + c * xe_row, 4, t + c);
     }
     const __mmask16 keep = (__mmask16)((1u << nr) - 1);
-    for (int64_t c = 0; c < m; c++) _mm512_mask_storeu_ps(out + c * ldo + r0, keep, t[c]);
+    /* A task's outputs are a 16-column strip, one line a row of x, each row ldo apart. From
+     * 64 rows (prompt steps) they go straight to memory: a normal store first reads each
+     * line in (strided, one line a row) and the strips of a wide output outgrow the caches
+     * before the next op reads them; 1.02-1.05x at 64-512 rows (docs/BENCHMARKS.md). At
+     * decode row counts the output stays in cache for the next op. */
+    if (m >= VN_STREAM_ROWS && nr == 16 && ((uintptr_t)(out + r0) & 63) == 0 && ldo % 16 == 0)
+        for (int64_t c = 0; c < m; c++) _mm512_stream_ps(out + c * ldo + r0, t[c]);
+    else
+        for (int64_t c = 0; c < m; c++) _mm512_mask_storeu_ps(out + c * ldo + r0, keep, t[c]);
 }
 
 /* out [m, n] (row stride ldo) on the lanes-as-rows kernel: weight rows 16 a task */
@@ -1259,6 +1268,7 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
             default: vn_task(GG_Q6_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, vb, t); break;
             }
         }
+        _mm_sfence();  /* the streamed stores are done before the region's barrier */
         free(ub);
     }
     free(xe);

@@ -173,6 +173,27 @@ def test_vnni_weight_rows_in_lanes(type_name, k):
 @pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None, "gg_set_vn"),
                     reason="no AVX-512 VNNI on this CPU")
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_vnni_lanes_streamed_outputs(type_name):
+    """From 64 rows of x (VN_STREAM_ROWS), whole 16-column strips of an aligned output are
+    stored past the caches: the same bits as each row alone (normal stores), the partial
+    last strip and an output whose rows are not 64-byte multiples included."""
+    k = 512
+    x = random_x(70, k, seed=5)
+    lib = cpu_gguf._load()
+    with vnni_only(lib, lanes=True):
+        for n in (64, 40, 72):  # whole strips; a partial strip; rows of 288 bytes
+            raw = random_blocks(type_name, n, k, seed=n, extreme=True)
+            full = run(lib, type_name, raw, k, x, threads=2)
+            check(full, reference_w(type_name, raw, k), x, type_name)
+            for start in (0, 62):
+                rows = x[start:start + 8].contiguous()
+                assert torch.equal(run(lib, type_name, raw, k, rows, threads=1),
+                                   full[start:start + 8])
+
+
+@pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None, "gg_set_vn"),
+                    reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_lanes_kernel_at_every_row_count(type_name):
     """gg_linear_lanes (int8 prompt steps): the kernel with weight rows in the lanes at any
     number of rows of x, below its decode-step minimum (8) too, so a row's bits are the same
