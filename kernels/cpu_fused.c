@@ -95,15 +95,16 @@ void rms_norm_f32(const float *x, const float *residual, const float *weight, fl
     }
 }
 
-#define MIN_PARALLEL_ROWS 8  /* the `_mixed` and `_rows` entries share rows out from this many */
+#define MIN_PARALLEL_ROWS 8  /* the `_mixed` entries share rows out from this many */
+#define MIN_ROWS_SHARED 64   /* the `_rows` entries (prompt steps) from this many */
 
 /* rms_norm_f32, silu_mul_f32 and rope_neox_f32 with their rows shared out over `threads`
- * (prompt steps' hundreds of rows; each row's arithmetic is the one-thread call's). The
- * one-thread functions stay as they are for cpu_decode.c's step, which calls them between
- * its parallel matmuls. */
+ * from MIN_ROWS_SHARED rows (prompt steps; each row's arithmetic is the one-thread call's).
+ * Decode-sized batches, and cpu_decode.c's step between its parallel matmuls, keep one
+ * thread: shared there, a 16-row decode step measured slower (docs/BENCHMARKS.md). */
 void rms_norm_f32_rows(const float *x, const float *residual, const float *weight, float *out,
                        float *new_residual, int64_t rows, int64_t n, float eps, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_ROWS_SHARED)
     for (int64_t r = 0; r < rows; r++)
         rms_norm_f32(x + r * n, residual ? residual + r * n : NULL, weight, out + r * n,
                      new_residual ? new_residual + r * n : NULL, 1, n, eps);
@@ -165,7 +166,7 @@ void rope_neox_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, in
 
 void rope_neox_f32_rows(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t d,
                         const float *cache, const int64_t *positions, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_ROWS_SHARED)
     for (int64_t r = 0; r < rows; r++)
         rope_neox_f32(x + r * row_stride, row_stride, 1, heads, d, cache, positions + r);
 }
@@ -242,13 +243,13 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
     }
 }
 
-/* silu_mul_f32 with gate_up in bf16 when in_bf16 and out written as bf16 when out_bf16.
- * Returns 0, -1 out of memory. */
 void silu_mul_f32_rows(const float *gate_up, float *out, int64_t rows, int64_t n, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_ROWS_SHARED)
     for (int64_t r = 0; r < rows; r++) silu_mul_f32(gate_up + r * 2 * n, out + r * n, 1, n);
 }
 
+/* silu_mul_f32 with gate_up in bf16 when in_bf16 and out written as bf16 when out_bf16.
+ * Returns 0, -1 out of memory. */
 int silu_mul_mixed(const void *gate_up, int in_bf16, void *out, int out_bf16, int64_t rows,
                    int64_t n, int threads) {
     int failed = 0;
