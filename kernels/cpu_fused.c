@@ -95,20 +95,7 @@ void rms_norm_f32(const float *x, const float *residual, const float *weight, fl
     }
 }
 
-#define MIN_PARALLEL_ROWS 8  /* the `_mixed` entries share rows out from this many */
-#define MIN_ROWS_SHARED 64   /* the `_rows` entries (prompt steps) from this many */
-
-/* rms_norm_f32, silu_mul_f32 and rope_neox_f32 with their rows shared out over `threads`
- * from MIN_ROWS_SHARED rows (prompt steps; each row's arithmetic is the one-thread call's).
- * Decode-sized batches, and cpu_decode.c's step between its parallel matmuls, keep one
- * thread: shared there, a 16-row decode step measured slower (docs/BENCHMARKS.md). */
-void rms_norm_f32_rows(const float *x, const float *residual, const float *weight, float *out,
-                       float *new_residual, int64_t rows, int64_t n, float eps, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_ROWS_SHARED)
-    for (int64_t r = 0; r < rows; r++)
-        rms_norm_f32(x + r * n, residual ? residual + r * n : NULL, weight, out + r * n,
-                     new_residual ? new_residual + r * n : NULL, 1, n, eps);
-}
+#define MIN_PARALLEL_ROWS 8  /* the `_mixed` and `_rows` entries share rows out from this many */
 
 /* rms_norm_f32 with x in bf16 when x_bf16 and out written as bf16 when out_bf16 (residual
  * and new_residual stay fp32; they may be the same buffer). Returns 0, -1 out of memory. */
@@ -164,9 +151,11 @@ void rope_neox_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, in
     }
 }
 
+/* rope_neox_f32 with its rows shared out over `threads` (each row's arithmetic the one-thread
+ * call's, which cpu_decode.c's step keeps between its parallel matmuls) */
 void rope_neox_f32_rows(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t d,
                         const float *cache, const int64_t *positions, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_ROWS_SHARED)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++)
         rope_neox_f32(x + r * row_stride, row_stride, 1, heads, d, cache, positions + r);
 }
@@ -241,11 +230,6 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
         const float *g = gate_up + r * 2 * n;
         silu_mul_row(g, g + n, out + r * n, n);
     }
-}
-
-void silu_mul_f32_rows(const float *gate_up, float *out, int64_t rows, int64_t n, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= MIN_ROWS_SHARED)
-    for (int64_t r = 0; r < rows; r++) silu_mul_f32(gate_up + r * 2 * n, out + r * n, 1, n);
 }
 
 /* silu_mul_f32 with gate_up in bf16 when in_bf16 and out written as bf16 when out_bf16.

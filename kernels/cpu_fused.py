@@ -69,15 +69,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype)
     new_residual = torch.empty_like(residual) if residual is not None else None
     residual_args = (0 if residual is None else residual.data_ptr(), weight.data_ptr())
-    if out_dtype is None:
-        _load().rms_norm_f32_rows(x.data_ptr(), *residual_args, out.data_ptr(),
-                                  0 if new_residual is None else new_residual.data_ptr(),
-                                  x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    else:
-        _check(_load().rms_norm_mixed(
-            x.data_ptr(), _is_bf16(x), *residual_args, out.data_ptr(), _is_bf16(out),
-            0 if new_residual is None else new_residual.data_ptr(), x.shape[0], x.shape[1], eps,
-            torch.get_num_threads()))
+    # fp32 in and out are the same entry with both bf16 flags off (rows over the threads)
+    _check(_load().rms_norm_mixed(
+        x.data_ptr(), _is_bf16(x), *residual_args, out.data_ptr(), _is_bf16(out),
+        0 if new_residual is None else new_residual.data_ptr(), x.shape[0], x.shape[1], eps,
+        torch.get_num_threads()))
     return out if residual is None else (out, new_residual)
 
 
@@ -93,13 +89,8 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> tor
     `[rows, n]`, computed in fp32 and written in out_dtype (default gate_up's)."""
     n = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], n, dtype=out_dtype or gate_up.dtype)
-    if out_dtype is None:
-        _load().silu_mul_f32_rows(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n,
-                                  torch.get_num_threads())
-    else:
-        _check(_load().silu_mul_mixed(gate_up.data_ptr(), _is_bf16(gate_up), out.data_ptr(),
-                                      _is_bf16(out), gate_up.shape[0], n,
-                                      torch.get_num_threads()))
+    _check(_load().silu_mul_mixed(gate_up.data_ptr(), _is_bf16(gate_up), out.data_ptr(),
+                                  _is_bf16(out), gate_up.shape[0], n, torch.get_num_threads()))
     return out
 
 
@@ -221,11 +212,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rope_neox_f32.argtypes = [_P, _I, _I, _I, _I, _P, _P]
     lib.silu_mul_f32.argtypes = [_P, _P, _I, _I]
     _C = ctypes.c_int
-    lib.rms_norm_f32_rows.argtypes = [_P, _P, _P, _P, _P, _I, _I, _F, _C]
     lib.rope_neox_f32_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P, _C]
-    lib.silu_mul_f32_rows.argtypes = [_P, _P, _I, _I, _C]
-    for fn in (lib.rms_norm_f32, lib.rope_neox_f32, lib.silu_mul_f32, lib.rms_norm_f32_rows,
-               lib.rope_neox_f32_rows, lib.silu_mul_f32_rows):
+    for fn in (lib.rms_norm_f32, lib.rope_neox_f32, lib.silu_mul_f32, lib.rope_neox_f32_rows):
         fn.restype = None
     lib.rms_norm_mixed.argtypes = [_P, _C, _P, _P, _P, _C, _P, _I, _I, _F, _C]
     lib.silu_mul_mixed.argtypes = [_P, _C, _P, _C, _I, _I, _C]
