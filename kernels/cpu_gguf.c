@@ -1114,11 +1114,8 @@ ALWAYS_INLINE void vn_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
         f[r] = _mm512_castps_si512(fr);
     }
     transpose16(f);
-    for (int s = 0; s < 16; s++) {
-        if (six) _mm512_store_si512((void *)vb->sc[s], f[s]);
-        else if (s < 8) _mm512_store_si512((void *)vb->sc[s], f[s]);
-        else _mm512_store_si512((void *)vb->mn[s - 8], f[s]);
-    }
+    for (int s = 0; s < 16; s++)  /* Q6_K: 16 scales; else 8 scales, then 8 mins */
+        _mm512_store_si512((void *)(six || s < 8 ? vb->sc[s] : vb->mn[s - 8]), f[s]);
     if (six || five) transpose16(h);
     transpose16(lo);
     transpose16(hi);
@@ -1188,8 +1185,8 @@ ALWAYS_INLINE void vn_group(int type, const vn_block *vb, const int8_t *xq, int6
 
 ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
                            int64_t k, const int8_t *xq, const float *dx, const uint8_t *xe,
-                           size_t xe_row, int64_t m, float *out, int64_t ldo, vn_block *vb,
-                           __m512 *t) {
+                           size_t xe_row, int64_t m, float *out, int64_t ldo, int stream,
+                           vn_block *vb, __m512 *t) {
     const int64_t nb = k / 256, mp = (m + 3) / 4 * 4;  /* x is padded with zero rows to mp */
     for (int64_t c = 0; c < mp; c++) t[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -1202,12 +1199,7 @@ ALWAYS_INLINE void vn_task(int type, const uint8_t *w, int64_t row_bytes, int64_
             vn_group(type, vb, xq + (b * mp + c) * 256, k, b, dx + c * nb, xe + c * xe_row, 4, t + c);
     }
     const __mmask16 keep = (__mmask16)((1u << nr) - 1);
-    /* A task's outputs are a 16-column strip, one line a row of x, each row ldo apart. From
-     * 64 rows (prompt steps) they go straight to memory: a normal store first reads each
-     * line in (strided, one line a row) and the strips of a wide output outgrow the caches
-     * before the next op reads them; 1.02-1.05x at 64-512 rows (docs/BENCHMARKS.md). At
-     * decode row counts the output stays in cache for the next op. */
-    if (m >= VN_STREAM_ROWS && nr == 16 && ((uintptr_t)(out + r0) & 63) == 0 && ldo % 16 == 0)
+    if (stream && nr == 16)  /* whole strips only (vn_linear) */
         for (int64_t c = 0; c < m; c++) _mm512_stream_ps(out + c * ldo + r0, t[c]);
     else
         for (int64_t c = 0; c < m; c++) _mm512_mask_storeu_ps(out + c * ldo + r0, keep, t[c]);
@@ -1247,29 +1239,40 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
                 e[j] = dx[i * nb + j / 8] * (float)(xs[i * (k / 16) + 2 * j] + xs[i * (k / 16) + 2 * j + 1]);
         }
     }
+    /* A task's outputs are a 16-column strip, one line a row of x, each row ldo apart. From
+     * 64 rows (prompt steps) whole strips of an aligned output go straight to memory: a
+     * normal store first reads each line in (strided, one line a row) and the strips of a
+     * wide output outgrow the caches before the next op reads them; 1.02-1.05x at 64-512
+     * rows (docs/BENCHMARKS.md). At decode row counts the output stays in cache for the
+     * next op. */
+    const int stream = m >= VN_STREAM_ROWS && ((uintptr_t)out & 63) == 0 && ldo % 16 == 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
-        uint8_t *ub = aligned_alloc(64, sizeof(vn_block) + (size_t)mp * 64);
-        if (!ub) {
+        /* per thread: the unpacked block, then the rows' sums */
+        uint8_t *scratch = aligned_alloc(64, sizeof(vn_block) + (size_t)mp * 64);
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
-        vn_block *vb = (vn_block *)ub;
-        __m512 *t = ub ? (__m512 *)(ub + sizeof(vn_block)) : NULL;
+        vn_block *vb = (vn_block *)scratch;
+        __m512 *t = scratch ? (__m512 *)(scratch + sizeof(vn_block)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < (n + 15) / 16; g++) {
-            if (!ub) continue;
+            if (!scratch) continue;
             const int64_t r0 = 16 * g;
             const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
+            /* one copy of the task per type, its type a constant */
+#define VN_TASK(T) vn_task(T, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, stream, vb, t)
             switch (type) {
-            case GG_Q4_K: vn_task(GG_Q4_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, vb, t); break;
-            case GG_Q5_K: vn_task(GG_Q5_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, vb, t); break;
-            default: vn_task(GG_Q6_K, w, row_bytes, r0, nr, k, xq, dx, xe, xe_row, m, out, ldo, vb, t); break;
+            case GG_Q4_K: VN_TASK(GG_Q4_K); break;
+            case GG_Q5_K: VN_TASK(GG_Q5_K); break;
+            default: VN_TASK(GG_Q6_K); break;
             }
+#undef VN_TASK
         }
         _mm_sfence();  /* the streamed stores are done before the region's barrier */
-        free(ub);
+        free(scratch);
     }
     free(xe);
     return failed ? -1 : 0;
