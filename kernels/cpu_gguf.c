@@ -1278,6 +1278,202 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     return failed ? -1 : 0;
 }
 
+/* ------------------------------------------------ VNNI with rows of x in the lanes: the
+ * K-quants at decode batch sizes (13-16 and 29-32 rows of x: xl_rows)
+ *
+ * vn_linear above puts 16 weight rows in the lanes, so every block of them is transposed
+ * before its dots; with 512 rows of x that is shared by 64 groups, at 16 rows by 2, and
+ * reading and transposing then costs as much as the dots (docs/BENCHMARKS.md). Here the
+ * roles swap: the lanes are 16 rows of x (x is transposed once per call, [k / 4][16 rows]
+ * [4 bytes] a tile), and a weight row's block is only unpacked into its bytes in their order
+ * (kq512_unpack: masks and shifts, no shuffles across rows), 4 of them broadcast into each
+ * vpdpbusd against a register of x. A sub-block's sums of 8 weight rows are 8 (Q6_K 4)
+ * vpdpbusd each, then one conversion and one fmadd by the row's d sc broadcast; Q6_K's -32
+ * starts each sum (-32 times x's sums per 16, a register of the 16 rows), Q4_K's and Q5_K's
+ * mins close each block (dmin m broadcast times dx x's sums per 32). The same operations
+ * as vn_linear per output, in the other orientation, so the sub-blocks' bound is the same
+ * (64 vpdpbusd in 81 slots); what goes is the transposition. Lane-wise too: an output's
+ * bits do not depend on the other rows of x on this path. Outputs of 16 weight rows are
+ * transposed once at the end of each task. */
+#define XL_MAX_ROWS 32  /* at most 2 tiles; from 3 on vn_linear is as fast (docs/BENCHMARKS.md) */
+#define XL_W 8          /* weight rows unpacked and dotted together (8 sums in flight) */
+
+typedef struct {
+    uint8_t q[XL_W][256];  /* a block of each weight row, one byte a weight, in order */
+    float f[XL_W][16];     /* d sc per sub-block (Q6_K: 16 of 16, else 8 of 32) */
+    float mn[XL_W][8];     /* dmin m (Q4_K, Q5_K) */
+} xl_block;
+
+static int gg_xl_off;  /* gg_set_xl(0): vn_linear at these row counts (tests, measurements) */
+
+void gg_set_xl(int on) { gg_xl_off = !on; }
+
+/* Whether m rows of x take xl_linear: a tile's 16 lanes hold 13 to 16 of them. A tile costs
+ * the same at any count, and vn_linear's time grows with its groups of 8 and 4 rows: at 9-12
+ * rows (and 17-28) it is as fast, at 13-16 (29-32) xl_linear is 1.13-1.20x (measured). */
+static int xl_rows(int64_t m) { return !gg_xl_off && m <= XL_MAX_ROWS && (m % 16 == 0 || m % 16 > 12); }
+
+
+/* Block b of weight rows [r0, r0 + nr) (nr <= XL_W) into xb; rows from nr on: zero. */
+ALWAYS_INLINE void xl_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
+                             int64_t b, int64_t nb, xl_block *xb) {
+    const int bb = block_bytes(type);
+    for (int r = 0; r < XL_W; r++) {
+        if (r >= nr) {
+            memset(xb->q[r], 0, sizeof xb->q[r]);
+            memset(xb->f[r], 0, sizeof xb->f[r]);
+            memset(xb->mn[r], 0, sizeof xb->mn[r]);
+            continue;
+        }
+        const uint8_t *blk = w + (r0 + r) * row_bytes + b * bb;
+        if (b + 1 < nb)
+            for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + bb + line, _MM_HINT_T0);
+        kq512_block u;
+        kq512_unpack(type, blk, &u);  /* its scale registers are left unused */
+        for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(xb->q[r] + 64 * j), u.q[j]);
+        if (type == GG_Q6_K) {
+            _mm512_store_ps(xb->f[r], _mm512_mul_ps(_mm512_set1_ps(f16_at(blk + 208)), _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))))));
+        } else {
+            __m128i m;
+            __m128i s8 = k4_scales(blk + 4, &m);
+            _mm256_store_ps(xb->f[r], _mm256_mul_ps(_mm256_set1_ps(f16_at(blk)),
+                                                    _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s8))));
+            _mm256_store_ps(xb->mn[r], _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 2)),
+                                                     _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(m))));
+        }
+    }
+}
+
+/* xb's XL_W weight rows against one tile of x at block b into t[XL_W] (lanes: rows of x).
+ * X: the tile's block, 64 registers [k / 4 in the block][16 rows][4]; DX: dx of the 16 rows;
+ * XE: Q6_K -32 x's sums per 16 (int32 [16][16 rows]), else dx x's sums per 32 (fp32 [8][16]). */
+ALWAYS_INLINE void xl_group(int type, const xl_block *xb, const int8_t *X, const float *DX,
+                            const void *XE, __m512 *t) {
+    const int six = type == GG_Q6_K, ns = six ? 16 : 8, kg = six ? 4 : 8;
+    __m512 a[XL_W];
+    for (int r = 0; r < XL_W; r++) a[r] = _mm512_setzero_ps();
+    for (int s = 0; s < ns; s++) {
+        __m512i acc[XL_W];
+        const __m512i start = six ? _mm512_load_si512((const void *)((const int32_t *)XE + 16 * s))
+                                  : _mm512_setzero_si512();
+        for (int r = 0; r < XL_W; r++) acc[r] = start;
+        for (int i = 0; i < kg; i++) {
+            const __m512i x = _mm512_load_si512((const void *)(X + 64 * (kg * s + i)));
+            for (int r = 0; r < XL_W; r++)
+                acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(
+                    ((const int32_t *)xb->q[r])[kg * s + i]), x);
+        }
+        for (int r = 0; r < XL_W; r++)
+            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(xb->f[r][s]), a[r]);
+    }
+    const __m512 dx = _mm512_load_ps(DX);
+    for (int r = 0; r < XL_W; r++) {
+        __m512 v = _mm512_fmadd_ps(a[r], dx, t[r]);
+        if (!six)
+            for (int s = 0; s < 8; s++)
+                v = _mm512_fnmadd_ps(_mm512_set1_ps(xb->mn[r][s]),
+                                     _mm512_load_ps((const float *)XE + 16 * s), v);
+        t[r] = v;
+    }
+}
+
+/* Weight rows [r0, r0 + nr) (nr <= 16) against every tile of x into out. xt [tiles][nb][64]
+ * [64 bytes], dxt [tiles][nb][16], xet [tiles][nb][xe_floats] (see xl_group); t: 16 per tile. */
+ALWAYS_INLINE void xl_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
+                           int64_t k, const int8_t *xt, const float *dxt, const float *xet,
+                           int64_t xe_floats, int64_t tiles, int64_t m, float *out, int64_t ldo,
+                           xl_block *xb, __m512 *t) {
+    const int64_t nb = k / 256;
+    for (int64_t i = 0; i < 16 * tiles; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int h = 0; h < 16 / XL_W && XL_W * h < nr; h++) {
+            const int rows = nr - XL_W * h < XL_W ? nr - XL_W * h : XL_W;
+            xl_unpack(type, w, row_bytes, r0 + XL_W * h, rows, b, nb, xb);
+            for (int64_t c = 0; c < tiles; c++)
+                xl_group(type, xb, xt + (c * nb + b) * 4096, dxt + (c * nb + b) * 16,
+                         xet + (c * nb + b) * xe_floats, t + 16 * c + XL_W * h);
+        }
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int64_t c = 0; c < tiles; c++) {  /* [weight row][row of x] -> rows of out */
+        __m512i v[16];
+        for (int r = 0; r < 16; r++) v[r] = _mm512_castps_si512(t[16 * c + r]);
+        transpose16(v);
+        for (int64_t i = 0; i < 16 && 16 * c + i < m; i++)
+            _mm512_mask_storeu_ps(out + (16 * c + i) * ldo + r0, keep, _mm512_castsi512_ps(v[i]));
+    }
+}
+
+/* out [m, n] (row stride ldo), m <= XL_MAX_ROWS, on the rows-of-x-in-lanes kernel */
+static int xl_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                     const int8_t *xq, const float *dx, const int32_t *xs, int64_t m,
+                     float *out, int64_t ldo, int threads) {
+    const int64_t nb = k / 256, tiles = (m + 15) / 16;
+    const int six = type == GG_Q6_K;
+    const int64_t xe_floats = six ? 256 : 128;
+    const size_t xt_bytes = (size_t)(tiles * nb) * 4096, dxt_floats = (size_t)(tiles * nb) * 16;
+    uint8_t *buf = aligned_alloc(64, xt_bytes + (dxt_floats + (size_t)(tiles * nb * xe_floats)) * 4);
+    if (!buf) return -1;
+    int8_t *xt = (int8_t *)buf;
+    float *dxt = (float *)(buf + xt_bytes), *xet = dxt + dxt_floats;
+    /* x transposed a tile at a time: 16 rows' 64 bytes (16 groups of 4) -> 16 registers of one
+     * group of each row; rows past m are zero (and so are their sums: they add nothing) */
+    for (int64_t c = 0; c < tiles; c++)
+        for (int64_t b = 0; b < nb; b++) {
+            for (int64_t g = 0; g < 4; g++) {
+                __m512i v[16];
+                for (int64_t i = 0; i < 16; i++)
+                    v[i] = 16 * c + i < m ? _mm512_loadu_si512((const void *)(xq + (16 * c + i) * k + 256 * b + 64 * g))
+                                          : _mm512_setzero_si512();
+                transpose16(v);
+                for (int j = 0; j < 16; j++)
+                    _mm512_store_si512((void *)(xt + ((c * nb + b) * 64 + 16 * g + j) * 64), v[j]);
+            }
+            float *d = dxt + (c * nb + b) * 16, *e = xet + (c * nb + b) * xe_floats;
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t row = 16 * c + i;
+                d[i] = row < m ? dx[row * nb + b] : 0.0f;
+                if (six) {
+                    for (int s = 0; s < 16; s++)
+                        ((int32_t *)e)[16 * s + i] = row < m ? -32 * xs[row * (k / 16) + 16 * b + s] : 0;
+                } else {
+                    for (int s = 0; s < 8; s++)
+                        e[16 * s + i] = row < m ? dx[row * nb + b] * (float)(xs[row * (k / 16) + 16 * b + 2 * s] +
+                                                                          xs[row * (k / 16) + 16 * b + 2 * s + 1])
+                                                : 0.0f;
+                }
+            }
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+    {
+        /* per thread: the unpacked blocks, then the sums of each tile */
+        uint8_t *scratch = aligned_alloc(64, sizeof(xl_block) + (size_t)(16 * tiles) * 64);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        xl_block *xb = (xl_block *)scratch;
+        __m512 *t = scratch ? (__m512 *)(scratch + sizeof(xl_block)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < (n + 15) / 16; g++) {
+            if (!scratch) continue;
+            const int64_t r0 = 16 * g;
+            const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
+#define XL_TASK(T) xl_task(T, w, row_bytes, r0, nr, k, xt, dxt, xet, xe_floats, tiles, m, out, ldo, xb, t)
+            switch (type) {
+            case GG_Q4_K: XL_TASK(GG_Q4_K); break;
+            case GG_Q5_K: XL_TASK(GG_Q5_K); break;
+            default: XL_TASK(GG_Q6_K); break;
+            }
+#undef XL_TASK
+        }
+        free(scratch);
+    }
+    free(buf);
+    return failed ? -1 : 0;
+}
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -1552,6 +1748,8 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #endif
 #if defined(GG_AVX512)
+    if (direct && block_size(type) == 256 && xl_rows(m))
+        return xl_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
     if (direct && block_size(type) == 256 && m >= VN_MIN_ROWS && !gg_vn_off)
         return vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #endif
@@ -1607,6 +1805,17 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     free(xsf);
     return failed ? -1 : 0;
 }
+
+#if defined(GG_AVX512)
+/* Whether gg_linear_q8 gives m rows of x of a K-quant to xl_linear (for the tests: its bits
+ * are vn_linear's, so they cannot tell) */
+int gg_xl_takes(int64_t m) {
+#if defined(GG_AMX)
+    if (m >= AMX_MIN_ROWS && amx_ok()) return 0;
+#endif
+    return xl_rows(m);
+}
+#endif
 
 /* The bf16 GEMM's output blocks into rows: src [blocks][n][size] (one block of `size` rows
  * of x, transposed: what `chunk @ rows.T` writes) -> dst [m][n], dst[i][j] =

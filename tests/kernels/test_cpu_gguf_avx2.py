@@ -86,13 +86,16 @@ def reference_w(type_name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def vnni_only(lib, lanes: bool = False):
-    """The library's AMX-INT8 tiles off (where it has them) for the block, and the AVX-512
-    kernel with weight rows in the lanes off too unless `lanes`: the VNNI row loop only."""
+def vnni_only(lib, lanes: bool = False, x_lanes: bool = False):
+    """The library's AMX-INT8 tiles off (where it has them) for the block, the AVX-512 kernel
+    with weight rows in the lanes off too unless `lanes`, and the one with rows of x in the
+    lanes (13-16, 29-32 rows) unless `x_lanes`: by default the VNNI row loop only."""
     if hasattr(lib, "gg_set_amx"):
         lib.gg_set_amx(0)
     if hasattr(lib, "gg_set_vn"):
         lib.gg_set_vn(1 if lanes else 0)
+    if hasattr(lib, "gg_set_xl"):
+        lib.gg_set_xl(1 if x_lanes else 0)
     try:
         yield
     finally:
@@ -168,6 +171,39 @@ def test_vnni_weight_rows_in_lanes(type_name, k):
     with vnni_only(lib):
         loop = run(lib, type_name, raw, k, x, threads=2)
     assert not torch.equal(loop, full)
+
+
+XL_ROWS = (13, 16, 29, 32)  # the x-lanes kernel's row counts: a tile with 3 lanes of zeros, one, two
+
+
+@pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None, "gg_set_xl"),
+                    reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 1280, 8192])
+def test_vnni_x_rows_in_lanes(type_name, k):
+    """K-quant matmuls of 13-16 or 29-32 rows of x (AMX off) take the kernel with 16 rows of x
+    in a register's lanes: held to the same bound, the same bits on one thread or two, for
+    each row of x in any such group whatever its lane, and as the kernel with weight rows in
+    the lanes (the same operations per output in the other orientation), so a row's bits
+    stay the same at every batch size from 8 rows on."""
+    n = 67  # four tasks of 16 weight rows, then one of 3: a pass of 8 with 5 rows of zeros
+    raw = random_blocks(type_name, n, k, seed=k + 3, extreme=True)
+    w = reference_w(type_name, raw, k)
+    x = random_x(max(XL_ROWS), k, seed=k + 3)
+    lib = cpu_gguf._load()
+    with vnni_only(lib, lanes=True, x_lanes=True):
+        full = run(lib, type_name, raw, k, x, threads=1)
+        check(full, w, x, type_name)
+        assert torch.equal(run(lib, type_name, raw, k, x, threads=2), full)
+        for m in XL_ROWS:
+            assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), full[:m])
+        assert torch.equal(run(lib, type_name, raw, k, x[3:17].contiguous(), threads=2), full[3:17])
+        lib.gg_xl_takes.argtypes = [ctypes.c_int64]
+        assert [m for m in range(1, 40) if lib.gg_xl_takes(m)] == [13, 14, 15, 16, 29, 30, 31, 32]
+    with vnni_only(lib, lanes=True):
+        lanes = run(lib, type_name, raw, k, x, threads=2)
+        assert not lib.gg_xl_takes(16)
+    assert torch.equal(lanes, full)
 
 
 @pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None, "gg_set_vn"),
@@ -410,6 +446,7 @@ def test_vn16_switch(monkeypatch):
         lanes = run(lib, "Q4_K", raw, k, x, threads=2)
     assert not torch.equal(loop, lanes)
     monkeypatch.setenv("DUPLEX_GGUF_VN16", "0")
+    monkeypatch.setenv("DUPLEX_GGUF_XL16", "0")
     monkeypatch.setenv("DUPLEX_GGUF_AMX", "0")
     cpu_gguf.apply_amx_switch(lib)
     try:
@@ -418,11 +455,13 @@ def test_vn16_switch(monkeypatch):
         assert torch.equal(run(lib, "Q4_K", raw, k, x, threads=2), loop)
     finally:
         monkeypatch.delenv("DUPLEX_GGUF_VN16")
+        monkeypatch.delenv("DUPLEX_GGUF_XL16")
         monkeypatch.delenv("DUPLEX_GGUF_AMX")
         cpu_gguf.apply_amx_switch(lib)
     if not cpu_gguf.amx_available():
         assert cpu_gguf.vn_available() and gguf_weight.row_limit(type_id) == 96
-        assert torch.equal(run(lib, "Q4_K", raw, k, x, threads=2), lanes)
+        x40 = torch.cat([x, random_x(24, k, seed=4)])  # 40 rows: past the x-lanes kernel's 32
+        assert torch.equal(run(lib, "Q4_K", raw, k, x40, threads=2)[:16], lanes)
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
