@@ -2,8 +2,12 @@
 step can send them down (kernels/gguf_weight.py), at the row counts asked for:
 
 * int8-rows: the row kernels on int8 activations (`cpu_gguf.linear`: the row loop, AVX-512
-  VNNI with weight rows in the lanes, AMX-INT8 tiles), which decode steps take (Q4_0 / Q4_1
-  weights of small files with the VNNI int4 layout take kernels/cpu_qgemv.c instead);
+  VNNI with weight rows or rows of x in the lanes, AMX-INT8 tiles), which decode steps take
+  (Q4_0 / Q4_1 weights of small files with the VNNI int4 layout take kernels/cpu_qgemv.c
+  instead);
+* int8-rows-vn: at the row counts where a layer of K-quants takes the kernel with rows of x in
+  the lanes (`cpu_gguf.xl_takes`), the same with it switched off (DUPLEX_GGUF_XL16=0): the
+  kernel with weight rows in the lanes, which gives the same bits;
 * prompt: what a prompt step runs (`GGUFWeight._tiled`): the bf16 GEMM on the file's blocks
   (`cpu_gguf.gemm_bf16`: AMX-BF16 tiles or AVX512-BF16), else fp32 tiles;
 * prompt-onednn: where the CPU has a bf16 GEMM on the blocks, the same product with it
@@ -79,6 +83,13 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
         for w, *_, x in cases:
             w._tiled(x)
 
+    def int8_rows_vn():
+        lib.gg_set_xl(0)
+        try:
+            int8_rows()
+        finally:
+            cpu_gguf.apply_amx_switch(lib)
+
     def onednn():
         for name in ("gg_set_amx", "gg_set_bf16_gemm"):
             if hasattr(lib, name):
@@ -91,6 +102,9 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
     found = {"prompt": prompt}
     if cpu_gguf.available():
         found["int8-rows"] = int8_rows
+        k_quants = all(cpu_gguf.TYPES[type_id][1] == 256 for _, type_id, _, _ in weights)
+        if k_quants and cpu_gguf.xl_takes(m):
+            found["int8-rows-vn"] = int8_rows_vn
     if cpu_gguf.bf16_gemm_kind() is not None:
         found["prompt-onednn"] = onednn
     return found
@@ -117,8 +131,9 @@ def rate_text(name: str, m: int, ms: float, gops: float, limits: dict[str, float
     from duplex.kernels import cpu_gguf
 
     text = f"{name} {ms:8.2f} ms {gops:5.0f} G/s"
-    bounded = name in limits and (name != "int8-rows" or m >= cpu_gguf.VN_ROWS)
-    return text + (f" ({gops * 1e9 / limits[name]:4.0%})" if bounded else "")
+    kind = name.removesuffix("-vn")  # the same instruction's limit
+    bounded = kind in limits and (kind != "int8-rows" or m >= cpu_gguf.VN_ROWS)
+    return text + (f" ({gops * 1e9 / limits[kind]:4.0%})" if bounded else "")
 
 
 def run(args: argparse.Namespace) -> int:

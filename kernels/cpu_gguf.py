@@ -267,5 +267,17 @@ def vn_available() -> bool:
     return bool(lib) and hasattr(lib, "gg_vn_available") and lib.gg_vn_available() == 1
 
 
+def xl_takes(rows: int) -> bool:
+    """Whether K-quant matmuls of `rows` rows of x take the AVX-512 VNNI kernel with 16 rows of
+    x in a register's lanes (cpu_gguf.c xl_linear: 13-16 and 29-32 rows, no AMX, the switch
+    DUPLEX_GGUF_XL16 on); its outputs are bitwise those of the kernel with weight rows in the
+    lanes, so only this says which ran."""
+    lib = _load() if available() else None
+    if not lib or not hasattr(lib, "gg_xl_takes"):
+        return False
+    lib.gg_xl_takes.argtypes = [ctypes.c_int64]
+    return lib.gg_xl_takes(rows) == 1
+
+
 AMX_ROWS = 8  # cpu_gguf.c AMX_MIN_ROWS
 VN_ROWS = 8  # cpu_gguf.c VN_MIN_ROWS

@@ -198,11 +198,10 @@ def test_vnni_x_rows_in_lanes(type_name, k):
         for m in XL_ROWS:
             assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), full[:m])
         assert torch.equal(run(lib, type_name, raw, k, x[3:17].contiguous(), threads=2), full[3:17])
-        lib.gg_xl_takes.argtypes = [ctypes.c_int64]
-        assert [m for m in range(1, 40) if lib.gg_xl_takes(m)] == [13, 14, 15, 16, 29, 30, 31, 32]
+        assert [m for m in range(1, 40) if cpu_gguf.xl_takes(m)] == [13, 14, 15, 16, 29, 30, 31, 32]
     with vnni_only(lib, lanes=True):
         lanes = run(lib, type_name, raw, k, x, threads=2)
-        assert not lib.gg_xl_takes(16)
+        assert not cpu_gguf.xl_takes(16)
     assert torch.equal(lanes, full)
 
 
