@@ -1736,6 +1736,29 @@ static void x_sums(int type, int64_t m, int64_t k, const float *dx, const int32_
 
 /* out [m, n] (row stride ldo) = x @ w.T from gg_quantize_x's xq, dx, xs (block types; dx
  * per x_group(type) inputs). */
+/* Which kernel gg_linear_q8 gives m rows of x of a type: the K-quants' AMX tiles, rows of x
+ * in the lanes, weight rows in the lanes, or the row loops below (Q8_LOOP). */
+enum { Q8_LOOP, Q8_AMX, Q8_XL, Q8_VN };
+
+static int q8_kernel(int type, int64_t m) {
+    if (!avx2_type(type) || block_size(type) != 256) return Q8_LOOP;
+#if defined(GG_AMX)
+    if (m >= AMX_MIN_ROWS && amx_ok()) return Q8_AMX;
+#endif
+#if defined(GG_AVX512)
+    if (xl_rows(m)) return Q8_XL;
+    if (m >= VN_MIN_ROWS && !gg_vn_off) return Q8_VN;
+#endif
+    (void)m;
+    return Q8_LOOP;
+}
+
+#if defined(GG_AVX512)
+/* Whether K-quant matmuls of m rows of x take xl_linear (for the tests: its bits are
+ * vn_linear's, so they cannot tell) */
+int gg_xl_takes(int64_t m) { return q8_kernel(GG_Q4_K, m) == Q8_XL; }
+#endif
+
 int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                  const int8_t *xq, const float *dx, const int32_t *xs, int64_t m, float *out,
                  int64_t ldo, int threads) {
@@ -1743,16 +1766,16 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     int failed = 0, direct = avx2_type(type);
     /* one row of x against K-quants: weight rows two at a time (AVX2) */
     const int64_t step = direct && m == 1 && block_size(type) == 256 ? 2 : 1;
+    switch (q8_kernel(type, m)) {
 #if defined(GG_AMX)
-    if (direct && block_size(type) == 256 && m >= AMX_MIN_ROWS && amx_ok())
-        return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    case Q8_AMX: return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #endif
 #if defined(GG_AVX512)
-    if (direct && block_size(type) == 256 && xl_rows(m))
-        return xl_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
-    if (direct && block_size(type) == 256 && m >= VN_MIN_ROWS && !gg_vn_off)
-        return vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    case Q8_XL: return xl_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    case Q8_VN: return vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #endif
+    default: break;
+    }
     float *xsf = direct ? malloc((size_t)(m * (k / 16)) * sizeof(float)) : NULL;
     int16_t *xs16 = (int16_t *)xsf;  /* the same scratch: one or the other */
     if (direct && !xsf) return -1;
@@ -1805,17 +1828,6 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     free(xsf);
     return failed ? -1 : 0;
 }
-
-#if defined(GG_AVX512)
-/* Whether gg_linear_q8 gives m rows of x of a K-quant to xl_linear (for the tests: its bits
- * are vn_linear's, so they cannot tell) */
-int gg_xl_takes(int64_t m) {
-#if defined(GG_AMX)
-    if (m >= AMX_MIN_ROWS && amx_ok()) return 0;
-#endif
-    return xl_rows(m);
-}
-#endif
 
 /* The bf16 GEMM's output blocks into rows: src [blocks][n][size] (one block of `size` rows
  * of x, transposed: what `chunk @ rows.T` writes) -> dst [m][n], dst[i][j] =
