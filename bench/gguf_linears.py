@@ -5,9 +5,10 @@ step can send them down (kernels/gguf_weight.py), at the row counts asked for:
   VNNI with weight rows or rows of x in the lanes, AMX-INT8 tiles), which decode steps take
   (Q4_0 / Q4_1 weights of small files with the VNNI int4 layout take kernels/cpu_qgemv.c
   instead);
-* int8-rows-vn: at the row counts where a layer of K-quants takes the kernel with rows of x in
-  the lanes (`cpu_gguf.xl_takes`), the same with it switched off (DUPLEX_GGUF_XL16=0): the
-  kernel with weight rows in the lanes, which gives the same bits;
+* int8-rows-xl-off: at the row counts where a layer of K-quants takes the kernel with rows of
+  x in the lanes (`cpu_gguf.xl_takes`), the same with it switched off (DUPLEX_GGUF_XL16=0):
+  what those rows take without it (from 8 rows the kernel with weight rows in the lanes,
+  which gives the same bits; below, the row loop);
 * prompt: what a prompt step runs (`GGUFWeight._tiled`): the bf16 GEMM on the file's blocks
   (`cpu_gguf.gemm_bf16`: AMX-BF16 tiles or AVX512-BF16), else fp32 tiles;
 * prompt-onednn: where the CPU has a bf16 GEMM on the blocks, the same product with it
@@ -83,7 +84,7 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
         for w, *_, x in cases:
             w._tiled(x)
 
-    def int8_rows_vn():
+    def int8_rows_xl_off():
         lib.gg_set_xl(0)
         try:
             int8_rows()
@@ -104,7 +105,7 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
         found["int8-rows"] = int8_rows
         k_quants = all(cpu_gguf.TYPES[type_id][1] == 256 for _, type_id, _, _ in weights)
         if k_quants and cpu_gguf.xl_takes(m):
-            found["int8-rows-vn"] = int8_rows_vn
+            found["int8-rows-xl-off"] = int8_rows_xl_off
     if cpu_gguf.bf16_gemm_kind() is not None:
         found["prompt-onednn"] = onednn
     return found
@@ -131,7 +132,7 @@ def rate_text(name: str, m: int, ms: float, gops: float, limits: dict[str, float
     from duplex.kernels import cpu_gguf
 
     text = f"{name} {ms:8.2f} ms {gops:5.0f} G/s"
-    kind = name.removesuffix("-vn")  # the same instruction's limit
+    kind = name.removesuffix("-xl-off")  # the same instruction's limit
     bounded = kind in limits and (kind != "int8-rows" or m >= cpu_gguf.VN_ROWS)
     return text + (f" ({gops * 1e9 / limits[kind]:4.0%})" if bounded else "")
 

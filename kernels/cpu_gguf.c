@@ -1279,7 +1279,7 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
 }
 
 /* ------------------------------------------------ VNNI with rows of x in the lanes: the
- * K-quants at decode batch sizes (13-16 and 29-32 rows of x: xl_rows)
+ * K-quants at decode batch sizes (5-8, 13-16 and 29-32 rows of x: xl_rows)
  *
  * vn_linear above puts 16 weight rows in the lanes, so every block of them is transposed
  * before its dots; with 512 rows of x that is shared by 64 groups, at 16 rows by 2, and
@@ -1297,6 +1297,9 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
  * transposed once at the end of each task. */
 #define XL_MAX_ROWS 32  /* at most 2 tiles; from 3 on vn_linear is as fast (docs/BENCHMARKS.md) */
 #define XL_W 8          /* weight rows unpacked and dotted together (8 sums in flight) */
+#if defined(__AVX512VL__)
+#define XL8 1           /* tiles of 8 rows of x in 256-bit registers (xl_group8) */
+#endif
 
 typedef struct {
     uint8_t q[XL_W][256];  /* a block of each weight row, one byte a weight, in order */
@@ -1308,11 +1311,18 @@ static int gg_xl_off;  /* gg_set_xl(0): vn_linear at these row counts (tests, me
 
 void gg_set_xl(int on) { gg_xl_off = !on; }
 
-/* Whether m rows of x take xl_linear: a tile's 16 lanes hold 13 to 16 of them. A tile costs
- * the same at any count, and vn_linear's time grows with its groups of 8 and 4 rows: at 9-12
- * rows (and 17-28) it is as fast, at 13-16 (29-32) xl_linear is 1.13-1.20x (measured). */
-static int xl_rows(int64_t m) { return !gg_xl_off && m <= XL_MAX_ROWS && (m % 16 == 0 || m % 16 > 12); }
-
+/* Whether m rows of x take xl_linear: a tile's 16 lanes hold 13 to 16 of them, or 8 lanes 5
+ * to 8. A tile costs the same at any count, and vn_linear's time grows with its groups of 8
+ * and 4 rows: at 9-12 rows (and 17-28) it is as fast, at 13-16 (29-32) xl_linear is
+ * 1.13-1.28x; below 8 rows the row loop (kq512_group) is faster up to 4, and an 8-lane tile
+ * 1.16-1.55x at 5-8 (docs/BENCHMARKS.md). */
+static int xl_rows(int64_t m) {
+    if (gg_xl_off || m > XL_MAX_ROWS) return 0;
+#if defined(XL8)
+    if (m >= 5 && m <= 8) return 1;  /* one tile of 8 lanes (xl_group8) */
+#endif
+    return m % 16 == 0 || m % 16 > 12;
+}
 
 /* Block b of weight rows [r0, r0 + nr) (nr <= XL_W) into xb; rows from nr on: zero. */
 ALWAYS_INLINE void xl_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
@@ -1378,69 +1388,134 @@ ALWAYS_INLINE void xl_group(int type, const xl_block *xb, const int8_t *X, const
     }
 }
 
-/* Weight rows [r0, r0 + nr) (nr <= 16) against every tile of x into out. xt [tiles][nb][64]
- * [64 bytes], dxt [tiles][nb][16], xet [tiles][nb][xe_floats] (see xl_group); t: 16 per tile. */
-ALWAYS_INLINE void xl_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
-                           int64_t k, const int8_t *xt, const float *dxt, const float *xet,
-                           int64_t xe_floats, int64_t tiles, int64_t m, float *out, int64_t ldo,
-                           xl_block *xb, __m512 *t) {
+#if defined(XL8)
+/* xl_group on 8 lanes, a tile of 8 rows of x in 256-bit registers: Zen 4 issues two 256-bit
+ * vpdpbusd a cycle (cpu_gguf.peak_ops: int8-256 at int8's rate), so 5-8 rows of x (a decode
+ * step at concurrency 8) lose nothing to half-empty 512-bit lanes. X [64][8 rows][4]; DX [8];
+ * XE: Q6_K int32 [16][8], else fp32 [8][8]. The same operations per output. */
+ALWAYS_INLINE void xl_group8(int type, const xl_block *xb, const int8_t *X, const float *DX,
+                             const void *XE, __m512 *t) {  /* t[r]'s lower 8 lanes */
+    const int six = type == GG_Q6_K, ns = six ? 16 : 8, kg = six ? 4 : 8;
+    __m256 a[XL_W];
+    for (int r = 0; r < XL_W; r++) a[r] = _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++) {
+        __m256i acc[XL_W];
+        const __m256i start = six ? _mm256_load_si256((const __m256i *)((const int32_t *)XE + 8 * s))
+                                  : _mm256_setzero_si256();
+        for (int r = 0; r < XL_W; r++) acc[r] = start;
+        for (int i = 0; i < kg; i++) {
+            const __m256i x = _mm256_load_si256((const __m256i *)(X + 32 * (kg * s + i)));
+            for (int r = 0; r < XL_W; r++)
+                acc[r] = _mm256_dpbusd_epi32(acc[r], _mm256_set1_epi32(
+                    ((const int32_t *)xb->q[r])[kg * s + i]), x);
+        }
+        for (int r = 0; r < XL_W; r++)
+            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(xb->f[r][s]), a[r]);
+    }
+    const __m256 dx = _mm256_load_ps(DX);
+    for (int r = 0; r < XL_W; r++) {
+        __m256 v = _mm256_fmadd_ps(a[r], dx, *(const __m256 *)(t + r));
+        if (!six)
+            for (int s = 0; s < 8; s++)
+                v = _mm256_fnmadd_ps(_mm256_set1_ps(xb->mn[r][s]),
+                                     _mm256_load_ps((const float *)XE + 8 * s), v);
+        *(__m256 *)(t + r) = v;
+    }
+}
+#endif
+
+/* Weight rows [r0, r0 + nr) (nr <= 16) against every tile of L (16 or 8) rows of x into out.
+ * xt [tiles][nb][64][L][4 bytes], dxt [tiles][nb][L], xet [tiles][nb][xe_floats] (see
+ * xl_group); t: 16 a tile, of L lanes. */
+ALWAYS_INLINE void xl_task(int type, const int L, const uint8_t *w, int64_t row_bytes, int64_t r0,
+                           int nr, int64_t k, const int8_t *xt, const float *dxt,
+                           const float *xet, int64_t xe_floats, int64_t tiles, int64_t m,
+                           float *out, int64_t ldo, xl_block *xb, __m512 *t) {
     const int64_t nb = k / 256;
     for (int64_t i = 0; i < 16 * tiles; i++) t[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++)
         for (int h = 0; h < 16 / XL_W && XL_W * h < nr; h++) {
             const int rows = nr - XL_W * h < XL_W ? nr - XL_W * h : XL_W;
             xl_unpack(type, w, row_bytes, r0 + XL_W * h, rows, b, nb, xb);
-            for (int64_t c = 0; c < tiles; c++)
-                xl_group(type, xb, xt + (c * nb + b) * 4096, dxt + (c * nb + b) * 16,
-                         xet + (c * nb + b) * xe_floats, t + 16 * c + XL_W * h);
+            for (int64_t c = 0; c < tiles; c++) {
+                const int64_t at = c * nb + b;
+#if defined(XL8)
+                if (L == 8) {
+                    xl_group8(type, xb, xt + at * 2048, dxt + at * 8, xet + at * xe_floats,
+                              t + 16 * c + XL_W * h);
+                    continue;
+                }
+#endif
+                xl_group(type, xb, xt + at * 4096, dxt + at * 16, xet + at * xe_floats,
+                         t + 16 * c + XL_W * h);
+            }
         }
     const __mmask16 keep = (__mmask16)((1u << nr) - 1);
     for (int64_t c = 0; c < tiles; c++) {  /* [weight row][row of x] -> rows of out */
         __m512i v[16];
-        for (int r = 0; r < 16; r++) v[r] = _mm512_castps_si512(t[16 * c + r]);
+        for (int r = 0; r < 16; r++)
+            v[r] = L == 16 ? _mm512_castps_si512(t[16 * c + r])  /* an 8-lane tile: the upper */
+                           : _mm512_zextsi256_si512(_mm256_castps_si256(  /* lanes zero */
+                                 *(const __m256 *)(t + 16 * c + r)));
         transpose16(v);
-        for (int64_t i = 0; i < 16 && 16 * c + i < m; i++)
-            _mm512_mask_storeu_ps(out + (16 * c + i) * ldo + r0, keep, _mm512_castsi512_ps(v[i]));
+        for (int64_t i = 0; i < L && L * c + i < m; i++)
+            _mm512_mask_storeu_ps(out + (L * c + i) * ldo + r0, keep, _mm512_castsi512_ps(v[i]));
     }
 }
 
-/* out [m, n] (row stride ldo), m <= XL_MAX_ROWS, on the rows-of-x-in-lanes kernel */
+/* out [m, n] (row stride ldo), m <= XL_MAX_ROWS, on the rows-of-x-in-lanes kernel: tiles of
+ * 16 rows of x, or one of 8 for 8 rows or fewer (XL8) */
 static int xl_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                      const int8_t *xq, const float *dx, const int32_t *xs, int64_t m,
                      float *out, int64_t ldo, int threads) {
-    const int64_t nb = k / 256, tiles = (m + 15) / 16;
+#if defined(XL8)
+    const int L = m <= 8 ? 8 : 16;
+#else
+    const int L = 16;
+#endif
+    const int64_t nb = k / 256, tiles = (m + L - 1) / L;
     const int six = type == GG_Q6_K;
-    const int64_t xe_floats = six ? 256 : 128;
-    const size_t xt_bytes = (size_t)(tiles * nb) * 4096, dxt_floats = (size_t)(tiles * nb) * 16;
+    const int64_t xe_floats = (six ? 16 : 8) * L;
+    const size_t xt_bytes = (size_t)(tiles * nb) * 256 * L, dxt_floats = (size_t)(tiles * nb) * L;
     uint8_t *buf = aligned_alloc(64, xt_bytes + (dxt_floats + (size_t)(tiles * nb * xe_floats)) * 4);
     if (!buf) return -1;
     int8_t *xt = (int8_t *)buf;
     float *dxt = (float *)(buf + xt_bytes), *xet = dxt + dxt_floats;
-    /* x transposed a tile at a time: 16 rows' 64 bytes (16 groups of 4) -> 16 registers of one
-     * group of each row; rows past m are zero (and so are their sums: they add nothing) */
+    /* x transposed a tile at a time, [64 groups of 4][L rows]; rows past m are zero (and so
+     * are their sums: they add nothing). 16 rows: each 64 bytes (16 groups) -> 16 registers
+     * of one group of each row; 8 rows: a dword at a time. */
     for (int64_t c = 0; c < tiles; c++)
         for (int64_t b = 0; b < nb; b++) {
-            for (int64_t g = 0; g < 4; g++) {
-                __m512i v[16];
-                for (int64_t i = 0; i < 16; i++)
-                    v[i] = 16 * c + i < m ? _mm512_loadu_si512((const void *)(xq + (16 * c + i) * k + 256 * b + 64 * g))
-                                          : _mm512_setzero_si512();
-                transpose16(v);
-                for (int j = 0; j < 16; j++)
-                    _mm512_store_si512((void *)(xt + ((c * nb + b) * 64 + 16 * g + j) * 64), v[j]);
+            int8_t *xb = xt + (c * nb + b) * 256 * L;
+            if (L == 16) {
+                for (int64_t g = 0; g < 4; g++) {
+                    __m512i v[16];
+                    for (int64_t i = 0; i < 16; i++)
+                        v[i] = 16 * c + i < m ? _mm512_loadu_si512((const void *)(xq + (16 * c + i) * k + 256 * b + 64 * g))
+                                              : _mm512_setzero_si512();
+                    transpose16(v);
+                    for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(xb + (16 * g + j) * 64), v[j]);
+                }
+            } else {
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t g = 0; g < 64; g++) {
+                        int32_t v = 0;
+                        if (L * c + i < m) memcpy(&v, xq + (L * c + i) * k + 256 * b + 4 * g, 4);
+                        memcpy(xb + (g * L + i) * 4, &v, 4);
+                    }
             }
-            float *d = dxt + (c * nb + b) * 16, *e = xet + (c * nb + b) * xe_floats;
-            for (int64_t i = 0; i < 16; i++) {
-                const int64_t row = 16 * c + i;
+            float *d = dxt + (c * nb + b) * L, *e = xet + (c * nb + b) * xe_floats;
+            for (int64_t i = 0; i < L; i++) {
+                const int64_t row = L * c + i;
                 d[i] = row < m ? dx[row * nb + b] : 0.0f;
                 if (six) {
                     for (int s = 0; s < 16; s++)
-                        ((int32_t *)e)[16 * s + i] = row < m ? -32 * xs[row * (k / 16) + 16 * b + s] : 0;
+                        ((int32_t *)e)[L * s + i] = row < m ? -32 * xs[row * (k / 16) + 16 * b + s] : 0;
                 } else {
                     for (int s = 0; s < 8; s++)
-                        e[16 * s + i] = row < m ? dx[row * nb + b] * (float)(xs[row * (k / 16) + 16 * b + 2 * s] +
-                                                                          xs[row * (k / 16) + 16 * b + 2 * s + 1])
-                                                : 0.0f;
+                        e[L * s + i] = row < m ? dx[row * nb + b] * (float)(xs[row * (k / 16) + 16 * b + 2 * s] +
+                                                                         xs[row * (k / 16) + 16 * b + 2 * s + 1])
+                                               : 0.0f;
                 }
             }
         }
@@ -1460,12 +1535,15 @@ static int xl_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
             if (!scratch) continue;
             const int64_t r0 = 16 * g;
             const int nr = n - r0 < 16 ? (int)(n - r0) : 16;
-#define XL_TASK(T) xl_task(T, w, row_bytes, r0, nr, k, xt, dxt, xet, xe_floats, tiles, m, out, ldo, xb, t)
+            /* one copy of the task per type and tile width, both constants */
+#define XL_TASK(T, L) xl_task(T, L, w, row_bytes, r0, nr, k, xt, dxt, xet, xe_floats, tiles, m, out, ldo, xb, t)
+#define XL_TASKS(T) if (L == 8) XL_TASK(T, 8); else XL_TASK(T, 16)
             switch (type) {
-            case GG_Q4_K: XL_TASK(GG_Q4_K); break;
-            case GG_Q5_K: XL_TASK(GG_Q5_K); break;
-            default: XL_TASK(GG_Q6_K); break;
+            case GG_Q4_K: XL_TASKS(GG_Q4_K); break;
+            case GG_Q5_K: XL_TASKS(GG_Q5_K); break;
+            default: XL_TASKS(GG_Q6_K); break;
             }
+#undef XL_TASKS
 #undef XL_TASK
         }
         free(scratch);

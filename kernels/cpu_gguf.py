@@ -268,10 +268,10 @@ def vn_available() -> bool:
 
 
 def xl_takes(rows: int) -> bool:
-    """Whether K-quant matmuls of `rows` rows of x take the AVX-512 VNNI kernel with 16 rows of
-    x in a register's lanes (cpu_gguf.c xl_linear: 13-16 and 29-32 rows, no AMX, the switch
-    DUPLEX_GGUF_XL16 on); its outputs are bitwise those of the kernel with weight rows in the
-    lanes, so only this says which ran."""
+    """Whether K-quant matmuls of `rows` rows of x take the AVX-512 VNNI kernel with 8 or 16
+    rows of x in a register's lanes (cpu_gguf.c xl_linear: 5-8, 13-16 and 29-32 rows, no AMX,
+    the switch DUPLEX_GGUF_XL16 on); its outputs are bitwise those of the kernel with weight
+    rows in the lanes, so only this says which ran."""
     lib = _load() if available() else None
     if not lib or not hasattr(lib, "gg_xl_takes"):
         return False

@@ -89,7 +89,7 @@ def reference_w(type_name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
 def vnni_only(lib, lanes: bool = False, x_lanes: bool = False):
     """The library's AMX-INT8 tiles off (where it has them) for the block, the AVX-512 kernel
     with weight rows in the lanes off too unless `lanes`, and the one with rows of x in the
-    lanes (13-16, 29-32 rows) unless `x_lanes`: by default the VNNI row loop only."""
+    lanes (5-8, 13-16, 29-32 rows) unless `x_lanes`: by default the VNNI row loop only."""
     if hasattr(lib, "gg_set_amx"):
         lib.gg_set_amx(0)
     if hasattr(lib, "gg_set_vn"):
@@ -173,7 +173,8 @@ def test_vnni_weight_rows_in_lanes(type_name, k):
     assert not torch.equal(loop, full)
 
 
-XL_ROWS = (13, 16, 29, 32)  # the x-lanes kernel's row counts: a tile with 3 lanes of zeros, one, two
+XL_ROWS = (5, 8, 13, 16, 29, 32)  # the x-lanes kernel's: a tile of 8 lanes, 3 of them zeros,
+#                                   a full one; a tile of 16 with 3 lanes of zeros, a full one; two
 
 
 @pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None, "gg_set_xl"),
@@ -181,11 +182,11 @@ XL_ROWS = (13, 16, 29, 32)  # the x-lanes kernel's row counts: a tile with 3 lan
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("k", [256, 1280, 8192])
 def test_vnni_x_rows_in_lanes(type_name, k):
-    """K-quant matmuls of 13-16 or 29-32 rows of x (AMX off) take the kernel with 16 rows of x
-    in a register's lanes: held to the same bound, the same bits on one thread or two, for
-    each row of x in any such group whatever its lane, and as the kernel with weight rows in
-    the lanes (the same operations per output in the other orientation), so a row's bits
-    stay the same at every batch size from 8 rows on."""
+    """K-quant matmuls of 5-8, 13-16 or 29-32 rows of x (AMX off) take the kernel with rows of
+    x in a register's lanes (8 or 16 of them): held to the same bound, the same bits on one
+    thread or two, for each row of x in any such group whatever its lane, and as the kernel
+    with weight rows in the lanes (the same operations per output in the other orientation),
+    so a row's bits are those of the batch-invariant path (gg_linear_lanes) there."""
     n = 67  # four tasks of 16 weight rows, then one of 3: a pass of 8 with 5 rows of zeros
     raw = random_blocks(type_name, n, k, seed=k + 3, extreme=True)
     w = reference_w(type_name, raw, k)
@@ -198,7 +199,9 @@ def test_vnni_x_rows_in_lanes(type_name, k):
         for m in XL_ROWS:
             assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), full[:m])
         assert torch.equal(run(lib, type_name, raw, k, x[3:17].contiguous(), threads=2), full[3:17])
-        assert [m for m in range(1, 40) if cpu_gguf.xl_takes(m)] == [13, 14, 15, 16, 29, 30, 31, 32]
+        assert torch.equal(run(lib, type_name, raw, k, x[9:15].contiguous(), threads=2), full[9:15])
+        assert [m for m in range(1, 40) if cpu_gguf.xl_takes(m)] == [5, 6, 7, 8, 13, 14, 15, 16,
+                                                                     29, 30, 31, 32]
     with vnni_only(lib, lanes=True):
         lanes = run(lib, type_name, raw, k, x, threads=2)
         assert not cpu_gguf.xl_takes(16)
