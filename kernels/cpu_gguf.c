@@ -666,6 +666,8 @@ ALWAYS_INLINE void kq_rows(int type, const uint8_t *row, int64_t k, const int8_t
  * medians of 5 x 20 calls, the distances in turns): the hardware prefetchers alone leave
  * each block's first loads waiting. */
 #define KQ_AHEAD 2
+static int gg_kq_ahead = 1;  /* DUPLEX_GGUF_KQ_PREFETCH=0: off (gg_set_kq_prefetch) */
+void gg_set_kq_prefetch(int on) { gg_kq_ahead = on; }
 
 /* Two weight rows (row, row + row_bytes) against one row of x: out[0], out[1]. Two
  * independent chains, and the per-row costs (set-up, the final sums) halved. */
@@ -676,7 +678,7 @@ ALWAYS_INLINE void kq_two_rows(int type, const uint8_t *row, int64_t row_bytes, 
     __m256 a = _mm256_setzero_ps(), c = a;
     for (int64_t b = 0; b < k / 256; b++) {
         kq_block u, v;
-        if (b + KQ_AHEAD < k / 256)
+        if (gg_kq_ahead && b + KQ_AHEAD < k / 256)
             for (int line = 0; line < bb; line += 64) {
                 _mm_prefetch((const char *)row + (b + KQ_AHEAD) * bb + line, _MM_HINT_T0);
                 _mm_prefetch((const char *)row + row_bytes + (b + KQ_AHEAD) * bb + line, _MM_HINT_T0);

@@ -232,11 +232,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def apply_amx_switch(lib: ctypes.CDLL) -> None:
-    """DUPLEX_GGUF_AMX=0, DUPLEX_GGUF_VN16=0, DUPLEX_GGUF_XL16=0 and DUPLEX_GGUF_BF16_GEMM=0
-    into a library built from cpu_gguf.c (this one, kernels.cpu_decode's): the AMX tiles off,
-    the K-quants' AVX-512 kernel with weight rows in the lanes off, the one with rows of x in
-    the lanes off, the AVX512-BF16 prompt GEMM off. A library built without what a switch
-    turns off has no such switch."""
+    """DUPLEX_GGUF_AMX=0, DUPLEX_GGUF_VN16=0, DUPLEX_GGUF_XL16=0, DUPLEX_GGUF_BF16_GEMM=0 and
+    DUPLEX_GGUF_KQ_PREFETCH=0 into a library built from cpu_gguf.c (this one,
+    kernels.cpu_decode's): the AMX tiles off, the K-quants' AVX-512 kernel with weight rows in
+    the lanes off, the one with rows of x in the lanes off, the AVX512-BF16 prompt GEMM off,
+    the AVX2 row kernel's prefetch off. A library built without what a switch turns off has
+    no such switch."""
     if hasattr(lib, "gg_set_amx"):
         lib.gg_set_amx.argtypes = [ctypes.c_int]
         lib.gg_set_amx(0 if switches.is_off("DUPLEX_GGUF_AMX") else 1)
@@ -249,6 +250,9 @@ def apply_amx_switch(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "gg_set_bf16_gemm"):
         lib.gg_set_bf16_gemm.argtypes = [ctypes.c_int]
         lib.gg_set_bf16_gemm(0 if switches.is_off("DUPLEX_GGUF_BF16_GEMM") else 1)
+    if hasattr(lib, "gg_set_kq_prefetch"):
+        lib.gg_set_kq_prefetch.argtypes = [ctypes.c_int]
+        lib.gg_set_kq_prefetch(0 if switches.is_off("DUPLEX_GGUF_KQ_PREFETCH") else 1)
 
 
 def amx_available() -> bool:

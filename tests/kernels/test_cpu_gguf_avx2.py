@@ -481,3 +481,25 @@ def test_fp32_activations_path(type_name):
     assert ((got.double() - ref).abs() <= bound).all()
     int8 = cpu_gguf.linear(cpu_gguf.TYPE_IDS[type_name], raw, k, x)
     assert ((int8.double() - ref).abs() > bound).any()  # the int8 path is measurably coarser
+
+
+@pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None,
+                                "gg_set_kq_prefetch"), reason="built without the AVX2 row kernel")
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_row_kernel_prefetch_changes_no_bit(name):
+    """DUPLEX_GGUF_KQ_PREFETCH: kq_two_rows' prefetch of the next blocks only moves bytes
+    into the cache; one row of x gives the same outputs with it on and off, and they are the
+    weights' own (gguf's dequantization, x as the kernel rounds it)."""
+    lib = cpu_gguf._load()
+    k, n = 256 * 9, 37  # more blocks than the prefetch distance, an odd weight row at the end
+    raw = random_blocks(name, n, k, seed=5, extreme=False)
+    x = random_x(1, k, seed=6)
+    outs = []
+    for on in (1, 0):
+        lib.gg_set_kq_prefetch(on)
+        try:
+            outs.append(run(lib, name, raw, k, x, threads=2))
+        finally:
+            cpu_gguf.apply_amx_switch(lib)
+    assert torch.equal(outs[0], outs[1])
+    check(outs[0], cpu_gguf.reference_dequant(cpu_gguf.TYPE_IDS[name], raw, k), x, name)
