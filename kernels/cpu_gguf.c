@@ -642,6 +642,15 @@ ALWAYS_INLINE void kq_dot(int type, const kq_block *u, const int8_t *x, float dx
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * u->d), _mm256_cvtepi32_ps(sumi), *acc);
 }
 
+/* Blocks ahead that kq_two_rows prefetches from both of its rows: on a 2-core Zen 1 the 1B
+ * shape's 7 linears at one row of x took 3.48 ms without, 3.16 ms with 2 (1: 3.19, 4: 3.37;
+ * medians of 5 x 20 calls, the distances in turns): the hardware prefetchers alone leave
+ * each block's first loads waiting. kq_rows (2-4 rows of x) does not: at 16 rows the layer
+ * took 41.4 ms with and without (its multiplies bound it). */
+#define KQ_AHEAD 2
+static int gg_kq_ahead = 1;  /* DUPLEX_GGUF_KQ_PREFETCH=0: off (gg_set_kq_prefetch) */
+void gg_set_kq_prefetch(int on) { gg_kq_ahead = on; }
+
 /* One weight row of K-quant blocks against `rows` (<= KQ_ROWS) quantized rows of x:
  * xq [rows, k], dx [rows, k/256], xs [rows, k/16]; out[r * ldo]. Each block is unpacked once
  * for all the rows. */
@@ -661,13 +670,6 @@ ALWAYS_INLINE void kq_rows(int type, const uint8_t *row, int64_t k, const int8_t
     for (int r = 0; r < rows; r++) out[r * ldo] = hsum8(acc[r]);
 }
 
-/* Blocks ahead that kq_two_rows prefetches from both of its rows: on a 2-core Zen 1 the 1B
- * shape's 7 linears at one row of x took 3.48 ms without, 3.16 ms with 2 (1: 3.19, 4: 3.37;
- * medians of 5 x 20 calls, the distances in turns): the hardware prefetchers alone leave
- * each block's first loads waiting. */
-#define KQ_AHEAD 2
-static int gg_kq_ahead = 1;  /* DUPLEX_GGUF_KQ_PREFETCH=0: off (gg_set_kq_prefetch) */
-void gg_set_kq_prefetch(int on) { gg_kq_ahead = on; }
 
 /* Two weight rows (row, row + row_bytes) against one row of x: out[0], out[1]. Two
  * independent chains, and the per-row costs (set-up, the final sums) halved. */
