@@ -642,11 +642,15 @@ ALWAYS_INLINE void kq_dot(int type, const kq_block *u, const int8_t *x, float dx
     *acc = _mm256_fmadd_ps(_mm256_set1_ps(dx * u->d), _mm256_cvtepi32_ps(sumi), *acc);
 }
 
-/* Blocks ahead that kq_two_rows prefetches from both of its rows: on a 2-core Zen 1 the 1B
- * shape's 7 linears at one row of x took 3.48 ms without, 3.16 ms with 2 (1: 3.19, 4: 3.37;
- * medians of 5 x 20 calls, the distances in turns): the hardware prefetchers alone leave
- * each block's first loads waiting. kq_rows (2-4 rows of x) does not: at 16 rows the layer
- * took 41.4 ms with and without (its multiplies bound it). */
+/* Blocks ahead that kq_rows prefetches at one row of x, where the loop is a single stream
+ * through a thread's weight rows (it runs past a row's end into the next one). On a 2-core
+ * Zen 1 the 1B shape's 7 linears at one row of x took 3.48 ms with no prefetch, 3.16 ms with
+ * 2 blocks (1: 3.19, 4: 3.37), in an earlier kernel that walked two weight rows in lockstep;
+ * one row at a time then took 3.06 ms against that kernel's 3.54 (medians of 7 x 20 calls in
+ * turns, the same bits): two streams 1152 bytes apart (a k = 2048 Q4_K row) read memory
+ * slower than one. A far L2 prefetch on top (4-8 KB ahead) gave 1-2 %, within the spread.
+ * With 2-4 rows of x the multiplies bound the loop and no prefetch helps (41.4 ms for the
+ * layer at 16 rows, with and without). */
 #define KQ_AHEAD 2
 static int gg_kq_ahead = 1;  /* DUPLEX_GGUF_KQ_PREFETCH=0: off (gg_set_kq_prefetch) */
 void gg_set_kq_prefetch(int on) { gg_kq_ahead = on; }
@@ -662,36 +666,15 @@ ALWAYS_INLINE void kq_rows(int type, const uint8_t *row, int64_t k, const int8_t
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < k / 256; b++) {
         kq_block u;
+        if (rows == 1 && gg_kq_ahead)  /* past the row's end too: the next row is read next */
+            for (int line = 0; line < bb; line += 64)
+                _mm_prefetch((const char *)row + (b + KQ_AHEAD) * bb + line, _MM_HINT_T0);
         kq_unpack(type, row + b * bb, &u);
         for (int r = 0; r < rows; r++)
             kq_dot(type, &u, xq + r * k + 256 * b, dx[r * (k / 256) + b],
                    xs + r * (k / 16) + 16 * b, &acc[r]);
     }
     for (int r = 0; r < rows; r++) out[r * ldo] = hsum8(acc[r]);
-}
-
-
-/* Two weight rows (row, row + row_bytes) against one row of x: out[0], out[1]. Two
- * independent chains, and the per-row costs (set-up, the final sums) halved. */
-ALWAYS_INLINE void kq_two_rows(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
-                               const int8_t *xq, const float *dx, const int16_t *xs,
-                               float *out) {
-    const int bb = block_bytes(type);
-    __m256 a = _mm256_setzero_ps(), c = a;
-    for (int64_t b = 0; b < k / 256; b++) {
-        kq_block u, v;
-        if (gg_kq_ahead && b + KQ_AHEAD < k / 256)
-            for (int line = 0; line < bb; line += 64) {
-                _mm_prefetch((const char *)row + (b + KQ_AHEAD) * bb + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)row + row_bytes + (b + KQ_AHEAD) * bb + line, _MM_HINT_T0);
-            }
-        kq_unpack(type, row + b * bb, &u);
-        kq_dot(type, &u, xq + 256 * b, dx[b], xs + 16 * b, &a);
-        kq_unpack(type, row + row_bytes + b * bb, &v);
-        kq_dot(type, &v, xq + 256 * b, dx[b], xs + 16 * b, &c);
-    }
-    out[0] = hsum8(a);
-    out[1] = hsum8(c);
 }
 
 /* Q5_0 / Q5_1: bit j of qh as 0x10 in byte j (the fifth bit of weight j). */
@@ -782,16 +765,6 @@ static void row_avx2(int type, const uint8_t *row, int64_t k, const int8_t *xq, 
         default: out[i * ldo] = row_q8_direct(GG_Q8_0, row, k, x, d, s); rows = 1; break;
         }
         i += rows;
-    }
-}
-
-/* kq_two_rows for the K-quants: out[0], out[1] from rows row and row + row_bytes. */
-static void two_rows_avx2(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
-                          const int8_t *xq, const float *dx, const int16_t *xs16, float *out) {
-    switch (type) {
-    case GG_Q4_K: kq_two_rows(GG_Q4_K, row, row_bytes, k, xq, dx, xs16, out); break;
-    case GG_Q5_K: kq_two_rows(GG_Q5_K, row, row_bytes, k, xq, dx, xs16, out); break;
-    default: kq_two_rows(GG_Q6_K, row, row_bytes, k, xq, dx, xs16, out); break;
     }
 }
 
@@ -983,7 +956,7 @@ static void kq512_group(int type, const uint8_t *w, int64_t row_bytes, int64_t r
  * ahead into L2 29.5 GB/s; into L1 at any distance, or into L2 at 16-32 KB, less
  * (docs/BENCHMARKS.md). */
 #define PF_AHEAD_BYTES 8192
-/* kq_two_rows on 512 bits: weight rows row and row + row_bytes against one row of x */
+/* Two weight rows (row, row + row_bytes) against one row of x, on 512 bits */
 ALWAYS_INLINE void kq512_two_rows(int type, const uint8_t *row, int64_t row_bytes, int64_t k,
                                   const int8_t *xq, const float *dx, const int16_t *xs,
                                   float *out) {
@@ -1857,8 +1830,12 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
                  int64_t ldo, int threads) {
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
     int failed = 0, direct = avx2_type(type);
-    /* one row of x against K-quants: weight rows two at a time (AVX2) */
-    const int64_t step = direct && m == 1 && block_size(type) == 256 ? 2 : 1;
+    /* one row of x against K-quants: AVX-512 takes weight rows two at a time (kq512_two);
+     * AVX2 one (kq_rows: a single stream through the rows reads memory faster) */
+    int64_t step = 1;
+#if defined(GG_AVX512)
+    if (direct && m == 1 && block_size(type) == 256) step = 2;
+#endif
     switch (q8_kernel(type, m)) {
 #if defined(GG_AMX)
     case Q8_AMX: return amx_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
@@ -1891,7 +1868,7 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < (n + step - 1) / step; p++) {
-            int64_t r = p * step;
+            const int64_t r = p * step;
             if (!ok) continue;
 #if defined(__AVX2__)
 #if defined(GG_AVX512)
@@ -1904,10 +1881,6 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
                 continue;
             }
 #endif
-            if (step == 2 && r + 1 < n) {
-                two_rows_avx2(type, w + r * row_bytes, row_bytes, k, xq, dx, xs16, out + r);
-                continue;
-            }
             if (direct) {
                 row_avx2(type, w + r * row_bytes, k, xq, dx, xsf, xs16, m, out + r, ldo);
                 continue;

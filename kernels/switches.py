@@ -64,7 +64,7 @@ SWITCHES = (
            "of x in the lanes (kernels/cpu_gguf.c)"),
     Switch("DUPLEX_GGUF_KQ_PREFETCH", "1", "developer",
            "0: the AVX2 K-quant row kernel at one row of x does not prefetch its rows' next "
-           "blocks (kernels/cpu_gguf.c, kq_two_rows)"),
+           "blocks (kernels/cpu_gguf.c, kq_rows)"),
     Switch("DUPLEX_GGUF_BF16_GEMM", "1", "developer",
            "0: GGUF prompt GEMMs on CPUs with AVX512-BF16 and no AMX take dequantized chunks "
            "and oneDNN's GEMM, not the C kernel on the file's blocks (kernels/cpu_gguf.c)"),

@@ -487,9 +487,10 @@ def test_fp32_activations_path(type_name):
                                 "gg_set_kq_prefetch"), reason="built without the AVX2 row kernel")
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_row_kernel_prefetch_changes_no_bit(name):
-    """DUPLEX_GGUF_KQ_PREFETCH: kq_two_rows' prefetch of the next blocks only moves bytes
-    into the cache; one row of x gives the same outputs with it on and off, and they are the
-    weights' own (gguf's dequantization, x as the kernel rounds it)."""
+    """DUPLEX_GGUF_KQ_PREFETCH: kq_rows' prefetch of the next blocks at one row of x (past
+    a row's end into the next row, and past the last row's end) only moves bytes into the
+    cache; one row of x gives the same outputs with it on and off, and they are the weights'
+    own (gguf's dequantization, x as the kernel rounds it)."""
     lib = cpu_gguf._load()
     k, n = 256 * 9, 37  # more blocks than the prefetch distance, an odd weight row at the end
     raw = random_blocks(name, n, k, seed=5, extreme=False)
