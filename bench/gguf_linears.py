@@ -20,7 +20,9 @@ rate does) moves them alike; each figure is the median over rounds of one pass t
 the layer's linears, in ms, and its arithmetic rate (2 m n k a linear) beside the CPU's own
 limit where the path's kernel is built on one instruction: the prompt GEMM on AVX512-BF16
 against vdpbf16ps issued back to back, the int8 rows on AVX-512 VNNI (no AMX) against
-vpdpbusd (`cpu_gguf.peak_ops`, measured first).
+vpdpbusd; on an AVX2-only CPU the fp32 prompt tiles against 256-bit vfmadd231ps and the int8
+rows against AVX2's int8 dot, vpmaddubsw + vpmaddwd + vpaddd (`cpu_gguf.peak_ops`, measured
+first).
 """
 from __future__ import annotations
 
@@ -111,18 +113,33 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
     return found
 
 
+def avx2_only() -> bool:
+    """An x86 CPU with AVX2 and FMA and no AVX-512 (most laptops, the Zen 1 box of
+    docs/BENCHMARKS.md): its row kernels are built on vpmaddubsw + vpmaddwd, its prompt tiles
+    on torch's 256-bit fp32 FMAs."""
+    from duplex.kernels.cpu_fused import cpu_flags
+
+    flags = cpu_flags()
+    return b" avx2" in flags and b" fma" in flags and b" avx512f" not in flags
+
+
 def peaks(threads: int, weights, tries: int = 3) -> dict[str, float]:
     """The CPU's limit (ops/s, the best of `tries` probes) for each path whose kernel one
     instruction bounds here: the prompt GEMM on AVX512-BF16, the int8 rows on AVX-512 VNNI
-    with weight rows in the lanes (K-quants only, VN_ROWS rows and more, no AMX)."""
-    from duplex.kernels import cpu_gguf
+    with weight rows in the lanes (K-quants only, VN_ROWS rows and more, no AMX); on an
+    AVX2-only CPU the fp32 prompt tiles (256-bit FMA) and the int8 rows (AVX2's int8 dot)."""
+    from duplex.kernels import cpu_gguf, gguf_weight
 
     kinds = {}
     if cpu_gguf.bf16_gemm_kind() == "avx512":
         kinds["prompt"] = "bf16"
+    elif avx2_only() and gguf_weight.prompt_gemm_dtype() == torch.float32:
+        kinds["prompt"] = "fp32-256"
     k_quants = all(cpu_gguf.TYPES[type_id][1] == 256 for _, type_id, _, _ in weights)
     if k_quants and cpu_gguf.vn_available() and not cpu_gguf.amx_available():
         kinds["int8-rows"] = "int8"
+    elif avx2_only() and all(cpu_gguf.TYPES[type_id][1] >= 32 for _, type_id, _, _ in weights):
+        kinds["int8-rows"] = "int8-avx2"  # block types only: F16 / BF16 / F32 rows are fp32 dots
     found = {name: max(cpu_gguf.peak_ops(kind, threads) or 0.0 for _ in range(tries))
              for name, kind in kinds.items()}
     return {name: rate for name, rate in found.items() if rate > 0}
@@ -133,7 +150,7 @@ def rate_text(name: str, m: int, ms: float, gops: float, limits: dict[str, float
 
     text = f"{name} {ms:8.2f} ms {gops:5.0f} G/s"
     kind = name.removesuffix("-xl-off")  # the same instruction's limit
-    bounded = kind in limits and (kind != "int8-rows" or m >= cpu_gguf.VN_ROWS)
+    bounded = kind in limits and (kind != "int8-rows" or m >= cpu_gguf.VN_ROWS or avx2_only())
     return text + (f" ({gops * 1e9 / limits[kind]:4.0%})" if bounded else "")
 
 

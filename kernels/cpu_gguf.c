@@ -2265,7 +2265,10 @@ int gg_gemm_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
  * this box. kind 0: vdpbf16ps on 512 bits (bp_gemm_bf16: 32 multiply-adds), 1: vpdpbusd on
  * 512 bits (vn_linear, kq512: 64), 2: vpdpbusd on 256 bits (32). -1: not built here.
  * `duplex bench gguf-linears` prints each kernel's rate beside these (on the Zen 4 VM of
- * docs/BENCHMARKS.md both issue one a cycle a core: int8 has twice the multiply-adds). */
+ * docs/BENCHMARKS.md both issue one a cycle a core: int8 has twice the multiply-adds).
+ * AVX2 (12 accumulators in registers 4-15): kind 3: vfmadd231ps on 256 bits (8 multiply-adds:
+ * the fp32 GEMM of the prompt tiles), 4: AVX2's int8 dot, vpmaddubsw + vpmaddwd + vpaddd into
+ * an accumulator (32 multiply-adds: kq_dot, block32_dot), 4 independent ones an iteration. */
 #include <time.h>
 
 /* 24 accumulators in registers 8-31, written in assembly: compilers copy or spill some of
@@ -2304,8 +2307,34 @@ static __attribute__((noinline)) void peak_loop(int kind, int64_t iters) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define GG_ACC12(op, r)                                                                         \
+    op " %1, %0, %%" r "4\n\t" op " %1, %0, %%" r "5\n\t" op " %1, %0, %%" r "6\n\t"            \
+    op " %1, %0, %%" r "7\n\t" op " %1, %0, %%" r "8\n\t" op " %1, %0, %%" r "9\n\t"            \
+    op " %1, %0, %%" r "10\n\t" op " %1, %0, %%" r "11\n\t" op " %1, %0, %%" r "12\n\t"         \
+    op " %1, %0, %%" r "13\n\t" op " %1, %0, %%" r "14\n\t" op " %1, %0, %%" r "15\n\t"
+#define GG_CLOBBER12(r)                                                                         \
+    r "4", r "5", r "6", r "7", r "8", r "9", r "10", r "11", r "12", r "13", r "14", r "15"
+/* one int8 dot of kq_dot: products into t, pair sums by the scales into t, t into acc */
+#define GG_DOT8(t, acc)                                                                         \
+    "vpmaddubsw %1, %0, %%ymm" t "\n\tvpmaddwd %2, %%ymm" t ", %%ymm" t "\n\t"                   \
+    "vpaddd %%ymm" t ", %%ymm" acc ", %%ymm" acc "\n\t"
+static __attribute__((noinline)) void peak_loop_avx2(int kind, int64_t iters) {
+    const __m256i w = _mm256_set1_epi8(1), x = _mm256_set1_epi8(1), sc = _mm256_set1_epi16(1);
+    __asm__ volatile(GG_ACC12("vpxor", "ymm") :: "x"(w), "x"(w) : GG_CLOBBER12("ymm"));
+    for (int64_t n = 0; n < iters; n++) {
+        if (kind == 3)
+            __asm__ volatile(GG_ACC12("vfmadd231ps", "ymm") :: "x"(w), "x"(x) : GG_CLOBBER12("ymm"));
+        else
+            __asm__ volatile(GG_DOT8("4", "8") GG_DOT8("5", "9") GG_DOT8("6", "10") GG_DOT8("7", "11")
+                             :: "x"(w), "x"(x), "x"(sc) : GG_CLOBBER12("ymm"));
+    }
+}
+#endif
+
 double gg_peak(int kind, int threads, int64_t iters) {
-    static const double ops[3] = {64, 128, 64};  /* per instruction: 2 a multiply-add */
+    /* per iteration of peak_loop / peak_loop_avx2: 2 a multiply-add */
+    static const double ops[5] = {24 * 64, 24 * 128, 24 * 64, 12 * 16, 4 * 64};
     int built = 0;
 #if defined(GG_AVX512)
     built = kind == 1 || kind == 2;
@@ -2313,16 +2342,24 @@ double gg_peak(int kind, int threads, int64_t iters) {
     built = built || kind == 0;
 #endif
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+    built = built || kind == 3 || kind == 4;
+#endif
     if (!built || threads < 1 || iters < 1) return -1;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-#if defined(GG_AVX512)
 #pragma omp parallel num_threads(threads)
-    peak_loop(kind, iters);
+    {
+#if defined(__AVX2__) && defined(__FMA__)
+        if (kind >= 3) peak_loop_avx2(kind, iters);
 #endif
+#if defined(GG_AVX512)
+        if (kind < 3) peak_loop(kind, iters);
+#endif
+    }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-    return (double)threads * (double)iters * 24.0 * ops[kind] / s;
+    return (double)threads * (double)iters * ops[kind] / s;
 }
 
 /* x [m, k] fp32 (row stride ldx) to int8 (gg_quantize_x, x_group(type) inputs a scale), then

@@ -146,15 +146,17 @@ def amx_bf16_available() -> bool:
 
 
 # gg_peak's kinds: the instruction each kernel's inner loop is built on
-PEAK_KINDS = {"bf16": 0, "int8": 1, "int8-256": 2}
+PEAK_KINDS = {"bf16": 0, "int8": 1, "int8-256": 2, "fp32-256": 3, "int8-avx2": 4}
 
 
 def peak_ops(kind: str, threads: int, iters: int = 10_000_000) -> float | None:
     """Operations a second (2 a multiply-add, all threads together) of the instruction a
     kernel is built on, issued back to back into independent accumulators on `threads`
     threads (cpu_gguf.c gg_peak): "bf16" 512-bit vdpbf16ps (the AVX512-BF16 prompt GEMM),
-    "int8" 512-bit vpdpbusd (the VNNI kernels), "int8-256" its 256-bit form. The most that
-    kernel's arithmetic can do on this box; None where the library has no such kernel."""
+    "int8" 512-bit vpdpbusd (the VNNI kernels), "int8-256" its 256-bit form; on AVX2
+    "fp32-256" 256-bit vfmadd231ps (the fp32 GEMM of prompt tiles) and "int8-avx2"
+    vpmaddubsw + vpmaddwd + vpaddd (the AVX2 row kernels' dot). The most that kernel's
+    arithmetic can do on this box; None where the library has no such kernel."""
     lib = _load() if available() else None
     rate = lib.gg_peak(PEAK_KINDS[kind], threads, iters) if lib else -1.0
     return rate if rate > 0 else None

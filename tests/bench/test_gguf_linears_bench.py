@@ -60,8 +60,11 @@ def test_every_path_runs_and_reports(tiny, tmp_path, capsys):
             assert result["gops"][m][name] == pytest.approx(2 * int(m) * macs / ms / 1e6)
     printed = capsys.readouterr().out
     assert "rows    17" in printed
-    # the int8 rows' limit only for a layer of K-quants (this one is Q8_0 and F16)
-    assert set(result["peak_gops"]) == ({"prompt"} if cpu_gguf.bf16_gemm_kind() == "avx512" else set())
+    # the int8 rows' limit only for a layer of K-quants (VNNI) or of block types (AVX2): this
+    # one is Q8_0 and F16; the prompt's for the AVX512-BF16 GEMM or AVX2's fp32 tiles
+    fp32_tiles = gguf_linears.avx2_only() and cpu_gguf.available()
+    assert set(result["peak_gops"]) == (
+        {"prompt"} if cpu_gguf.bf16_gemm_kind() == "avx512" or fp32_tiles else set())
     assert ("CPU limit" in printed) == bool(result["peak_gops"])
 
 
@@ -94,12 +97,14 @@ def test_peak_probe_counts_its_operations():
     """gg_peak's rate is its instruction count times the operations of one, over the time:
     a miscount by a factor (or a loop the compiler dropped) leaves the bounds a 2-core box
     can reach, 1 G/s to 2 instructions a cycle at 6 GHz on every thread."""
-    for kind, ops in (("bf16", 64), ("int8", 128), ("int8-256", 64)):
+    for kind, ops in (("bf16", 64), ("int8", 128), ("int8-256", 64), ("fp32-256", 16),
+                      ("int8-avx2", 64)):
         rate = cpu_gguf.peak_ops(kind, 1, iters=200_000)
         built = kind != "bf16" or cpu_gguf.bf16_gemm_kind() == "avx512" or (
             cpu_gguf.bf16_gemm_kind() == "amx")
         if rate is None:
             assert not (kind == "int8" and cpu_gguf.vn_available())
+            assert not (kind in ("fp32-256", "int8-avx2") and gguf_linears.avx2_only())
             continue
         assert built and 1e9 <= rate <= 2 * 6e9 * ops
     with pytest.raises(KeyError):
@@ -107,9 +112,15 @@ def test_peak_probe_counts_its_operations():
 
 
 def test_int8_rows_limit_only_for_a_layer_of_k_quants():
+    """With AVX-512 VNNI the lanes kernel's limit applies to a layer of K-quants only; on an
+    AVX2-only CPU every block type's rows are AVX2's int8 dot, and the prompt tiles fp32 FMAs."""
     q4_k, q8_0 = cpu_gguf.TYPE_IDS["Q4_K"], cpu_gguf.TYPE_IDS["Q8_0"]
     lanes = cpu_gguf.vn_available() and not cpu_gguf.amx_available()
+    avx2 = gguf_linears.avx2_only() and cpu_gguf.available()
     k_quants = gguf_linears.peaks(1, [("a", q4_k, None, 256)], tries=1)
     mixed = gguf_linears.peaks(1, [("a", q4_k, None, 256), ("b", q8_0, None, 256)], tries=1)
-    assert ("int8-rows" in k_quants) == lanes and "int8-rows" not in mixed
+    assert ("int8-rows" in k_quants) == (lanes or avx2)
+    assert ("int8-rows" in mixed) == avx2
+    if avx2:
+        assert "prompt" in k_quants  # fp32 tiles: DUPLEX_PROMPT_GEMM is not set in the tests
     assert all(rate > 0 for rate in k_quants.values())
