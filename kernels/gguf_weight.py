@@ -70,6 +70,10 @@ K_QUANT_ROW_FACTOR = 3  # K-quants: GEMV_ROWS * this
 AMX_ROW_LIMIT = 96
 TILE_BYTES = 1 << 22  # fp32 rows dequantized at a time: half an L3 (measured, docs/BENCHMARKS.md)
 MIN_ROWS = 16  # the tiled GEMM's fewest rows (padded): from here torch's sums agree bitwise
+# ... and above it rows are padded to a multiple of this: torch's fp32 GEMM takes a slower
+# path for a ragged count (1B-shape layer on an AVX2 Zen 1, in turns: 94 rows 193.9 -> 179.3
+# ms, 30 rows 95.2 -> 76.5 ms padded to 96 and 32; the same bits; a multiple of 16 was slower)
+ROW_MULTIPLE = 8
 BF16_CHUNK = 1 << 24  # weights dequantized at a time for the bf16 GEMM (32 MB): a 1B FFN weight
 # rows of x per bf16 GEMM call, always (padded; GGUFWeight._bf16_chunks): 128 for weights of up
 # to 4 M values, 64 above (measured best at SmolLM2's and the 1B shape's, docs/BENCHMARKS.md)
@@ -261,13 +265,15 @@ class GGUFWeight(QuantWeight):
         dtype (`prompt_gemm_dtype`). Fewer than MIN_ROWS rows are padded with zeros: torch
         takes another kernel for a few rows, whose sums differ in the last bits, and a
         prompt's numbers must not depend on how many of its tokens came from the prefix cache
-        (int8 activations after it would magnify them)."""
+        (int8 activations after it would magnify them). More are padded to a multiple of
+        ROW_MULTIPLE, where torch's GEMM is faster (the same bits)."""
         if prompt_gemm_dtype() == torch.bfloat16 and not self.fp32_out:
             return self._bf16_chunks(rows.to(torch.bfloat16))
         rows = _fp32(rows)
         m = rows.shape[0]
-        if m < MIN_ROWS:
-            return self._tiled(torch.cat([rows, rows.new_zeros(MIN_ROWS - m, rows.shape[1])]))[:m]
+        padded = max(MIN_ROWS, -(-m // ROW_MULTIPLE) * ROW_MULTIPLE)
+        if padded != m:
+            return self._tiled(torch.cat([rows, rows.new_zeros(padded - m, rows.shape[1])]))[:m]
         n, k = self.shape
         step = max(16, TILE_BYTES // (4 * k))
         if step >= n:
