@@ -9,8 +9,13 @@ step can send them down (kernels/gguf_weight.py), at the row counts asked for:
   x in the lanes (`cpu_gguf.xl_takes`), the same with it switched off (DUPLEX_GGUF_XL16=0):
   what those rows take without it (from 8 rows the kernel with weight rows in the lanes,
   which gives the same bits; below, the row loop);
-* prompt: what a prompt step runs (`GGUFWeight._tiled`): the bf16 GEMM on the file's blocks
-  (`cpu_gguf.gemm_bf16`: AMX-BF16 tiles or AVX512-BF16), else fp32 tiles;
+* int8-rows-x8-off: on AVX2 without AVX-512 VNNI, at the row counts where K-quants take the
+  kernel with 8 rows of x in the lanes (`cpu_gguf.X8_ROWS` and more), the same with it
+  switched off (DUPLEX_GGUF_X8=0): the row loop;
+* prompt: the prompt GEMM on dequantized blocks (`GGUFWeight._tiled`): the bf16 GEMM on the
+  file's blocks (`cpu_gguf.gemm_bf16`: AMX-BF16 tiles or AVX512-BF16), else fp32 tiles. Where
+  prompt steps take int8 activations (`GGUFWeight.int8_prompt`: K-quants on AVX-512 VNNI
+  without AMX, or on AVX2), they run int8-rows' lanes kernel instead;
 * prompt-onednn: where the CPU has a bf16 GEMM on the blocks, the same product with it
   switched off (DUPLEX_GGUF_AMX=0, DUPLEX_GGUF_BF16_GEMM=0): weights dequantized to bf16 in
   chunks for oneDNN's GEMM, in blocks of 64 or 128 rows.
@@ -21,8 +26,9 @@ the layer's linears, in ms, and its arithmetic rate (2 m n k a linear) beside th
 limit where the path's kernel is built on one instruction: the prompt GEMM on AVX512-BF16
 against vdpbf16ps issued back to back, the int8 rows on AVX-512 VNNI (no AMX) against
 vpdpbusd; on an AVX2-only CPU the fp32 prompt tiles against 256-bit vfmadd231ps and the int8
-rows against AVX2's int8 dot, vpmaddubsw + vpmaddwd + vpaddd (`cpu_gguf.peak_ops`, measured
-first).
+row loop against AVX2's int8 dot, vpmaddubsw + vpmaddwd + vpaddd (`cpu_gguf.peak_ops`,
+measured first; the kernel with rows of x in the lanes sums in int16 between vpmaddwd, so
+that dot does not bound it and its rows get no share).
 """
 from __future__ import annotations
 
@@ -86,6 +92,13 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
         for w, *_, x in cases:
             w._tiled(x)
 
+    def int8_rows_x8_off():
+        lib.gg_set_x8(0)
+        try:
+            int8_rows()
+        finally:
+            cpu_gguf.apply_amx_switch(lib)
+
     def int8_rows_xl_off():
         lib.gg_set_xl(0)
         try:
@@ -108,6 +121,8 @@ def paths(weights, m: int) -> dict[str, Callable[[], None]]:
         k_quants = all(cpu_gguf.TYPES[type_id][1] == 256 for _, type_id, _, _ in weights)
         if k_quants and cpu_gguf.xl_takes(m):
             found["int8-rows-xl-off"] = int8_rows_xl_off
+        if k_quants and cpu_gguf.x8_available() and m >= cpu_gguf.X8_ROWS:
+            found["int8-rows-x8-off"] = int8_rows_x8_off
     if cpu_gguf.bf16_gemm_kind() is not None:
         found["prompt-onednn"] = onednn
     return found
@@ -149,8 +164,10 @@ def rate_text(name: str, m: int, ms: float, gops: float, limits: dict[str, float
     from duplex.kernels import cpu_gguf
 
     text = f"{name} {ms:8.2f} ms {gops:5.0f} G/s"
-    kind = name.removesuffix("-xl-off")  # the same instruction's limit
-    bounded = kind in limits and (kind != "int8-rows" or m >= cpu_gguf.VN_ROWS or avx2_only())
+    kind = name.removesuffix("-xl-off").removesuffix("-x8-off")  # the same instruction's limit
+    x8 = name == "int8-rows" and cpu_gguf.x8_available() and m >= cpu_gguf.X8_ROWS
+    bounded = kind in limits and not x8 and (kind != "int8-rows" or m >= cpu_gguf.VN_ROWS
+                                             or avx2_only())
     return text + (f" ({gops * 1e9 / limits[kind]:4.0%})" if bounded else "")
 
 

@@ -815,6 +815,216 @@ static int avx2_type(int type) {
     return block_size(type) >= 32;  /* every block type */
 }
 
+/* ------------------------------------------------ AVX2: rows of x in the lanes (K-quants)
+ *
+ * kq_dot pays a vpmaddwd (the sub-block's scale) for every vpmaddubsw: a register holds 32
+ * weights of one sub-block of one row against one row of x. On Zen 1 both run on one pipe
+ * (FP0, two cycles a 256-bit one), so that loop tops out at 8 multiply-adds a cycle, the
+ * fp32 FMA's rate. Here the lanes are 8 rows of x instead: a vpmaddubsw multiplies 4 weights
+ * of one weight row (a broadcast dword) with 4 inputs of each of 8 rows of x, and its int16
+ * lanes keep summing along K (vpaddw, any pipe) while the scale stays the same: a Q4_K
+ * sub-block (32 weights, 8 steps) takes one vpmaddwd, 8 of 16 (|sum| <= 8 * 2 * 15 * 127 =
+ * 30480, no int16 overflow); Q5_K's 5-bit weights one every 4 steps, Q6_K's 6-bit ones every
+ * 2 (16002 a step). Every sum is exact in int32, and a block closes as in kq_dot (one fmadd
+ * by d dx, Q4_K / Q5_K's mins one fnmadd by dmin dx before it; the mins and Q6_K's -32 are
+ * vpmaddwd of x's int16 sums per 32 / 16 with the weights' integer (min / scale) pairs).
+ * Each output is the same operations whatever the other rows, so a row's bits do not depend
+ * on how many rows come with it (the prompt path takes this at every row count on AVX2).
+ *
+ * x is laid out once per call a tile of 8 rows at a time, [block][64 steps][8 rows][4]
+ * (rows past m: zero); a task is a run of weight rows, whose blocks are unpacked once (into
+ * 256 bytes in L1) for every tile; few tiles (a decode step): 2 weight rows a task, each
+ * walked from its first block to its last; many (a prompt): 16 a task, block by block, the
+ * tiles' sums kept in L1 between blocks so that x's block stays in L2 for all 16. */
+#define X8_MIN_ROWS 6      /* gg_linear_q8: from here (decode steps) */
+#define X8_FEW_TILES 4     /* up to this many tiles: tasks of 2 weight rows, else 16 */
+
+typedef struct { uint8_t q[2][256]; int16_t sc[2][16]; int32_t pair[2][8]; float d[2], dmin[2]; } x8_rows;
+
+/* weight row `row`'s block into slot j of xr: bytes, scales (int16), pairs of mins (Q4_K /
+ * Q5_K) or of scales (Q6_K) as int32 words for the offsets */
+ALWAYS_INLINE void x8_unpack(int type, const uint8_t *blk, int ahead, x8_rows *xr, int j) {
+    const int bb = block_bytes(type);
+    if (ahead)
+        for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + 2 * bb + line, _MM_HINT_T0);
+    kq_block u;
+    kq_unpack(type, blk, &u);
+    for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(xr->q[j] + 32 * s), u.q[s]);
+    if (type == GG_Q6_K) {
+        _mm256_store_si256((__m256i *)xr->sc[j], u.sc);
+        memcpy(xr->pair[j], xr->sc[j], 32);
+    } else {
+        _mm_store_si128((__m128i *)xr->sc[j], _mm256_castsi256_si128(u.sc));
+        _mm_store_si128((__m128i *)xr->pair[j], u.mn);
+        xr->dmin[j] = u.dmin;
+    }
+    xr->d[j] = u.d;
+}
+
+/* R weight rows of xr against T tiles (X[t]: the tile's block, [64][8][4]) -> sum[r * T + t],
+ * int32 lanes (rows of x): sum_s sc_s dot_s */
+ALWAYS_INLINE void x8_dots(int type, const int R, const int T, const x8_rows *xr,
+                           const int8_t *const *X, __m256i *sum) {
+    const int steps = type == GG_Q4_K ? 8 : type == GG_Q5_K ? 4 : 2;  /* steps a vpmaddwd */
+    for (int i = 0; i < R * T; i++) sum[i] = _mm256_setzero_si256();
+    for (int p = 0; p < 64 / steps; p++) {
+        __m256i acc[4];
+        for (int i = 0; i < R * T; i++) acc[i] = _mm256_setzero_si256();
+        for (int c = 0; c < steps; c++) {
+            const int ch = p * steps + c;  /* weights 4 ch .. 4 ch + 3 */
+            __m256i w[2];
+            for (int r = 0; r < R; r++) w[r] = _mm256_set1_epi32(((const int32_t *)xr->q[r])[ch]);
+            for (int t = 0; t < T; t++) {
+                const __m256i x = _mm256_load_si256((const __m256i *)(X[t] + 32 * ch));
+                for (int r = 0; r < R; r++)
+                    acc[r * T + t] = _mm256_add_epi16(acc[r * T + t], _mm256_maddubs_epi16(w[r], x));
+            }
+        }
+        const int si = type == GG_Q4_K ? p : p / 2;  /* Q5_K: sub-block, Q6_K: group of 16 */
+        for (int r = 0; r < R; r++) {
+            const __m256i s = _mm256_set1_epi16(xr->sc[r][si]);
+            for (int t = 0; t < T; t++)
+                sum[r * T + t] = _mm256_add_epi32(sum[r * T + t], _mm256_madd_epi16(acc[r * T + t], s));
+        }
+    }
+}
+
+/* close block b of R rows x T tiles into acc (float lanes [row][tile][8]) */
+ALWAYS_INLINE void x8_close(int type, const int R, const int T, const x8_rows *xr,
+                            const __m256i *sum, const int16_t *const *XE, const float *const *DX,
+                            float *const *acc) {
+    const int six = type == GG_Q6_K, pairs = six ? 8 : 4;
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            __m256i off = _mm256_setzero_si256();
+            for (int p = 0; p < pairs; p++)
+                off = _mm256_add_epi32(off, _mm256_madd_epi16(
+                    _mm256_load_si256((const __m256i *)(XE[t] + 16 * p)), _mm256_set1_epi32(xr->pair[r][p])));
+            const __m256 dx = _mm256_load_ps(DX[t]);
+            __m256 v = _mm256_load_ps(acc[r] + 8 * t);
+            if (six) {
+                v = _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_set1_ps(xr->d[r])), _mm256_cvtepi32_ps(
+                    _mm256_sub_epi32(sum[r * T + t], _mm256_slli_epi32(off, 5))), v);
+            } else {
+                v = _mm256_fnmadd_ps(_mm256_mul_ps(dx, _mm256_set1_ps(xr->dmin[r])), _mm256_cvtepi32_ps(off), v);
+                v = _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_set1_ps(xr->d[r])), _mm256_cvtepi32_ps(sum[r * T + t]), v);
+            }
+            _mm256_store_ps(acc[r] + 8 * t, v);
+        }
+}
+
+/* R (1 or 2) weight rows' block b, unpacked in xr, against every tile: acc[r] [tiles][8] */
+ALWAYS_INLINE void x8_tiles(int type, const int R, const x8_rows *xr, const int8_t *xt,
+                            const float *dxt, const int16_t *xet, int64_t nb, int64_t b,
+                            int64_t tiles, float *const *acc) {
+    const int64_t xe = type == GG_Q6_K ? 128 : 64;  /* int16 a tile's block */
+    int64_t t = 0;
+    for (; t + 2 <= tiles; t += 2) {
+        const int8_t *X[2] = {xt + (t * nb + b) * 2048, xt + ((t + 1) * nb + b) * 2048};
+        const int16_t *XE[2] = {xet + (t * nb + b) * xe, xet + ((t + 1) * nb + b) * xe};
+        const float *DX[2] = {dxt + (t * nb + b) * 8, dxt + ((t + 1) * nb + b) * 8};
+        float *A[2] = {acc[0] + 8 * t, R > 1 ? acc[1] + 8 * t : NULL};
+        __m256i sum[4];
+        x8_dots(type, R, 2, xr, X, sum);
+        x8_close(type, R, 2, xr, sum, XE, DX, A);
+    }
+    if (t < tiles) {
+        const int8_t *X[1] = {xt + (t * nb + b) * 2048};
+        const int16_t *XE[1] = {xet + (t * nb + b) * xe};
+        const float *DX[1] = {dxt + (t * nb + b) * 8};
+        float *A[2] = {acc[0] + 8 * t, R > 1 ? acc[1] + 8 * t : NULL};
+        __m256i sum[2];
+        x8_dots(type, R, 1, xr, X, sum);
+        x8_close(type, R, 1, xr, sum, XE, DX, A);
+    }
+}
+
+/* weight rows [r0, r0 + nr) against every tile into out; acc: nr * tiles * 8 floats */
+ALWAYS_INLINE void x8_task(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int nr,
+                           int64_t k, const int8_t *xt, const float *dxt, const int16_t *xet,
+                           int64_t tiles, int64_t m, float *out, int64_t ldo, x8_rows *xr,
+                           float *acc) {
+    const int64_t nb = k / 256;
+    const int bb = block_bytes(type);
+    memset(acc, 0, (size_t)(nr * tiles * 8) * sizeof(float));
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < nr; r += 2) {
+            const int two = r + 1 < nr;
+            const uint8_t *blk = w + (r0 + r) * row_bytes + b * bb;
+            x8_unpack(type, blk, b + 2 < nb, xr, 0);
+            if (two) x8_unpack(type, blk + row_bytes, b + 2 < nb, xr, 1);
+            float *A[2] = {acc + r * tiles * 8, acc + (r + 1) * tiles * 8};
+            if (two) x8_tiles(type, 2, xr, xt, dxt, xet, nb, b, tiles, A);
+            else x8_tiles(type, 1, xr, xt, dxt, xet, nb, b, tiles, A);
+        }
+    for (int r = 0; r < nr; r++)
+        for (int64_t i = 0; i < m; i++) out[i * ldo + r0 + r] = acc[(r * tiles + i / 8) * 8 + i % 8];
+}
+
+/* out [m, n] (row stride ldo) on the rows-of-x-in-lanes kernel, K-quants */
+static int x8_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                     const int8_t *xq, const float *dx, const int32_t *xs, int64_t m,
+                     float *out, int64_t ldo, int threads) {
+    const int64_t nb = k / 256, tiles = (m + 7) / 8;
+    const int six = type == GG_Q6_K;
+    const int64_t xe = six ? 128 : 64;
+    const size_t xt_bytes = (size_t)(tiles * nb) * 2048, dxt_bytes = (size_t)(tiles * nb) * 32;
+    uint8_t *buf = aligned_alloc(64, xt_bytes + dxt_bytes + (size_t)(tiles * nb * xe) * 2);
+    if (!buf) return -1;
+    int8_t *xt = (int8_t *)buf;
+    float *dxt = (float *)(buf + xt_bytes);
+    int16_t *xet = (int16_t *)(buf + xt_bytes + dxt_bytes);
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t *X = (int32_t *)(xt + (t * nb + b) * 2048);
+            float *D = dxt + (t * nb + b) * 8;
+            int16_t *E = xet + (t * nb + b) * xe;
+            for (int64_t i = 0; i < 8; i++) {
+                const int64_t row = 8 * t + i;
+                const int in = row < m;
+                const int8_t *x = xq + row * k + 256 * b;
+                for (int c = 0; c < 64; c++) {
+                    int32_t v = 0;
+                    if (in) memcpy(&v, x + 4 * c, 4);
+                    X[8 * c + i] = v;
+                }
+                D[i] = in ? dx[row * nb + b] : 0.0f;
+                const int32_t *s = xs + row * (k / 16) + 16 * b;
+                for (int p = 0; p < xe / 16; p++)  /* Q6_K: sums per 16; else per 32, in pairs */
+                    for (int h = 0; h < 2; h++) {
+                        const int g = 2 * p + h;
+                        E[16 * p + 2 * i + h] = !in ? 0 : (int16_t)(six ? s[g] : s[2 * g] + s[2 * g + 1]);
+                    }
+            }
+        }
+    const int per = tiles <= X8_FEW_TILES ? 2 : 16;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
+    {
+        x8_rows *xr = aligned_alloc(64, (sizeof(x8_rows) + 63) & ~(size_t)63);
+        float *acc = aligned_alloc(64, (size_t)(per * tiles * 8) * sizeof(float));
+        if (!xr || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < (n + per - 1) / per; g++) {
+            if (!xr || !acc) continue;
+            const int64_t r0 = per * g;
+            const int nr = n - r0 < per ? (int)(n - r0) : per;
+            switch (type) {  /* one copy of the task per type */
+            case GG_Q4_K: x8_task(GG_Q4_K, w, row_bytes, r0, nr, k, xt, dxt, xet, tiles, m, out, ldo, xr, acc); break;
+            case GG_Q5_K: x8_task(GG_Q5_K, w, row_bytes, r0, nr, k, xt, dxt, xet, tiles, m, out, ldo, xr, acc); break;
+            default: x8_task(GG_Q6_K, w, row_bytes, r0, nr, k, xt, dxt, xet, tiles, m, out, ldo, xr, acc); break;
+            }
+        }
+        free(xr);
+        free(acc);
+    }
+    free(buf);
+    return failed ? -1 : 0;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GG_AVX512 1
 /* ------------------------------------------------ AVX-512 VNNI: the K-quants, 64 at a time
@@ -1847,7 +2057,20 @@ static void x_sums(int type, int64_t m, int64_t k, const float *dx, const int32_
  * per x_group(type) inputs). */
 /* Which kernel gg_linear_q8 gives m rows of x of a type: the K-quants' AMX tiles, rows of x
  * in the lanes, weight rows in the lanes, or the row loops below (Q8_LOOP). */
-enum { Q8_LOOP, Q8_AMX, Q8_XL, Q8_VN };
+enum { Q8_LOOP, Q8_AMX, Q8_XL, Q8_VN, Q8_X8 };
+
+/* gg_set_x8(0): AVX2 without AVX-512 keeps the row loop at every row count, and
+ * gg_linear_lanes is off (tests, measurements) */
+static int gg_x8_off;
+void gg_set_x8(int on) { gg_x8_off = !on; }
+/* whether gg_linear_lanes runs here: the AVX2 kernel with rows of x in the lanes (x8_linear) */
+int gg_x8_available(void) {
+#if defined(__AVX2__) && !defined(GG_AVX512)
+    return !gg_x8_off;
+#else
+    return 0;
+#endif
+}
 
 static int q8_kernel(int type, int64_t m) {
     if (!avx2_type(type) || block_size(type) != 256) return Q8_LOOP;
@@ -1857,6 +2080,8 @@ static int q8_kernel(int type, int64_t m) {
 #if defined(GG_AVX512)
     if (xl_rows(m)) return Q8_XL;
     if (m >= VN_MIN_ROWS && !gg_vn_off) return Q8_VN;
+#elif defined(__AVX2__)
+    if (m >= X8_MIN_ROWS && !gg_x8_off) return Q8_X8;
 #endif
     (void)m;
     return Q8_LOOP;
@@ -1886,6 +2111,9 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
 #if defined(GG_AVX512)
     case Q8_XL: return xl_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
     case Q8_VN: return vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+#endif
+#if defined(__AVX2__)
+    case Q8_X8: return x8_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #endif
     default: break;
     }
@@ -2420,6 +2648,8 @@ static int quantized_linear(int type, const uint8_t *w, int64_t row_bytes, int64
     int rc = gg_quantize_x(x, ldx, m, k, x_group(type), xq, dx, xs);
 #if defined(GG_AVX512)
     if (rc == 0 && lanes) rc = vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+#elif defined(__AVX2__)
+    if (rc == 0 && lanes) rc = x8_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #endif
     if (rc == 0 && !lanes) rc = gg_linear_q8(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
     free(buf);
@@ -2435,6 +2665,9 @@ int gg_linear_lanes(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
                     int threads) {
 #if defined(GG_AVX512)
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) != 256 || gg_vn_off) return -1;
+    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 1);
+#elif defined(__AVX2__)
+    if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) != 256 || gg_x8_off) return -1;
     return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 1);
 #else
     (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m;

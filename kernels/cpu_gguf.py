@@ -74,8 +74,9 @@ def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor, fp32_x: boo
     """x `[M, k]` fp32 (last dim contiguous) @ w.T -> `[M, N]` fp32. Block types round x to
     int8 (one scale per x_group inputs) unless fp32_x: then each weight row is dequantized
     and dotted with x in fp32 (gg_linear), the fp32 reference's sums up to their order.
-    lanes (K-quants where `vn_available`): the AVX-512 VNNI kernel with weight rows in the
-    lanes at every M, so a row's bits do not depend on M (gg_linear_lanes)."""
+    lanes (K-quants where `lanes_available`): the AVX-512 VNNI kernel with weight rows in the
+    lanes, or the AVX2 one with rows of x in them, at every M, so a row's bits do not depend
+    on M (gg_linear_lanes)."""
     _check(type_id, raw, k)
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, (
         f"x must be fp32 [M, {k}] with contiguous rows, got {x.dtype} {tuple(x.shape)}")
@@ -234,7 +235,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def apply_amx_switch(lib: ctypes.CDLL) -> None:
-    """DUPLEX_GGUF_AMX=0, DUPLEX_GGUF_VN16=0, DUPLEX_GGUF_XL16=0, DUPLEX_GGUF_BF16_GEMM=0 and
+    """DUPLEX_GGUF_AMX=0, DUPLEX_GGUF_VN16=0, DUPLEX_GGUF_XL16=0, DUPLEX_GGUF_X8=0, DUPLEX_GGUF_BF16_GEMM=0 and
     DUPLEX_GGUF_KQ_PREFETCH=0 into a library built from cpu_gguf.c (this one,
     kernels.cpu_decode's): the AMX tiles off, the K-quants' AVX-512 kernel with weight rows in
     the lanes off, the one with rows of x in the lanes off, the AVX512-BF16 prompt GEMM off,
@@ -252,6 +253,9 @@ def apply_amx_switch(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "gg_set_bf16_gemm"):
         lib.gg_set_bf16_gemm.argtypes = [ctypes.c_int]
         lib.gg_set_bf16_gemm(0 if switches.is_off("DUPLEX_GGUF_BF16_GEMM") else 1)
+    if hasattr(lib, "gg_set_x8"):
+        lib.gg_set_x8.argtypes = [ctypes.c_int]
+        lib.gg_set_x8(0 if switches.is_off("DUPLEX_GGUF_X8") else 1)
     if hasattr(lib, "gg_set_kq_prefetch"):
         lib.gg_set_kq_prefetch.argtypes = [ctypes.c_int]
         lib.gg_set_kq_prefetch(0 if switches.is_off("DUPLEX_GGUF_KQ_PREFETCH") else 1)
@@ -273,6 +277,21 @@ def vn_available() -> bool:
     return bool(lib) and hasattr(lib, "gg_vn_available") and lib.gg_vn_available() == 1
 
 
+def x8_available() -> bool:
+    """Whether K-quant matmuls take the AVX2 kernel with 8 rows of x in a register's lanes
+    (cpu_gguf.c x8_linear): a CPU with AVX2 and no AVX-512 VNNI, the switch DUPLEX_GGUF_X8
+    on. gg_linear_q8 gives it 6 rows and more (X8_ROWS); gg_linear_lanes (int8 prompt steps)
+    every row count."""
+    lib = _load() if available() else None
+    return bool(lib) and hasattr(lib, "gg_x8_available") and lib.gg_x8_available() == 1
+
+
+def lanes_available() -> bool:
+    """Whether `linear(..., lanes=True)` runs here (K-quants): the AVX-512 VNNI kernel with
+    weight rows in the lanes, or the AVX2 one with rows of x in the lanes."""
+    return vn_available() or x8_available()
+
+
 def xl_takes(rows: int) -> bool:
     """Whether K-quant matmuls of `rows` rows of x take the AVX-512 VNNI kernel with 8 or 16
     rows of x in a register's lanes (cpu_gguf.c xl_linear: 5-8, 13-16 and 29-32 rows, no AMX,
@@ -287,3 +306,4 @@ def xl_takes(rows: int) -> bool:
 
 AMX_ROWS = 8  # cpu_gguf.c AMX_MIN_ROWS
 VN_ROWS = 8  # cpu_gguf.c VN_MIN_ROWS
+X8_ROWS = 6  # cpu_gguf.c X8_MIN_ROWS

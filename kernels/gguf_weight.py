@@ -255,10 +255,11 @@ class GGUFWeight(QuantWeight):
         return self._lanes_prompt() or (mode == "1" and not cpu_qgemv.available())
 
     def _lanes_prompt(self) -> bool:
-        """K-quants on AVX-512 VNNI without AMX: int8 prompts take the kernel with weight rows
-        in the lanes at every row count (cpu_gguf.linear(lanes=True)), whose rows' bits do
-        not depend on how many there are."""
-        return self.group_size == 256 and cpu_gguf.vn_available() and not cpu_gguf.amx_available()
+        """K-quants on AVX-512 VNNI without AMX, or on AVX2 without AVX-512 VNNI: int8 prompts
+        take the kernel with weight rows (VNNI) or rows of x (AVX2) in the lanes at every row
+        count (cpu_gguf.linear(lanes=True)), whose rows' bits do not depend on how many there
+        are."""
+        return self.group_size == 256 and cpu_gguf.lanes_available() and not cpu_gguf.amx_available()
 
     def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[M, K]` fp32 -> `[M, N]`, on the dequantized weight in the prompt GEMM's
@@ -361,6 +362,6 @@ def row_limit(type_id: int) -> int:
     """The most rows of a decode step the row kernel takes for this block type."""
     if cpu_gguf.TYPES[type_id][1] != 256:
         return GEMV_ROWS
-    if cpu_gguf.amx_available() or cpu_gguf.vn_available():
+    if cpu_gguf.amx_available() or cpu_gguf.lanes_available():
         return AMX_ROW_LIMIT
     return GEMV_ROWS * K_QUANT_ROW_FACTOR

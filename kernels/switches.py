@@ -62,6 +62,10 @@ SWITCHES = (
            "0: GGUF K-quant matmuls of 5-8, 13-16 and 29-32 rows without AMX take the kernel "
            "with weight rows in a register's lanes (or the row loop), not the one with rows "
            "of x in the lanes (kernels/cpu_gguf.c)"),
+    Switch("DUPLEX_GGUF_X8", "1", "developer",
+           "0: on AVX2 without AVX-512 VNNI, GGUF K-quant matmuls of 6+ rows take the row loop "
+           "and prompt steps the fp32 tiles, not the kernel with 8 rows of x in a register's "
+           "lanes (kernels/cpu_gguf.c, x8_linear)"),
     Switch("DUPLEX_GGUF_KQ_PREFETCH", "1", "developer",
            "0: the AVX2 K-quant row kernel at one row of x does not prefetch its rows' next "
            "blocks (kernels/cpu_gguf.c, kq_rows)"),

@@ -201,7 +201,7 @@ def test_int8_prompts_are_said_once_per_type(mode, caplog, monkeypatch):
                    for _ in range(2)]
     said = [r.message for r in caplog.records if "int8 activations" in r.message]
     int8 = weights[0].int8_prompt()
-    assert int8 == (mode == "auto" and cpu_gguf.vn_available() and not cpu_gguf.amx_available())
+    assert int8 == (mode == "auto" and cpu_gguf.lanes_available() and not cpu_gguf.amx_available())
     assert said == ([f"GGUF Q6_K prompt steps take int8 activations here, as decode steps do "
                      f"(DUPLEX_INT8_PROMPT={mode}; 0: the bf16 or fp32 GEMM)"] if int8 else [])
 

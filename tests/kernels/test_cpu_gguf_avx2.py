@@ -88,14 +88,17 @@ def reference_w(type_name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
 @contextlib.contextmanager
 def vnni_only(lib, lanes: bool = False, x_lanes: bool = False):
     """The library's AMX-INT8 tiles off (where it has them) for the block, the AVX-512 kernel
-    with weight rows in the lanes off too unless `lanes`, and the one with rows of x in the
-    lanes (5-8, 13-16, 29-32 rows) unless `x_lanes`: by default the VNNI row loop only."""
+    with weight rows in the lanes off too unless `lanes`, and the ones with rows of x in the
+    lanes (AVX-512: 5-8, 13-16, 29-32 rows; AVX2: 6 rows and more) unless `x_lanes`: by
+    default the row loop only (VNNI or AVX2)."""
     if hasattr(lib, "gg_set_amx"):
         lib.gg_set_amx(0)
     if hasattr(lib, "gg_set_vn"):
         lib.gg_set_vn(1 if lanes else 0)
     if hasattr(lib, "gg_set_xl"):
         lib.gg_set_xl(1 if x_lanes else 0)
+    if hasattr(lib, "gg_set_x8"):
+        lib.gg_set_x8(1 if x_lanes else 0)
     try:
         yield
     finally:
@@ -265,6 +268,117 @@ def test_lanes_kernel_at_every_row_count(type_name):
     with vnni_only(lib):
         assert lib.gg_linear_lanes(type_id, raw.data_ptr(), raw.shape[1], n, k, x.data_ptr(), k,
                                    1, full.data_ptr(), n, 1) == -1
+
+
+@pytest.fixture(scope="module")
+def x8_lib():
+    """A library with the AVX2 kernel with rows of x in the lanes (x8_linear): this CPU's own
+    where it has AVX2 and no AVX-512 VNNI, else (a CPU with AVX-512) a build without AVX-512."""
+    lib = cpu_gguf._load() if cpu_gguf.available() else None
+    if lib is not None and hasattr(lib, "gg_x8_available") and lib.gg_x8_available() == 1:
+        return lib
+    if b" avx2" not in __import__("duplex.kernels.cpu_fused", fromlist=["x"]).cpu_flags():
+        pytest.skip("no AVX2 on this CPU")
+    built = cpu_gguf._declare(ctypes.CDLL(str(build_library(
+        cpu_gguf._SOURCE, ["-fopenmp", "-ffp-contract=off", "-mno-avx512f"]))))
+    assert built.gg_x8_available() == 1
+    return built
+
+
+def lanes_run(lib, type_name: str, raw: torch.Tensor, k: int, x: torch.Tensor, threads: int
+              ) -> torch.Tensor:
+    """gg_linear_lanes on `lib`: every row count on the lanes kernel."""
+    out = torch.full((x.shape[0], raw.shape[0]), float("nan"))
+    assert lib.gg_linear_lanes(cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1],
+                               raw.shape[0], k, x.data_ptr(), x.stride(0), x.shape[0],
+                               out.data_ptr(), raw.shape[0], threads) == 0
+    return out
+
+
+X8_ROWS = (6, 7, 8, 13, 16, 40)  # the fewest, partial tiles, one tile, 2 tiles, 5 (prompt tasks)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [256, 1280, 8192])
+def test_avx2_x_rows_in_lanes(x8_lib, type_name, k):
+    """K-quant matmuls of 6 rows of x and more on AVX2 (no AVX-512 VNNI) take the kernel with
+    8 rows of x in a register's lanes and int16 sums between the scale multiplies: held to
+    the same bound as the row loop; the same bits on one thread or two, for each row alone
+    or in any group through gg_linear_lanes (which prompt steps take at every row count) and
+    as gg_linear_x's from 6 rows; not the row loop's bits (so the kernel did run); few tiles
+    (tasks of 2 weight rows) and many (16 a task, block by block) alike."""
+    lib = x8_lib
+    n = 67  # odd: a task of one weight row last; 4 tasks of 16 and one of 3 with 5+ tiles
+    raw = random_blocks(type_name, n, k, seed=k + 7, extreme=True)
+    w = reference_w(type_name, raw, k)
+    x = random_x(max(X8_ROWS), k, seed=k + 7)
+    with vnni_only(lib, x_lanes=True):
+        full = lanes_run(lib, type_name, raw, k, x, threads=1)
+        check(full, w, x, type_name)
+        assert torch.equal(lanes_run(lib, type_name, raw, k, x, threads=2), full)
+        for m in X8_ROWS:
+            assert torch.equal(run(lib, type_name, raw, k, x[:m].contiguous(), threads=2), full[:m])
+        for start, end in ((0, 1), (3, 4), (5, 9), (2, 15), (39, 40)):
+            assert torch.equal(lanes_run(lib, type_name, raw, k, x[start:end].contiguous(), 2),
+                               full[start:end])
+    with vnni_only(lib):
+        loop = run(lib, type_name, raw, k, x[:16].contiguous(), threads=2)
+        check(loop, w, x[:16], type_name)
+        assert not torch.equal(loop, full[:16])
+        assert lib.gg_linear_lanes(cpu_gguf.TYPE_IDS[type_name], raw.data_ptr(), raw.shape[1],
+                                   n, k, x.data_ptr(), k, 1, full.data_ptr(), n, 1) == -1
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_avx2_x_rows_in_lanes_largest_sums(x8_lib, type_name, sign):
+    """The int16 sums between vpmaddwd at their largest: every quant at its top value (Q4_K
+    15, Q5_K 31, Q6_K 63), every scale and min at 63 (Q6_K's at 127) and every input at +-127
+    after rounding: exact, as the reference, with no int16 overflow."""
+    k, n = 512, 9
+    _, block, nbytes = cpu_gguf.TYPES[cpu_gguf.TYPE_IDS[type_name]]
+    blocks = np.full((n, k // block, nbytes), 0xFF, np.uint8)
+    if type_name == "Q6_K":
+        blocks[..., 192:208] = 127  # int8 scales
+    one = np.array([1e-3], np.float16).view(np.uint8)
+    for start in FP16_FIELDS[type_name]:
+        blocks[..., start:start + 2] = one
+    raw = torch.from_numpy(blocks.reshape(n, -1))
+    w = reference_w(type_name, raw, k)
+    x = torch.full((16, k), sign)
+    x[8:, ::2] = -sign  # the second tile: inputs of both signs
+    got = lanes_run(x8_lib, type_name, raw, k, x, threads=2)
+    check(got, w, x, type_name)
+
+
+def test_avx2_x_lanes_switch(x8_lib, monkeypatch):
+    """DUPLEX_GGUF_X8=0 sends K-quant rows of x back to the row loop and turns gg_linear_lanes
+    off on AVX2; the decode row limit (gguf_weight.row_limit) follows where this CPU's own
+    library has the kernel: 96 with it, 48 without."""
+    from duplex.kernels import gguf_weight
+
+    lib = x8_lib
+    type_id, k = cpu_gguf.TYPE_IDS["Q4_K"], 512
+    raw = random_blocks("Q4_K", 40, k, seed=3, extreme=False)
+    x = random_x(16, k, seed=3)
+    with vnni_only(lib):
+        loop = run(lib, "Q4_K", raw, k, x, threads=2)
+    own = lib is cpu_gguf._load()
+    monkeypatch.setenv("DUPLEX_GGUF_X8", "0")
+    cpu_gguf.apply_amx_switch(lib)
+    try:
+        assert lib.gg_x8_available() == 0
+        assert torch.equal(run(lib, "Q4_K", raw, k, x, threads=2), loop)
+        if own:
+            assert not cpu_gguf.x8_available() and not cpu_gguf.lanes_available()
+            assert gguf_weight.row_limit(type_id) == gguf_weight.GEMV_ROWS * gguf_weight.K_QUANT_ROW_FACTOR
+    finally:
+        monkeypatch.delenv("DUPLEX_GGUF_X8")
+        cpu_gguf.apply_amx_switch(lib)
+    assert lib.gg_x8_available() == 1
+    assert not torch.equal(run(lib, "Q4_K", raw, k, x, threads=2), loop)
+    if own and not cpu_gguf.amx_available():
+        assert cpu_gguf.lanes_available() and gguf_weight.row_limit(type_id) == 96
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])

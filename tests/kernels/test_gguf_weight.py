@@ -128,7 +128,7 @@ def test_prompt_step_takes_one_path_at_any_row_count(type_name, int8_prompt, mon
     k = 256
     raw = raw_rows(type_name, 32, k)
     w = GGUFWeight(cpu_gguf.TYPE_IDS[type_name], raw, k, with_dense=False)
-    lanes = type_name == "Q6_K" and cpu_gguf.vn_available() and not cpu_gguf.amx_available()
+    lanes = type_name == "Q6_K" and cpu_gguf.lanes_available() and not cpu_gguf.amx_available()
     int8 = (int8_prompt != "0" and lanes) or (int8_prompt == "1" and not cpu_qgemv.available())
     assert w.int8_prompt() == int8
     assert (w.dense_from_rows() is None) == (int8 or gguf_weight.prompt_gemm_dtype() == torch.float32)
