@@ -85,6 +85,12 @@ def reference_w(type_name: str, raw: torch.Tensor, k: int) -> torch.Tensor:
     return w
 
 
+def extreme_case(type_name: str, n: int, k: int, m: int, seed: int):
+    """Random blocks with extreme scales (n rows), their reference weights, m rows of x."""
+    raw = random_blocks(type_name, n, k, seed=seed, extreme=True)
+    return raw, reference_w(type_name, raw, k), random_x(m, k, seed=seed)
+
+
 @contextlib.contextmanager
 def vnni_only(lib, lanes: bool = False, x_lanes: bool = False):
     """The library's AMX-INT8 tiles off (where it has them) for the block, the AVX-512 kernel
@@ -159,9 +165,7 @@ def test_vnni_weight_rows_in_lanes(type_name, k):
     row of x in any group of 8 or more (its operations are per row of x), and not the row
     loop's bits (so it did run)."""
     n = 67  # four tasks of 16 weight rows and a fifth of 3 (13 lanes of zeros)
-    raw = random_blocks(type_name, n, k, seed=k + 2, extreme=True)
-    w = reference_w(type_name, raw, k)
-    x = random_x(max(VN_ROWS), k, seed=k + 2)
+    raw, w, x = extreme_case(type_name, n, k, max(VN_ROWS), seed=k + 2)
     lib = cpu_gguf._load()
     with vnni_only(lib, lanes=True):
         full = run(lib, type_name, raw, k, x, threads=1)
@@ -309,9 +313,7 @@ def test_avx2_x_rows_in_lanes(x8_lib, type_name, k):
     (tasks of 2 weight rows) and many (16 a task, block by block) alike."""
     lib = x8_lib
     n = 67  # odd: a task of one weight row last; 4 tasks of 16 and one of 3 with 5+ tiles
-    raw = random_blocks(type_name, n, k, seed=k + 7, extreme=True)
-    w = reference_w(type_name, raw, k)
-    x = random_x(max(X8_ROWS), k, seed=k + 7)
+    raw, w, x = extreme_case(type_name, n, k, max(X8_ROWS), seed=k + 7)
     with vnni_only(lib, x_lanes=True):
         full = lanes_run(lib, type_name, raw, k, x, threads=1)
         check(full, w, x, type_name)
