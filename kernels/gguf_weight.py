@@ -17,8 +17,9 @@ it is a kind, so `ops.linear` and the models treat both alike). It holds the fil
     AVX512-BF16 GEMM       otherwise, CPUs with AVX512-BF16 (not  raw: 32 rows x K weights to
                            a head)                                bf16 into L2 at a time
                                                                   (gemm_bf16)
-    int8 lanes (cpu_gguf)  prompt steps of K-quants on AVX512-    raw: 16 weight rows in a
-                           VNNI without AMX (DUPLEX_INT8_PROMPT:  register's lanes, every M
+    int8 lanes (cpu_gguf)  prompt steps of K-quants on AVX512-    raw: 16 weight rows (VNNI)
+                           VNNI without AMX, or on AVX2 without   or 8 rows of x (AVX2) in a
+                           AVX-512 VNNI (DUPLEX_INT8_PROMPT:      register's lanes, every M
                            auto), before the two above
     bf16 GEMM              the two above switched off             raw: BF16_CHUNK weights to
                                                                   bf16 at a time, oneDNN's GEMM
@@ -31,7 +32,10 @@ kernel that beats them: a GEMM on a dequantized tile costs the dequantization on
 reference's up to summation order and bf16 rounding, where int8 activations add theirs to
 every prompt token. On AVX-512 VNNI without AMX, K-quant prompts take int8 activations by
 default all the same: there `vpdpbusd` does twice the multiply-adds of `vdpbf16ps` a cycle,
-and the measured cost is 14.094 -> 14.120 perplexity (`int8_prompt`). The dense bf16 copy the engine
+and the measured cost is 14.094 -> 14.120 perplexity (`int8_prompt`). On AVX2 without AVX-512
+VNNI they do too: the kernel with rows of x in the lanes sums in int16 between the scale
+multiplies, 1.4-1.5x the fp32 tiles' prompt speed on a Zen 1 (docs/BENCHMARKS.md, "Eighteenth
+session"). The dense bf16 copy the engine
 used to keep for this (2 bytes a weight beside the ~0.6 of the file) is opt-in:
 DUPLEX_DENSE_WEIGHTS=1 keeps one per weight and logs what it costs.
 
