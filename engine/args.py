@@ -22,7 +22,9 @@ _HELP = {
                       "and disk tier; not for DeepSeek's MLA cache)",
     "num_kv_blocks": "number of KV blocks (overrides --kv-cache-bytes)",
     "max_num_seqs": "most requests running in one step",
-    "max_num_batched_tokens": "token budget of one step",
+    "max_num_batched_tokens": "token budget of one step (0: auto, 256 on the CPU, where the "
+                              "kernels run at full rate by then and a smaller step stalls "
+                              "running streams less; 512 on a GPU)",
     "enable_prefix_caching": "reuse KV blocks of identical prefixes",
     "weights_dtype": "weight precision: auto (a GGUF file's 4/8-bit weights stay quantized), "
                      "float32 (exact), bfloat16, int8 or int4 (every linear weight)",
@@ -102,8 +104,9 @@ def add_worker_policy_arguments(group, *, unset: bool = False) -> None:
     the config every worker receives) and `duplex worker` (`unset`: None when not given, so
     they change a --config-json only where given)."""
     group.add_argument("--fair-prefill", action=argparse.BooleanOptionalAction, default=None,
-                       help="long prompts leave part of each step to short ones and to running "
-                            "streams (default: on, except with --expert-parallel)")
+                       help="prompts run shortest remaining first (aged by their wait), after "
+                            "a token for each running stream, so short prompts do not queue "
+                            "behind long ones (default: on, except with --expert-parallel)")
     group.add_argument("--handoff-lease-s", type=float, metavar="S",
                        default=None if unset else HANDOFF_LEASE_S,
                        help="longest a prefill worker holds blocks for a decode worker's "

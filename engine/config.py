@@ -73,17 +73,17 @@ def resolve_model_path(model: str | None) -> str:
 class SchedulerConfig:
     """What one scheduler step may take on."""
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 0  # 0 = auto (engine.core.resolve_batched_tokens)
     step_budget_ms: float = 0.0  # 0 = no time budget, token budget only
-    # a running prompt's chunk leaves part of the step to waiting and decoding requests
-    # (engine.step_policy.fair_prefill). Off in the offline engine; `duplex serve` and
+    # prompts run shortest remaining first, after the decoding requests' tokens
+    # (engine.step_policy.shortest_first). Off in the offline engine; `duplex serve` and
     # `duplex worker` set it from --fair-prefill (default: on, except with expert parallelism)
     fair_prefill: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1",
-                 self.max_num_batched_tokens)
+        _require(self.max_num_batched_tokens >= 0, "max_num_batched_tokens",
+                 "must be >= 0 (0: auto)", self.max_num_batched_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

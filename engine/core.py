@@ -56,7 +56,7 @@ from duplex.engine.sampler import Draws, Sampler, take_rows
 from duplex.engine.scheduler import Scheduler, SchedulerOutput
 from duplex.engine.spec import Speculator
 from duplex.engine.stats import KVStats, KVTierStats, MoEStats
-from duplex.engine.step_policy import fair_prefill, time_budget
+from duplex.engine.step_policy import shortest_first, time_budget
 from duplex.kernels import memory
 from duplex.kernels.batch_invariant import set_batch_invariant_mode
 from duplex.kernels.cpu_fused import use_fused
@@ -75,10 +75,10 @@ _KV_DTYPE_NAMES = {v: k for k, v in _KV_DTYPES.items()}
 
 def step_policies(config: SchedulerConfig, cost_model: CostModel) -> dict:
     """The Scheduler's policies for this config: a time budget from the cost model when
-    step_budget_ms is set, the fair prefill share when asked for."""
+    step_budget_ms is set, the shortest-first prompt order when fair_prefill is asked for."""
     budget = config.step_budget_ms / 1000.0
     return dict(token_budget=time_budget(cost_model, budget) if budget > 0 else None,
-                prefill_chunk=fair_prefill() if config.fair_prefill else None)
+                prefill_order=shortest_first() if config.fair_prefill else None)
 
 
 def _load_weights(config: EngineConfig, progress: bool, platform: Platform):
@@ -104,7 +104,7 @@ def _size_kv_pool(config: EngineConfig, args, dtype: torch.dtype, is_hybrid: boo
         return num_blocks, None
     layout = HybridLayout.plan(args.layer_windows, num_blocks, cache.block_size,
                                config.scheduler.max_num_seqs,
-                               config.scheduler.max_num_batched_tokens)
+                               resolve_batched_tokens(config, platform))
     return layout.num_full_blocks, layout
 
 
@@ -209,9 +209,9 @@ class EngineCore:
         if config.cuda_graphs and not config.ep.is_on:  # CUDA: decode steps replay graphs
             self.runner.capture_decode_graphs(self.max_model_len, config.scheduler.max_num_seqs)
         self.cost_model = cost_model if cost_model is not None else CostModel()
-        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs,
-                                   config.scheduler.max_num_batched_tokens, self.max_model_len,
-                                   **step_policies(config.scheduler, self.cost_model))
+        self.scheduler = Scheduler(
+            self.kv, config.scheduler.max_num_seqs, resolve_batched_tokens(config, self.platform),
+            self.max_model_len, **step_policies(config.scheduler, self.cost_model))
         self.sampler = Sampler(config.seed)
         self.spec = None if not config.spec.is_on else Speculator.build(
             config.spec, model=self.model, runner=self.runner, kv=self.kv,
@@ -590,6 +590,20 @@ def _advance(sched: SchedulerOutput, counters: dict) -> None:
         req.advance(num_new)
         counters["computed"] += min(num_new, max(0, req.num_prompt_tokens -
                                                  (req.num_computed_tokens - num_new)))
+
+
+# A step's token budget when max_num_batched_tokens is 0 (auto). On the CPU the prompt
+# kernels reach their rate well below 256 rows, and every prompt token in a step delays the
+# running streams' next token: on a 2-core Zen 1, 1B Q4_K_M, 32 prompts at concurrency 16,
+# 512 -> 256 took the median time to first token from 24.0 to 16.5 s and the slowest
+# inter-token gap from 10.4 to 5.6 s at the same output rate (docs/BENCHMARKS.md).
+AUTO_BATCHED_TOKENS = {"cpu": 256, "cuda": 512}
+
+
+def resolve_batched_tokens(config: EngineConfig, platform: Platform) -> int:
+    """The step's token budget: max_num_batched_tokens, or auto's for the platform."""
+    tokens = config.scheduler.max_num_batched_tokens
+    return tokens or AUTO_BATCHED_TOKENS["cuda" if platform.is_cuda else "cpu"]
 
 
 def resolve_overlap(config: EngineConfig, platform: Platform) -> bool:

@@ -6,6 +6,13 @@ arrival order as KV blocks allow. Long prompts are chunked to the budget. When t
 runs dry, the newest running request is preempted: its blocks are freed and it later
 recomputes (its prompt is then prompt + output so far, which is the same counter model).
 
+With a prefill order (engine.step_policy.shortest_first, served workers), decoding requests
+still come first, a token each; then the prompts, running and waiting alike, take the rest
+of the budget in the order's place, lowest first: a short prompt is not queued behind a long
+one, and a long one mid-way waits a step for it. A prompt that cannot get blocks then is
+passed over, not preempted for; only a step in which nothing fits falls back to the arrival
+order, which preempts.
+
 A waiting request whose cached prefix is still being read from disk is passed over, so
 the reads overlap other requests' compute; only an otherwise idle step waits for them.
 
@@ -40,15 +47,15 @@ class SchedulerOutput(NamedTuple):
 
 # (scheduler) -> this step's token budget, e.g. engine.step_policy.time_budget
 TokenBudget = Callable[["Scheduler"], int]
-# (scheduler, req, budget left) -> most tokens a running prompt may take this step, e.g.
-# engine.step_policy.fair_prefill (leaves waiting requests part of the step)
-PrefillChunk = Callable[["Scheduler", Request, int], int]
+# (scheduler, req, now) -> the prompt's place in line this step, lowest first, e.g.
+# engine.step_policy.shortest_first (ties go by arrival)
+PrefillOrder = Callable[["Scheduler", Request, float], float]
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, *, token_budget: TokenBudget | None = None,
-                 prefill_chunk: PrefillChunk | None = None) -> None:
+                 prefill_order: PrefillOrder | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,7 +64,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._token_budget_fn = token_budget  # None: max_num_batched_tokens every step
-        self._prefill_chunk_fn = prefill_chunk  # None: a prompt takes what the budget leaves
+        self._prefill_order_fn = prefill_order  # None: running, then waiting by arrival
 
     # ------------------------------------------------------------------ queues
     def add(self, req: Request) -> None:
@@ -80,6 +87,9 @@ class Scheduler:
         budget = self._token_budget()
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        if self._prefill_order_fn is not None:
+            self._schedule_ordered(budget, scheduled, preempted)
+            return SchedulerOutput(scheduled, preempted)
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
@@ -87,21 +97,39 @@ class Scheduler:
                 self._schedule_waiting(budget, scheduled)  # idle: waited for a disk read
         return SchedulerOutput(scheduled, preempted)
 
+    def _schedule_ordered(self, budget: int, scheduled: list[ScheduledRequest],
+                          preempted: list[Request]) -> None:
+        left = self._schedule_running(budget, scheduled, preempted, prompts=False)
+        self._schedule_prompts(left, scheduled, admit=not preempted)
+        if scheduled or preempted:
+            return
+        if self.kv.wait_for_loads(self.waiting):  # idle: wait for a disk read
+            self._schedule_prompts(left, scheduled, admit=True)
+        if not scheduled:  # nothing fits as it stands: the arrival order preempts for room
+            budget = self._schedule_running(budget, scheduled, preempted)
+            if not preempted:
+                self._schedule_waiting(budget, scheduled)
+
     def _token_budget(self) -> int:
         if self._token_budget_fn is not None:
             return max(1, min(self.max_num_batched_tokens, self._token_budget_fn(self)))
         return self.max_num_batched_tokens
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
-                          preempted: list[Request]) -> int:
+                          preempted: list[Request], prompts: bool = True) -> int:
+        """Running requests oldest first (decoding ones only, unless `prompts`), each as many
+        tokens as it has and the budget leaves; the newest are preempted for blocks."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_pending and ends_by_length(req, self.max_model_len):
                 i += 1  # its last token is drawn already: nothing more to compute
                 continue
+            if not prompts and not req.is_decoding:
+                i += 1  # a prompt mid-way: _schedule_prompts places it
+                continue
             num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens,
-                          self._chunk_budget(req, budget))
+                          budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -114,10 +142,32 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _chunk_budget(self, req: Request, budget: int) -> int:
-        if self._prefill_chunk_fn is None or req.is_decoding:
-            return budget
-        return max(1, min(budget, self._prefill_chunk_fn(self, req, budget)))
+    def _schedule_prompts(self, budget: int, scheduled: list[ScheduledRequest],
+                          admit: bool) -> None:
+        """Prompts mid-way and (if `admit`) waiting requests, lowest place first, each as
+        many tokens as the budget leaves; one that cannot get blocks is passed over."""
+        now = time.time()
+        running = [r for r in self.running if not r.is_decoding]
+        waiting = [r for r in self.waiting
+                   if admit and not (self.kv.is_loading(r) or r.num_pending)]
+        place = self._prefill_order_fn
+        order = sorted(running + waiting, key=lambda r: (place(self, r, now), r.arrival_time))
+        is_running = set(map(id, running))
+        for req in order:
+            if budget <= 0:
+                return
+            if id(req) in is_running:
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req, num_new):
+                    continue
+            elif len(self.running) >= self.max_num_seqs:
+                continue
+            else:
+                num_new = self._admit(req, budget)
+                if num_new is None:
+                    continue
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in arrival order; one whose disk reads are still in flight

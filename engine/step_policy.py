@@ -1,4 +1,5 @@
-"""How much one scheduler step may take on: the time budget and the fair prefill share.
+"""How much one scheduler step may take on, and in what order: the time budget and the
+shortest-first order of prompts.
 
 Two policies the Scheduler is built with and calls with itself during a step (it owns
 neither; EngineCore chooses them from SchedulerConfig):
@@ -7,11 +8,13 @@ neither; EngineCore chooses them from SchedulerConfig):
   tokens of the running requests plus as many prompt tokens as the cost model predicts fit
   in `--step-budget-ms` next to them (at least `min_chunk`, so prefill always progresses).
   Until the model has enough samples, the static `max_num_batched_tokens` applies.
-* `fair_prefill(...)` -> `Scheduler(prefill_chunk=...)`: a running prompt's chunk leaves a
-  token to each decoding request and, while requests wait, part of the budget to them, so
-  a short prompt that arrives during a long prefill gets its first token within a step or
-  two instead of after the whole long prompt, and running streams keep their pace (the
-  worker-side half of length bucketing; the router holds the queues).
+* `shortest_first(...)` -> `Scheduler(prefill_order=...)`: prompts run shortest remaining
+  first (after the cached prefix a waiting one would hit), each one's length divided by
+  1 + its wait / `aging_s`, so a long prompt is not passed over for ever. A short prompt
+  that arrives during a long prefill gets its first token within a step or two instead of
+  after the whole long prompt, and a burst of prompts finishes its short ones first, which
+  is what brings the median time to first token down; decoding requests keep their token
+  every step (the worker-side half of length bucketing; the router holds the queues).
 """
 from __future__ import annotations
 
@@ -22,6 +25,10 @@ from duplex.engine.request import Request
 
 # A prompt chunk never shrinks below this many tokens (tiny chunks waste the weights read).
 MIN_CHUNK = 16
+# A waiting prompt counts half its length after this many seconds, a third after twice as
+# long: on a busy CPU box a burst of prompts takes minutes, and a long one still gets its
+# turn among shorter ones that keep arriving.
+AGING_S = 120.0
 
 
 def time_budget(model: CostModel, budget_s: float,
@@ -42,13 +49,13 @@ def time_budget(model: CostModel, budget_s: float,
     return token_budget
 
 
-def fair_prefill(share: float = 0.5,
-                 min_chunk: int = MIN_CHUNK) -> Callable[[object, Request, int], int]:
-    """A running prompt's chunk leaves one token for every decoding request and, while
-    requests wait, `share` of the budget to them; never less than min_chunk."""
-    def chunk_limit(scheduler, req: Request, budget: int) -> int:
-        reserve = sum(1 for r in scheduler.running if r.is_decoding)
-        if scheduler.waiting:
-            reserve += int(budget * share)
-        return max(min_chunk, budget - reserve)
-    return chunk_limit
+def shortest_first(aging_s: float = AGING_S) -> Callable[[object, Request, float], float]:
+    """A prompt's place in line: the tokens it has left to compute (for one not started,
+    after the device prefix hit it would take), over 1 + seconds waited / aging_s."""
+    def place(scheduler, req: Request, now: float) -> float:
+        done = req.num_computed_tokens
+        if done == 0:
+            done = len(scheduler.kv.find_cached_blocks(req)) * scheduler.kv.block_size
+        waited = max(0.0, now - req.arrival_time)
+        return (req.num_tokens - done) / (1.0 + waited / aging_s)
+    return place

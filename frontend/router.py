@@ -9,8 +9,8 @@ events and sends what it releases.
   of outstanding prefills per worker (a prefill is outstanding until its first token), and
   the buckets are drained in turn, one request each per round. So a short prompt never
   queues behind long ones here, and a worker never holds a backlog of long prompts that its
-  own FIFO would put ahead of a short one (inside a worker, `step_policy.fair_prefill` lets a
-  short prompt share the steps of a running long one).
+  own FIFO would put ahead of a short one (inside a worker, `step_policy.shortest_first` runs
+  a short prompt before the rest of a running long one).
 * Prefix affinity. The keys of the prompt's full blocks (kvstore.keys, in the namespace the
   workers use: model identity, KV dtype, block size, layout and tenant salt from Ready) are
   matched against the keys last sent to each worker (an LRU as large as its block pool).

@@ -15,6 +15,7 @@ from duplex.engine.kv_manager import KVCacheManager
 from duplex.engine.request import Request
 from duplex.engine.sampling_params import SamplingParams
 from duplex.engine.scheduler import Scheduler
+from duplex.engine.step_policy import shortest_first
 from duplex.kvstore import keys as kvkeys
 
 BS = 4
@@ -124,3 +125,19 @@ class CheckedMachine(SchedulerMachine):
 CheckedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                             deadline=None)
 TestScheduler = CheckedMachine.TestCase
+
+
+class ShortestFirstMachine(CheckedMachine):
+    """The same invariants with served workers' order: prompts shortest remaining first,
+    passed over (not preempting) when blocks run short, arrival order only when nothing
+    else fits."""
+
+    def __init__(self):
+        super().__init__()
+        self.sched = Scheduler(self.kv, max_num_seqs=4, max_num_batched_tokens=10,
+                               max_model_len=40, prefill_order=shortest_first())
+
+
+ShortestFirstMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                  deadline=None)
+TestShortestFirstScheduler = ShortestFirstMachine.TestCase
