@@ -18,6 +18,7 @@ neither; EngineCore chooses them from SchedulerConfig):
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 from duplex.engine.cost_model import CostModel, attended_pairs
@@ -51,11 +52,19 @@ def time_budget(model: CostModel, budget_s: float,
 
 def shortest_first(aging_s: float = AGING_S) -> Callable[[object, Request, float], float]:
     """A prompt's place in line: the tokens it has left to compute (for one not started,
-    after the device prefix hit it would take), over 1 + seconds waited / aging_s."""
+    after the device prefix hit it would take), over 1 + seconds waited / aging_s. A waiting
+    request's hit is looked up once (per length: a preempted one is looked up again), not
+    every step: a stale hit only moves it in the line, and admission looks again."""
+    hits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # req -> (tokens, hit)
+
     def place(scheduler, req: Request, now: float) -> float:
         done = req.num_computed_tokens
         if done == 0:
-            done = len(scheduler.kv.find_cached_blocks(req)) * scheduler.kv.block_size
+            seen = hits.get(req)
+            if seen is None or seen[0] != req.num_tokens:
+                hit = len(scheduler.kv.find_cached_blocks(req)) * scheduler.kv.block_size
+                hits[req] = seen = (req.num_tokens, hit)
+            done = seen[1]
         waited = max(0.0, now - req.arrival_time)
         return (req.num_tokens - done) / (1.0 + waited / aging_s)
     return place

@@ -132,3 +132,21 @@ def test_the_auto_token_budget_is_the_platforms():
     assert resolve_batched_tokens(EngineConfig.of(max_num_batched_tokens=100), gpu) == 100
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig.of(max_num_batched_tokens=-1)
+
+
+def test_a_waiting_prompts_hit_is_looked_up_once_not_every_step():
+    sched = make(True, budget=8)
+    looked: dict[str, int] = {}
+    find = sched.kv.find_cached_blocks
+
+    def counting(req):
+        looked[req.req_id] = looked.get(req.req_id, 0) + 1
+        return find(req)
+
+    sched.kv.find_cached_blocks = counting
+    now = time.time()
+    for rid in "abc":
+        sched.add(request(rid, 8, first=ord(rid), arrival=now, max_tokens=8))
+    steps = [dict(run(sched)) for _ in range(4)]
+    assert "c" not in steps[0] and "c" not in steps[1]  # it waited at least two steps
+    assert looked["c"] == 2  # its place once, and its admission
