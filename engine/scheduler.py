@@ -28,7 +28,7 @@ from collections import deque
 from typing import Callable, NamedTuple
 
 from duplex.engine.kv_manager import KVCacheManager
-from duplex.engine.request import Request
+from duplex.engine.request import Request, Status
 
 
 class ScheduledRequest(NamedTuple):
@@ -152,11 +152,10 @@ class Scheduler:
                    if admit and not (self.kv.is_loading(r) or r.num_pending)]
         place = self._prefill_order_fn
         order = sorted(running + waiting, key=lambda r: (place(self, r, now), r.arrival_time))
-        is_running = set(map(id, running))
         for req in order:
             if budget <= 0:
                 return
-            if id(req) in is_running:
+            if req.status is Status.RUNNING:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self.kv.allocate_slots(req, num_new):
                     continue

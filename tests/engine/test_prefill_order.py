@@ -4,9 +4,15 @@ against the arrival order the offline engine keeps."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from duplex.engine.block_pool import BlockPool
+from duplex.engine.config import EngineConfig
+from duplex.engine.core import AUTO_BATCHED_TOKENS, resolve_batched_tokens
 from duplex.engine.kv_manager import KVCacheManager
+from duplex.engine.platform import cpu
 from duplex.engine.request import Request
 from duplex.engine.sampling_params import SamplingParams
 from duplex.engine.scheduler import Scheduler
@@ -117,14 +123,6 @@ def test_a_prompt_without_blocks_is_passed_over_not_preempted_for():
 
 
 def test_the_auto_token_budget_is_the_platforms():
-    from types import SimpleNamespace
-
-    import pytest
-
-    from duplex.engine.config import EngineConfig
-    from duplex.engine.core import AUTO_BATCHED_TOKENS, resolve_batched_tokens
-    from duplex.engine.platform import cpu
-
     assert EngineConfig.of().scheduler.max_num_batched_tokens == 0  # auto
     assert resolve_batched_tokens(EngineConfig.of(), cpu()) == AUTO_BATCHED_TOKENS["cpu"] == 256
     gpu = SimpleNamespace(is_cuda=True)
