@@ -1030,15 +1030,21 @@ static int x8_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
 /* ------------------------------------------------ AVX-512 VNNI: the K-quants, 64 at a time
  *
  * The same integer sums as kq_dot, on 512-bit registers: a K-quant block unpacks into four
- * registers of 64 weights in their natural order (q[j]: weights 64j..64j+63; the nibbles of
- * 32 bytes go to both halves of a broadcast load and are shifted per half with vpsrlvw), and
- * each sub-block's scale is pre-spread into int16 lanes (sc[j], one vpermw a register, once
- * per weight block). Per row of x a block then costs 4 vpmaddubsw and 4 vpdpwssd (the scale
+ * registers of 64 weights, two sub-blocks of 32 each (KQ512_SUB: Q6_K's in their natural
+ * order, q[j] weights 64j..64j+63; Q4_K's and Q5_K's as their nibbles lie in 64 bytes of qs,
+ * q[j] sub-blocks (0, 2), (1, 3), (4, 6), (5, 7): one load, a mask and a shift for two
+ * registers, where a broadcast load and a per-half vpsrlvw for each was 1.15x the time of a
+ * one-row pass; x is laid in the same order, once per call, kq512_x_order), and each
+ * sub-block's scale is pre-spread into int16 lanes (sc[j], one vpermw a register, once per
+ * weight block). Per row of x a block then costs 4 vpmaddubsw and 4 vpdpwssd (the scale
  * multiply and the int32 sum in one), against 8 vpmaddubsw, 8 vpshufb and 8 vpmaddwd and
  * the adds on 256 bits. The block's int32 lanes are exact, so only the fp32 sums (16 lanes,
  * one reduction an output) differ from the AVX2 path's; every output is computed the same
  * way whatever the number of rows (kq512_rows and kq512_two_rows share kq512_dot). */
 typedef struct { __m512i q[4], sc[4]; __m256i sc16; __m128i mn; float d, dmin; } kq512_block;
+
+/* Q4_K / Q5_K: the sub-blocks of 32 in the low and high halves of register j (kq512_unpack) */
+static const int KQ512_SUB[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
 
 /* int16 lanes: each half (16 lanes) shifted by its own count (a, then b) */
 ALWAYS_INLINE __m512i halves16(int a, int b) {
@@ -1075,35 +1081,62 @@ ALWAYS_INLINE void kq512_unpack(int type, const uint8_t *blk, kq512_block *u) {
     }
     const int five = type == GG_Q5_K;
     const uint8_t *qs = blk + (five ? 48 : 16);
-    for (int j = 0; j < 4; j++) {  /* low nibbles: sub-block 2j, high: 2j + 1 */
-        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
-        u->q[j] = _mm512_and_si512(_mm512_srlv_epi16(v, halves16(0, 4)), low4);
+    for (int h = 0; h < 2; h++) {  /* 64 bytes: chunks 2h, 2h + 1 (low nibbles 4h, 4h + 2) */
+        __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * h));
+        u->q[2 * h] = _mm512_and_si512(v, low4);
+        u->q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
     if (five) {  /* bit 4 of sub-block s: bit s of qh[i], moved to bit 4 */
         const __m512i bit4 = _mm512_set1_epi8(0x10);
         __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
-        u->q[0] = _mm512_or_si512(u->q[0], _mm512_and_si512(_mm512_sllv_epi16(qh, halves16(4, 3)), bit4));
-        u->q[1] = _mm512_or_si512(u->q[1], _mm512_and_si512(_mm512_sllv_epi16(qh, halves16(2, 1)), bit4));
-        u->q[2] = _mm512_or_si512(u->q[2], _mm512_and_si512(_mm512_srlv_epi16(qh, halves16(0, 1)), bit4));
-        u->q[3] = _mm512_or_si512(u->q[3], _mm512_and_si512(_mm512_srlv_epi16(qh, halves16(2, 3)), bit4));
+        u->q[0] = _mm512_or_si512(u->q[0], _mm512_and_si512(_mm512_sllv_epi16(qh, halves16(4, 2)), bit4));
+        u->q[1] = _mm512_or_si512(u->q[1], _mm512_and_si512(_mm512_sllv_epi16(qh, halves16(3, 1)), bit4));
+        u->q[2] = _mm512_or_si512(u->q[2], _mm512_and_si512(_mm512_srlv_epi16(qh, halves16(0, 2)), bit4));
+        u->q[3] = _mm512_or_si512(u->q[3], _mm512_and_si512(_mm512_srlv_epi16(qh, halves16(1, 3)), bit4));
     }
     __m512i all = _mm512_zextsi128_si512(k4_scales(blk + 4, &u->mn));
-    for (int j = 0; j < 4; j++)  /* int16 lanes 0-15: sub-block 2j's scale, 16-31: 2j + 1's */
+    for (int j = 0; j < 4; j++)  /* int16 lanes 0-15: sub-block a's scale, 16-31: b's */
         u->sc[j] = _mm512_permutexvar_epi16(
-            _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1),
+            _mm512_inserti64x4(_mm512_set1_epi16((short)KQ512_SUB[j][0]),
+                               _mm256_set1_epi16((short)KQ512_SUB[j][1]), 1),
             all);
     u->d = f16_at(blk);
     u->dmin = f16_at(blk + 2);
 }
 
+/* An unpacked block's 256 weights in their natural order at q (64-byte aligned), minus off */
+ALWAYS_INLINE void kq512_store(int type, const kq512_block *u, uint8_t *q, __m512i off) {
+    if (type == GG_Q6_K) {
+        for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(q + 64 * j), _mm512_sub_epi8(u->q[j], off));
+        return;
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_sub_epi8(u->q[j], off);
+        _mm256_store_si256((__m256i *)(q + 32 * KQ512_SUB[j][0]), _mm512_castsi512_si256(v));
+        _mm256_store_si256((__m256i *)(q + 32 * KQ512_SUB[j][1]), _mm512_extracti64x4_epi64(v, 1));
+    }
+}
+
 static void kq512_bytes(int type, const uint8_t *blk, uint8_t *q) {
     kq512_block u;
     switch (type) {  /* one unpacking per type, its scales left unused */
-    case GG_Q4_K: kq512_unpack(GG_Q4_K, blk, &u); break;
-    case GG_Q5_K: kq512_unpack(GG_Q5_K, blk, &u); break;
-    default: kq512_unpack(GG_Q6_K, blk, &u); break;
+    case GG_Q4_K: kq512_unpack(GG_Q4_K, blk, &u); kq512_store(GG_Q4_K, &u, q, _mm512_setzero_si512()); break;
+    case GG_Q5_K: kq512_unpack(GG_Q5_K, blk, &u); kq512_store(GG_Q5_K, &u, q, _mm512_setzero_si512()); break;
+    default: kq512_unpack(GG_Q6_K, blk, &u); kq512_store(GG_Q6_K, &u, q, _mm512_setzero_si512()); break;
     }
-    for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(q + 64 * j), u.q[j]);
+}
+
+/* x's rows in kq512_dot's order: Q4_K / Q5_K each block's sub-blocks as the registers take
+ * them (KQ512_SUB), Q6_K as they are (returns xq itself; NULL: out of memory) */
+static int8_t *kq512_x_order(int type, const int8_t *xq, int64_t m, int64_t k) {
+    if (type == GG_Q6_K) return (int8_t *)xq;
+    int8_t *xo = malloc((size_t)(m * k));
+    if (!xo) return NULL;
+    for (int64_t b = 0; b < m * (k / 256); b++)
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++)
+                memcpy(xo + 256 * b + 64 * j + 32 * h, xq + 256 * b + 32 * KQ512_SUB[j][h], 32);
+    return xo;
 }
 
 /* kq_dot's sums for one unpacked block and one row of x, into 16 fp32 lanes */
@@ -1113,16 +1146,20 @@ ALWAYS_INLINE void kq512_dot(int type, const kq512_block *u, const int8_t *x, fl
     if (type == GG_Q6_K) {
         __m256i m = _mm256_madd_epi16(u->sc16, _mm256_loadu_si256((const __m256i *)xs));
         sumi = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5)));
-    } else {
-        __m128i x32 = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xs),
-                                     _mm_loadu_si128((const __m128i *)(xs + 8)));
-        __m512 mins = _mm512_cvtepi32_ps(_mm512_zextsi128_si512(_mm_madd_epi16(u->mn, x32)));
-        *acc = _mm512_fnmadd_ps(_mm512_set1_ps(dx * u->dmin), mins, *acc);
+    } else {  /* xs: x's 8 sums per 32 (kq512_x32) */
+        __m128 mins = _mm_cvtepi32_ps(_mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)xs)));
+        *acc = _mm512_fnmadd_ps(_mm512_set1_ps(dx * u->dmin), _mm512_zextps128_ps512(mins), *acc);
         sumi = _mm512_setzero_si512();
     }
-    for (int j = 0; j < 4; j++)
+    /* two chains of exact int32 sums (the same total; half the dependent latency) */
+    __m512i sum2 = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j += 2) {
         sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(
             u->q[j], _mm512_loadu_si512((const void *)(x + 64 * j))), u->sc[j]);
+        sum2 = _mm512_dpwssd_epi32(sum2, _mm512_maddubs_epi16(
+            u->q[j + 1], _mm512_loadu_si512((const void *)(x + 64 * j + 64))), u->sc[j + 1]);
+    }
+    sumi = _mm512_add_epi32(sumi, sum2);
     *acc = _mm512_fmadd_ps(_mm512_set1_ps(dx * u->d), _mm512_cvtepi32_ps(sumi), *acc);
 }
 
@@ -1581,7 +1618,7 @@ ALWAYS_INLINE void xl_unpack(int type, const uint8_t *w, int64_t row_bytes, int6
             for (int line = 0; line < bb; line += 64) _mm_prefetch((const char *)blk + bb + line, _MM_HINT_T0);
         kq512_block u;
         kq512_unpack(type, blk, &u);  /* its scale registers are left unused */
-        for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(xb->q[r] + 64 * j), u.q[j]);
+        kq512_store(type, &u, xb->q[r], _mm512_setzero_si512());
         if (type == GG_Q6_K) {
             _mm512_store_ps(xb->f[r], _mm512_mul_ps(_mm512_set1_ps(f16_at(blk + 208)), _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))))));
@@ -1870,8 +1907,7 @@ ALWAYS_INLINE void amx_unpack(int type, const uint8_t *blk, uint8_t *q, float *s
                               float *d) {
     kq512_block u;
     kq512_unpack(type, blk, &u);
-    const __m512i off = _mm512_set1_epi8(type == GG_Q6_K ? 32 : 0);
-    for (int j = 0; j < 4; j++) _mm512_store_si512((void *)(q + 64 * j), _mm512_sub_epi8(u.q[j], off));
+    kq512_store(type, &u, q, _mm512_set1_epi8(type == GG_Q6_K ? 32 : 0));
     *d = u.d;
     if (type == GG_Q6_K) {
         _mm512_storeu_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(u.sc16)));
@@ -2047,6 +2083,13 @@ static void x_sums(int type, int64_t m, int64_t k, const float *dx, const int32_
                    float *xsf, int16_t *xs16) {
     if (block_size(type) == 256) {
         for (int64_t j = 0; j < m * (k / 16); j++) xs16[j] = (int16_t)xs[j];
+#if defined(GG_AVX512)
+        /* kq512_dot's Q4_K / Q5_K mins take x's sums per 32, the first 8 of each block's
+         * 16 (|sum| <= 32 * 127): added once here, not again for every weight row */
+        if (type != GG_Q6_K)
+            for (int64_t j = 0; j < m * (k / 256); j++)
+                for (int s = 0; s < 8; s++) xs16[16 * j + s] = (int16_t)(xs16[16 * j + 2 * s] + xs16[16 * j + 2 * s + 1]);
+#endif
     } else {
         for (int64_t j = 0; j < m * (k / 32); j++)
             xsf[j] = dx[j] * (float)(xs[2 * j] + xs[2 * j + 1]);
@@ -2122,8 +2165,17 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
     if (direct && !xsf) return -1;
     if (direct) x_sums(type, m, k, dx, xs, xsf, xs16);
 #if defined(GG_AVX512)
+    const int8_t *xq_in = xq;
+    if (direct && block_size(type) == 256) {
+        xq = kq512_x_order(type, xq, m, k);
+        if (!xq) {
+            free(xsf);
+            return -1;
+        }
+    }
     if (direct && block_size(type) == 256 && m > 1) {
         kq512_groups(type, w, row_bytes, n, k, xq, dx, xs16, m, out, ldo, threads, &failed);
+        if (xq != xq_in) free((void *)xq);
         free(xsf);
         return failed ? -1 : 0;
     }
@@ -2162,6 +2214,9 @@ int gg_linear_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64
         free(q);
         free(f);
     }
+#if defined(GG_AVX512)
+    if (xq != xq_in) free((void *)xq);
+#endif
     free(xsf);
     return failed ? -1 : 0;
 }
