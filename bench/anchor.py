@@ -14,6 +14,11 @@ medians over repeats and ratios Duplex / llama-server:
 | multiturn           | multi-turn, 8 × 4 turns, 64 out, c=8        | out tok/s, hit rate, TTFT p99 |
 | bench               | llama-bench pp512 / tg128 vs `engine.LLM`   | tok/s                       |
 
+Under the table, one stream's weight bytes a second (the file's tensor bytes / TPOT p50) of
+each server, as a share of the box's streaming read rate measured just before each of its
+runs, with both servers idle (a shared VM's rate moves: 34-57 GB/s within minutes on one
+Zen 4 box); medians over the runs.
+
 RSS is the resident memory of each server's processes (its process group and every
 descendant: Duplex's frontend and workers) read from /proc after each run. A request may take
 as long as a run (`RUN_TIMEOUT_S`): at the large shapes on two cores a concurrency-16 prompt
@@ -46,7 +51,7 @@ import time
 import urllib.request
 import zlib
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 SERVERS = ("llama", "duplex")
 NAMES = {"llama": "llama-server", "duplex": "Duplex", "vllm": "vLLM"}
@@ -213,37 +218,59 @@ def measure(args: argparse.Namespace, result: dict) -> None:
         result["bench"] = bench_both(args, llama)
 
 
-def read_rates(model: str, threads: int) -> dict:
-    """What one decode step must read (the file's tensor bytes) and how fast this box streams
-    memory with `threads` threads (bench/machine.py), measured before any server starts."""
+def read_gbs_now(threads: int) -> float:
+    """How fast this box streams memory now with `threads` threads (bench/machine.py)."""
     import torch
-    from gguf import GGUFReader
 
     from duplex.bench.machine import memory_read_gbs
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        read_gbs = memory_read_gbs(1 << 30)
+        return memory_read_gbs(1 << 30)
     finally:
         torch.set_num_threads(previous)
+
+
+def read_rates(model: str, threads: int) -> dict:
+    """What one decode step must read (the file's tensor bytes) and how fast this box streams
+    memory, measured before any server starts (each one-stream run measures it again just
+    before it: a shared VM's rate moves, 34-57 GB/s within minutes on one Zen 4 box)."""
+    from gguf import GGUFReader
+
     weight_bytes = sum(int(t.n_bytes) for t in GGUFReader(model).tensors)
-    return {"read_gbs": read_gbs, "weight_bytes": weight_bytes}
+    return {"read_gbs": read_gbs_now(threads), "weight_bytes": weight_bytes}
 
 
 def read_rate_line(result: dict) -> str | None:
     """One stream: the weight bytes each server reads a second (file bytes / TPOT p50) against
-    the box's streaming read rate."""
+    the box's streaming read rate, each run against the rate measured just before it where
+    there is one (medians over runs), else the one measured before the servers started."""
     if not result.get("read_gbs") or not result.get("weight_bytes"):
         return None
-    tpot = [(s, medians(result.get("runs", []), "single", s, SPECS["single"].metrics)["TPOT"])
-            for s in (*SERVERS, "vllm")]
-    parts = [f"{NAMES[s]} {result['weight_bytes'] / t * 1e3 / 1e9:.1f} GB/s "
-             f"({result['weight_bytes'] / t * 1e3 / 1e9 / result['read_gbs']:.0%})"
-             for s, t in tpot if t and s != "vllm"]
+    parts, rates = [], []
+    for server in SERVERS:
+        gbs, shares = [], []
+        for run in result.get("runs", []):
+            if run["workload"] != "single" or run["server"] != server:
+                continue
+            tpot = lookup(run["summary"], ("tpot_ms", "p50"))
+            if not tpot:
+                continue
+            rate = run["summary"].get("read_gbs") or result["read_gbs"]
+            gbs.append(result["weight_bytes"] / tpot * 1e3 / 1e9)
+            shares.append(gbs[-1] / rate)
+            rates.append(rate)
+        if gbs:
+            parts.append(f"{NAMES[server]} {statistics.median(gbs):.1f} GB/s "
+                         f"({statistics.median(shares):.0%})")
+    if not parts:
+        return None
+    low, high = min(rates), max(rates)
+    measured = f"{low:.1f} GB/s" if high - low < 0.05 else f"{low:.1f}-{high:.1f} GB/s"
     return (f"One stream reads the {result['weight_bytes'] / 1e9:.2f} GB of weights a token: "
             + ", ".join(parts) + f" of the box's measured streaming read rate, "
-            f"{result['read_gbs']:.1f} GB/s with {result['threads']} threads.") if parts else None
+            f"{measured} with {result['threads']} threads.")
 
 
 def shape_model(args: argparse.Namespace, bin_dir: Path) -> str:
@@ -444,8 +471,9 @@ def serve_both(args: argparse.Namespace, llama: LlamaCpp, specs: dict[str, Spec]
 
     tokenizer = load_tokenizer(llama.model)
     with running_targets(args, llama) as targets:
+        probe = (lambda: read_gbs_now(args.threads)) if "single" in specs else None
         return compare_serving(targets, specs, tokenizer, args.repeats, args.seed,
-                               args.num_requests)
+                               args.num_requests, probe)
 
 
 def serve_vllm(args: argparse.Namespace, model: str, specs: dict[str, Spec],
@@ -486,9 +514,12 @@ def vllm_runs(args: argparse.Namespace, model: str, specs: dict[str, Spec],
 
 
 def compare_serving(targets: list[Target], specs: dict[str, Spec], tokenizer, repeats: int,
-                    seed: int = 0, num_requests: int | None = None) -> list[dict]:
+                    seed: int = 0, num_requests: int | None = None,
+                    probe: Callable[[], float] | None = None) -> list[dict]:
     """Every spec `repeats` times on every target, alternating which target goes first;
-    one {"workload", "server", "repeat", "summary"} per run, in the order they ran."""
+    one {"workload", "server", "repeat", "summary"} per run, in the order they ran. probe:
+    the box's memory read rate, measured just before each one-stream run (its summary's
+    read_gbs), while the servers are idle."""
     from duplex.bench.serve import bench
     from duplex.bench.text import TextSource
 
@@ -499,8 +530,10 @@ def compare_serving(targets: list[Target], specs: dict[str, Spec], tokenizer, re
         for name, spec in specs.items():
             workload = spec_workload(spec, text, workload_seed(name, seed, repeat))
             for target in alternate(targets, repeat):
+                rate = probe() if probe is not None and name == "single" else None
                 result = bench(workload, load_config(spec, target, num_requests))
-                summary = {**result["summary"], "rss_mb": tree_rss_mb(target.pgid)}
+                summary = {**result["summary"], "rss_mb": tree_rss_mb(target.pgid),
+                           **({"read_gbs": rate} if rate else {})}
                 runs.append({"workload": name, "server": target.server, "repeat": repeat,
                              "summary": summary, "failures": failures(result)})
     return runs

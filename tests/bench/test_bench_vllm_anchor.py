@@ -188,6 +188,45 @@ def test_the_read_rate_line_sets_each_servers_weight_bytes_a_second_against_the_
     assert anchor.read_rate_line({**result, "read_gbs": None}) is None
 
 
+def test_each_one_stream_run_is_set_against_the_rate_measured_just_before_it():
+    summary = {"num_planned": 1, "completed": 1, "failure_reasons": {}, "rss_mb": None}
+    # the box streams 20 GB/s before llama-server's runs and 40 before Duplex's: the same
+    # 10 GB/s is 50 % of the one and 25 % of the other; medians over the runs
+    runs = [{"workload": "single", "server": s, "repeat": r,
+             "summary": summary | {"tpot_ms": {"p50": tpot}, "read_gbs": gbs}}
+            for r in range(3)
+            for s, tpot, gbs in (("llama", 100.0, 20.0), ("duplex", (100.0, 50.0, 100.0)[r], 40.0))]
+    result = {"workloads": ["single"], "runs": runs, "repeats": 3, "model": "m.gguf",
+              "threads": 2, "read_gbs": 30.0, "weight_bytes": 1_000_000_000}
+    assert anchor.read_rate_line(result) == (
+        "One stream reads the 1.00 GB of weights a token: llama-server 10.0 GB/s (50%), "
+        "Duplex 10.0 GB/s (25%) of the box's measured streaming read rate, 20.0-40.0 GB/s "
+        "with 2 threads.")
+
+
+def test_compare_serving_probes_the_box_before_each_one_stream_run_only(monkeypatch):
+    import sys
+    import types
+    calls = []
+    fake = types.ModuleType("duplex.bench.serve")
+    fake.bench = lambda workload, config: calls.append(("run", config.url)) or {
+        "summary": {"tpot_ms": {"p50": 1.0}}, "records": []}
+    monkeypatch.setitem(sys.modules, "duplex.bench.serve", fake)
+    monkeypatch.setattr(anchor, "warm_up", lambda targets, tokenizer: None)
+    monkeypatch.setattr(anchor, "spec_workload", lambda spec, text, seed: [])
+    monkeypatch.setattr(anchor, "tree_rss_mb", lambda pgid: None)
+    import duplex.bench.text as text
+    monkeypatch.setattr(text, "TextSource", lambda tokenizer, seed: None)
+    targets = [anchor.Target(s, f"http://{s}", "m", 0) for s in anchor.SERVERS]
+    rates = iter([31.0, 32.0, 33.0, 34.0])
+    runs = anchor.compare_serving(targets, {n: anchor.SPECS[n] for n in ("single", "random16")},
+                                  None, repeats=2, probe=lambda: calls.append("probe") or next(rates))
+    assert calls.count("probe") == 4  # the two servers' one-stream runs, twice; not random16's
+    assert [c for c in calls if c == "probe" or c[1]][:2] == ["probe", ("run", "http://llama")]
+    assert [r["summary"].get("read_gbs") for r in runs] == [31.0, 32.0, None, None, 33.0, 34.0,
+                                                            None, None]
+
+
 def test_read_rates_count_the_files_tensor_bytes(tmp_path):
     import gguf
     import numpy as np
