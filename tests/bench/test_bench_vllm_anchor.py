@@ -173,13 +173,18 @@ def test_the_table_gets_a_vllm_column_and_duplex_over_vllm_ratios():
     assert "vLLM not run: no vllm here." in skipped
 
 
-def test_the_read_rate_line_sets_each_servers_weight_bytes_a_second_against_the_box():
+def one_stream_result(runs: list[tuple[int, str, dict]], read_gbs: float) -> dict:
+    """anchor.json's shape for one-stream runs (repeat, server, summary fields) of 1 GB."""
     summary = {"num_planned": 1, "completed": 1, "failure_reasons": {}, "rss_mb": None}
-    runs = [{"workload": "single", "server": s, "repeat": 0,
-             "summary": summary | {"output_throughput": 1.0, "tpot_ms": {"p50": tpot}}}
-            for s, tpot in (("llama", 100.0), ("duplex", 200.0))]
-    result = {"workloads": ["single"], "runs": runs, "repeats": 1, "model": "m.gguf",
-              "threads": 2, "read_gbs": 20.0, "weight_bytes": 1_000_000_000}
+    return {"workloads": ["single"], "repeats": 1 + max(r for r, _, _ in runs), "model": "m.gguf",
+            "threads": 2, "read_gbs": read_gbs, "weight_bytes": 1_000_000_000,
+            "runs": [{"workload": "single", "server": s, "repeat": r, "summary": summary | fields}
+                     for r, s, fields in runs]}
+
+
+def test_the_read_rate_line_sets_each_servers_weight_bytes_a_second_against_the_box():
+    result = one_stream_result([(0, s, {"output_throughput": 1.0, "tpot_ms": {"p50": tpot}})
+                                for s, tpot in (("llama", 100.0), ("duplex", 200.0))], 20.0)
     assert anchor.read_rate_line(result) == (
         "One stream reads the 1.00 GB of weights a token: llama-server 10.0 GB/s (50%), "
         "Duplex 5.0 GB/s (25%) of the box's measured streaming read rate, 20.0 GB/s with 2 "
@@ -189,15 +194,12 @@ def test_the_read_rate_line_sets_each_servers_weight_bytes_a_second_against_the_
 
 
 def test_each_one_stream_run_is_set_against_the_rate_measured_just_before_it():
-    summary = {"num_planned": 1, "completed": 1, "failure_reasons": {}, "rss_mb": None}
     # the box streams 20 GB/s before llama-server's runs and 40 before Duplex's: the same
     # 10 GB/s is 50 % of the one and 25 % of the other; medians over the runs
-    runs = [{"workload": "single", "server": s, "repeat": r,
-             "summary": summary | {"tpot_ms": {"p50": tpot}, "read_gbs": gbs}}
-            for r in range(3)
-            for s, tpot, gbs in (("llama", 100.0, 20.0), ("duplex", (100.0, 50.0, 100.0)[r], 40.0))]
-    result = {"workloads": ["single"], "runs": runs, "repeats": 3, "model": "m.gguf",
-              "threads": 2, "read_gbs": 30.0, "weight_bytes": 1_000_000_000}
+    result = one_stream_result(
+        [(r, s, {"tpot_ms": {"p50": tpot}, "read_gbs": gbs}) for r in range(3)
+         for s, tpot, gbs in (("llama", 100.0, 20.0), ("duplex", (100.0, 50.0, 100.0)[r], 40.0))],
+        30.0)
     assert anchor.read_rate_line(result) == (
         "One stream reads the 1.00 GB of weights a token: llama-server 10.0 GB/s (50%), "
         "Duplex 10.0 GB/s (25%) of the box's measured streaming read rate, 20.0-40.0 GB/s "
