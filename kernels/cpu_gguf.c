@@ -1146,7 +1146,7 @@ ALWAYS_INLINE void kq512_dot(int type, const kq512_block *u, const int8_t *x, fl
     if (type == GG_Q6_K) {
         __m256i m = _mm256_madd_epi16(u->sc16, _mm256_loadu_si256((const __m256i *)xs));
         sumi = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(m, 5)));
-    } else {  /* xs: x's 8 sums per 32 (kq512_x32) */
+    } else {  /* xs: x's 8 sums per 32 (x_sums) */
         __m128 mins = _mm_cvtepi32_ps(_mm_madd_epi16(u->mn, _mm_loadu_si128((const __m128i *)xs)));
         *acc = _mm512_fnmadd_ps(_mm512_set1_ps(dx * u->dmin), _mm512_zextps128_ps512(mins), *acc);
         sumi = _mm512_setzero_si512();
