@@ -1117,12 +1117,17 @@ ALWAYS_INLINE void kq512_store(int type, const kq512_block *u, uint8_t *q, __m51
     }
 }
 
-static void kq512_bytes(int type, const uint8_t *blk, uint8_t *q) {
+ALWAYS_INLINE void kq512_bytes_of(int type, const uint8_t *blk, uint8_t *q) {
     kq512_block u;
-    switch (type) {  /* one unpacking per type, its scales left unused */
-    case GG_Q4_K: kq512_unpack(GG_Q4_K, blk, &u); kq512_store(GG_Q4_K, &u, q, _mm512_setzero_si512()); break;
-    case GG_Q5_K: kq512_unpack(GG_Q5_K, blk, &u); kq512_store(GG_Q5_K, &u, q, _mm512_setzero_si512()); break;
-    default: kq512_unpack(GG_Q6_K, blk, &u); kq512_store(GG_Q6_K, &u, q, _mm512_setzero_si512()); break;
+    kq512_unpack(type, blk, &u);  /* its scales left unused */
+    kq512_store(type, &u, q, _mm512_setzero_si512());
+}
+
+static void kq512_bytes(int type, const uint8_t *blk, uint8_t *q) {
+    switch (type) {  /* one unpacking per type */
+    case GG_Q4_K: kq512_bytes_of(GG_Q4_K, blk, q); break;
+    case GG_Q5_K: kq512_bytes_of(GG_Q5_K, blk, q); break;
+    default: kq512_bytes_of(GG_Q6_K, blk, q); break;
     }
 }
 
@@ -2077,8 +2082,8 @@ static void kq512_two(int type, const uint8_t *row, int64_t row_bytes, int64_t k
 static int avx2_type(int type) { (void)type; return 0; }
 #endif
 
-/* The AVX2 kernels' sums of x: K-quants xs16 [m, k/16] = xs as int16 (|xs| <= 16 * 127);
- * 32-blocks xsf [m, k/32] = dx xs summed over each 32. */
+/* The row kernels' sums of x: K-quants xs16 [m, k/16] = xs as int16 (|xs| <= 16 * 127;
+ * AVX-512's Q4_K / Q5_K: per 32, below); 32-blocks xsf [m, k/32] = dx xs summed over each 32. */
 static void x_sums(int type, int64_t m, int64_t k, const float *dx, const int32_t *xs,
                    float *xsf, int16_t *xs16) {
     if (block_size(type) == 256) {
