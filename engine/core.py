@@ -581,6 +581,7 @@ def _needs_host_tokens(requests) -> bool:
 def _count_step(counters: dict[str, int]) -> None:
     if counters["steps"] == 0:
         memory.trim_heap()  # the first forward packed every weight: free what it unpacked
+        memory.keep_heap()  # from now on a step's freed buffers stay for the next step
     counters["steps"] += 1
 
 

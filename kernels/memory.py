@@ -6,6 +6,10 @@ gives a mapping 2 MB pages when asked (`madvise(MADV_HUGEPAGE)`, the default pol
 distributions being `madvise`) for the pages first touched after the call, so `empty` asks
 before anything is written. Where the kernel says no (THP off, not Linux), the buffer is an
 ordinary one: nothing else changes.
+
+The C heap's policy lives here too: `trim_heap` once the weights are packed (what packing
+unpacked goes back to the system), then `keep_heap` (a step's freed buffers stay for the next
+step instead of coming back as fresh, faulted-in pages).
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import torch
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 2 * HUGE_PAGE  # smaller buffers would gain at most one huge page
 _MADV_HUGEPAGE = 14
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+STEP_HEAP_BYTES = 256 << 20  # the largest block keep_heap serves from the heap
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
@@ -32,6 +38,24 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def keep_heap(max_block: int = STEP_HEAP_BYTES) -> bool:
+    """Serve C-heap blocks up to `max_block` bytes from the heap and keep freed ones there
+    (glibc's `mallopt`: the mmap threshold at `max_block`, the trim threshold at twice it);
+    False where there is no such call. A step's activations are freed and allocated again
+    every layer (the 1B shape's gate and up rows of a 256-token prompt step are 17.8 MB);
+    left to glibc's own thresholds they come back as fresh pages, which the system faults in
+    and zeroes one 4 KB page at a time: 3.8 % of a served prompt phase's samples, ~120 k page
+    faults per 2,100 prompt tokens (docs/BENCHMARKS.md, "Twenty-first session"). Kept, the
+    heap holds the largest step's working set between steps (the served 1B shape's resident
+    set after a concurrency-16 run: the same). Call it after the weights are packed and
+    `trim_heap` has run."""
+    mallopt = getattr(_libc, "mallopt", None) if _libc is not None else None
+    if mallopt is None:
+        return False
+    return (mallopt(_M_MMAP_THRESHOLD, max_block) == 1
+            and mallopt(_M_TRIM_THRESHOLD, 2 * max_block) == 1)
 
 
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:

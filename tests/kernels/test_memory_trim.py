@@ -44,3 +44,41 @@ def test_trim_returns_freed_heap_pages():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["trimmed"]
     assert got["before"] - got["after"] > 50 << 10, got  # at least 50 of the 100 MB came back
+
+
+KEEP_PROGRAM = r"""
+import ctypes, json, resource, sys
+from duplex.kernels import memory
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+kept = memory.keep_heap() if sys.argv[1] == "keep" else None
+SIZE, ROUNDS = 40 << 20, 20  # above glibc's own largest mmap threshold (32 MB)
+start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(ROUNDS):  # a step's buffer: allocated, written, freed
+    block = libc.malloc(SIZE)
+    ctypes.memset(block, 1, SIZE)
+    libc.free(block)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+print(json.dumps({"kept": kept, "faults": faults, "pages": SIZE // 4096, "rounds": ROUNDS}))
+"""
+
+
+def keep_run(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", KEEP_PROGRAM, mode], capture_output=True,
+                         text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not hasattr(ctypes.CDLL(None), "mallopt"),
+                    reason="glibc only")
+def test_keep_heap_reuses_freed_step_buffers():
+    """After keep_heap a freed 40 MB buffer is reused by the next allocation: its pages are
+    faulted in once, not once per round as with glibc's own thresholds (each round a fresh
+    mapping the system zeroes page by page)."""
+    plain, kept = keep_run("plain"), keep_run("keep")
+    assert kept["kept"] is True
+    assert plain["faults"] > plain["rounds"] // 2 * plain["pages"], plain  # the control
+    assert kept["faults"] < 2 * kept["pages"], kept
