@@ -465,13 +465,23 @@ static void quantize_row(const float *x, int64_t k, int group, int8_t *xq, float
 /* The x group a block type's kernels take: one scale per 32 inputs, per 256 for K-quants. */
 static int x_group(int type) { return block_size(type) == 256 ? 256 : 32; }
 
-/* x [m, k] (row stride ldx) -> xq [m, k], dx [m, k/group], xs [m, k/16]. */
-int gg_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, int group, int8_t *xq,
-                  float *dx, int32_t *xs) {
+#define QX_MIN_ELEMENTS 16384  /* fewer inputs are quantized on one thread (a fork costs more) */
+
+/* x [m, k] (row stride ldx) -> xq [m, k], dx [m, k/group], xs [m, k/16], rows shared out
+ * among `threads` (each row's bits are the same on any thread). */
+static int gg_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int group,
+                         int8_t *xq, float *dx, int32_t *xs, int threads) {
     if ((group != 32 && group != 256) || k % group || m < 1) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1 && m * k >= QX_MIN_ELEMENTS)
     for (int64_t i = 0; i < m; i++)
         quantize_row(x + i * ldx, k, group, xq + i * k, dx + i * (k / group), xs + i * (k / 16));
     return 0;
+}
+
+/* x [m, k] (row stride ldx) -> xq [m, k], dx [m, k/group], xs [m, k/16]. */
+int gg_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, int group, int8_t *xq,
+                  float *dx, int32_t *xs) {
+    return gg_quantize_rows(x, ldx, m, k, group, xq, dx, xs, 1);
 }
 
 /* sum over the 32 weights of sub-block q (expanded bytes) against xq, as two halves: the
@@ -1501,27 +1511,14 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     const size_t xe_bytes = ((size_t)mp * xe_row + 63) / 64 * 64, xq_bytes = (size_t)(mp * k);
     uint8_t *xe = aligned_alloc(64, xe_bytes + xq_bytes + (size_t)(mp * nb) * 4);
     if (!xe) return -1;
-    memset(xe, 0, xe_bytes);
+    memset(xe + m * xe_row, 0, xe_bytes - (size_t)m * xe_row);  /* the padding rows' sums */
     int8_t *xp = (int8_t *)(xe + xe_bytes);
     float *dp = (float *)(xe + xe_bytes + xq_bytes);
-    for (int64_t b = 0; b < nb; b++) {
-        for (int64_t i = 0; i < m; i++) memcpy(xp + (b * mp + i) * 256, xq + i * k + 256 * b, 256);
-        memset(xp + (b * mp + m) * 256, 0, (size_t)((mp - m) * 256));
-    }
     memcpy(dp, dx, (size_t)(m * nb) * 4);
     memset(dp + m * nb, 0, (size_t)((mp - m) * nb) * 4);
+    const int8_t *xq_rows = xq;
     xq = xp;
     dx = dp;
-    for (int64_t i = 0; i < m; i++) {
-        if (six) {
-            int32_t *e = (int32_t *)(xe + i * xe_row);
-            for (int64_t j = 0; j < k / 16; j++) e[j] = -32 * xs[i * (k / 16) + j];
-        } else {
-            float *e = (float *)(xe + i * xe_row);
-            for (int64_t j = 0; j < nb * 8; j++)
-                e[j] = dx[i * nb + j / 8] * (float)(xs[i * (k / 16) + 2 * j] + xs[i * (k / 16) + 2 * j + 1]);
-        }
-    }
     /* A task's outputs are a 16-column strip, one line a row of x, each row ldo apart. From
      * 64 rows (prompt steps) whole strips of an aligned output go straight to memory: a
      * normal store first reads each line in (strided, one line a row) and the strips of a
@@ -1532,6 +1529,24 @@ static int vn_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
+        /* x block-major and its sums, shared out too (at prompt row counts a serial copy
+         * left the other threads waiting: a few % of a prompt step) */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; b++) {
+            for (int64_t i = 0; i < m; i++) memcpy(xp + (b * mp + i) * 256, xq_rows + i * k + 256 * b, 256);
+            memset(xp + (b * mp + m) * 256, 0, (size_t)((mp - m) * 256));
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            if (six) {
+                int32_t *e = (int32_t *)(xe + i * xe_row);
+                for (int64_t j = 0; j < k / 16; j++) e[j] = -32 * xs[i * (k / 16) + j];
+            } else {
+                float *e = (float *)(xe + i * xe_row);
+                for (int64_t j = 0; j < nb * 8; j++)
+                    e[j] = dx[i * nb + j / 8] * (float)(xs[i * (k / 16) + 2 * j] + xs[i * (k / 16) + 2 * j + 1]);
+            }
+        }
         /* per thread: the unpacked block, then the rows' sums */
         uint8_t *scratch = aligned_alloc(64, sizeof(vn_block) + (size_t)mp * 64);
         if (!scratch) {
@@ -1764,47 +1779,48 @@ static int xl_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, i
     if (!buf) return -1;
     int8_t *xt = (int8_t *)buf;
     float *dxt = (float *)(buf + xt_bytes), *xet = dxt + dxt_floats;
-    /* x transposed a tile at a time, [64 groups of 4][L rows]; rows past m are zero (and so
-     * are their sums: they add nothing). 16 rows: each 64 bytes (16 groups) -> 16 registers
-     * of one group of each row; 8 rows: a dword at a time. */
-    for (int64_t c = 0; c < tiles; c++)
-        for (int64_t b = 0; b < nb; b++) {
-            int8_t *xb = xt + (c * nb + b) * 256 * L;
-            if (L == 16) {
-                for (int64_t g = 0; g < 4; g++) {
-                    __m512i v[16];
-                    for (int64_t i = 0; i < 16; i++)
-                        v[i] = 16 * c + i < m ? _mm512_loadu_si512((const void *)(xq + (16 * c + i) * k + 256 * b + 64 * g))
-                                              : _mm512_setzero_si512();
-                    transpose16(v);
-                    for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(xb + (16 * g + j) * 64), v[j]);
-                }
-            } else {
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t g = 0; g < 64; g++) {
-                        int32_t v = 0;
-                        if (L * c + i < m) memcpy(&v, xq + (L * c + i) * k + 256 * b + 4 * g, 4);
-                        memcpy(xb + (g * L + i) * 4, &v, 4);
-                    }
-            }
-            float *d = dxt + (c * nb + b) * L, *e = xet + (c * nb + b) * xe_floats;
-            for (int64_t i = 0; i < L; i++) {
-                const int64_t row = L * c + i;
-                d[i] = row < m ? dx[row * nb + b] : 0.0f;
-                if (six) {
-                    for (int s = 0; s < 16; s++)
-                        ((int32_t *)e)[L * s + i] = row < m ? -32 * xs[row * (k / 16) + 16 * b + s] : 0;
-                } else {
-                    for (int s = 0; s < 8; s++)
-                        e[L * s + i] = row < m ? dx[row * nb + b] * (float)(xs[row * (k / 16) + 16 * b + 2 * s] +
-                                                                         xs[row * (k / 16) + 16 * b + 2 * s + 1])
-                                               : 0.0f;
-                }
-            }
-        }
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 16)
     {
+        /* x transposed a tile at a time, [64 groups of 4][L rows]; rows past m are zero (and so
+         * are their sums: they add nothing). 16 rows: each 64 bytes (16 groups) -> 16 registers
+         * of one group of each row; 8 rows: a dword at a time. */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t c = 0; c < tiles; c++)
+            for (int64_t b = 0; b < nb; b++) {
+                int8_t *xb = xt + (c * nb + b) * 256 * L;
+                if (L == 16) {
+                    for (int64_t g = 0; g < 4; g++) {
+                        __m512i v[16];
+                        for (int64_t i = 0; i < 16; i++)
+                            v[i] = 16 * c + i < m ? _mm512_loadu_si512((const void *)(xq + (16 * c + i) * k + 256 * b + 64 * g))
+                                                  : _mm512_setzero_si512();
+                        transpose16(v);
+                        for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(xb + (16 * g + j) * 64), v[j]);
+                    }
+                } else {
+                    for (int64_t i = 0; i < L; i++)
+                        for (int64_t g = 0; g < 64; g++) {
+                            int32_t v = 0;
+                            if (L * c + i < m) memcpy(&v, xq + (L * c + i) * k + 256 * b + 4 * g, 4);
+                            memcpy(xb + (g * L + i) * 4, &v, 4);
+                        }
+                }
+                float *d = dxt + (c * nb + b) * L, *e = xet + (c * nb + b) * xe_floats;
+                for (int64_t i = 0; i < L; i++) {
+                    const int64_t row = L * c + i;
+                    d[i] = row < m ? dx[row * nb + b] : 0.0f;
+                    if (six) {
+                        for (int s = 0; s < 16; s++)
+                            ((int32_t *)e)[L * s + i] = row < m ? -32 * xs[row * (k / 16) + 16 * b + s] : 0;
+                    } else {
+                        for (int s = 0; s < 8; s++)
+                            e[L * s + i] = row < m ? dx[row * nb + b] * (float)(xs[row * (k / 16) + 16 * b + 2 * s] +
+                                                                             xs[row * (k / 16) + 16 * b + 2 * s + 1])
+                                                   : 0.0f;
+                    }
+                }
+            }
         /* per thread: the unpacked blocks, then the sums of each tile */
         uint8_t *scratch = aligned_alloc(64, sizeof(xl_block) + (size_t)(16 * tiles) * 64);
         if (!scratch) {
@@ -2705,7 +2721,7 @@ static int quantized_linear(int type, const uint8_t *w, int64_t row_bytes, int64
     int8_t *xq = (int8_t *)buf;
     float *dx = (float *)(buf + nq);
     int32_t *xs = (int32_t *)(dx + m * (k / 32));
-    int rc = gg_quantize_x(x, ldx, m, k, x_group(type), xq, dx, xs);
+    int rc = gg_quantize_rows(x, ldx, m, k, x_group(type), xq, dx, xs, threads);
 #if defined(GG_AVX512)
     if (rc == 0 && lanes) rc = vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
 #elif defined(__AVX2__)
