@@ -2,12 +2,12 @@
  *
  * The torch path gathers every sequence's keys and values into a padded copy, masks the
  * padding and runs SDPA: per layer it reads the KV three times and writes it once. Here
- * each (sequence, kv head) pair reads its keys and values in place, once, for all the
- * query heads of its group: scores, a softmax with glibc's vector expf (libmvec), and the
- * weighted sum of values. Pairs are split across threads with OpenMP (the libgomp torch
- * loaded). fp32 arithmetic over fp32 or bf16 caches (decode_attention_f32 / _bf16: a bf16
- * element widens to fp32 exactly, so the two agree bit for bit on the same values);
- * head_dim must be a multiple of 16.
+ * each unit of work reads its keys and values in place, once, for all the query heads of
+ * their groups: scores, a softmax with glibc's vector expf (libmvec), and the weighted sum
+ * of values. Units are split across threads with OpenMP (the libgomp torch loaded). fp32
+ * arithmetic over fp32 or bf16 caches (decode_attention_f32 / _bf16: a bf16 element widens
+ * to fp32 exactly, so the two agree bit for bit on the same values); head_dim must be a
+ * multiple of 16.
  *
  * What sets its speed at a batch-64 decode (SmolLM2's heads, 129 keys; `duplex bench
  * attention`): not the bytes alone but the work per key. A key's scores are FMA chains over
@@ -15,6 +15,14 @@
  * loaded once for up to 4 heads, and the weighted values stay in registers over all keys
  * instead of being loaded and stored per key: 1.0 -> 0.7 ms a layer on fp32 caches, and
  * 0.5 ms on bf16 ones, whose half-size rows then matter.
+ *
+ * From DRAM (a step's layers each read their own cache) what sets it is how many rows are
+ * on their way: besides the row 4 keys ahead into L1, the AVX512 walk asks for the rows 16
+ * keys ahead into L2, and a sequence longer than a chunk (1 MB of keys and values: 512 keys
+ * of 8 x 64 bf16 heads) is cut into chunks, each a unit of work whose values are still in
+ * L2 when its value pass reads them; the chunks' partial results are merged afterwards.
+ * 1B shape, 16 sequences, bf16 (docs/BENCHMARKS.md): 430 keys 1.1 -> 0.77 ms a layer, 4096
+ * keys 12-14 -> 8.4 ms; one sequence of 4096 keys 1.0 -> 0.5 ms (its chunks on both cores).
  */
 #include <math.h>
 #include <stdint.h>
@@ -99,12 +107,16 @@ static inline float exp_shifted(float *p, int64_t n, float mx) {
 #define PREFETCH_AHEAD 4  /* keys */
 #define KEY_TILE 16       /* keys scored together (one sum16) */
 #define QK_HEADS 4        /* query heads scored against one load of a key */
-#define PV_HEADS 3        /* query heads ... */
+#define PV_HEADS 4        /* query heads ... */
 #define PV_VECS 4         /* ... by 16-lane pieces of head_dim: the accumulators in registers */
 
 static inline void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
+static inline void prefetch_l2(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+}
+#define FAR_AHEAD 16
 
 /* attend_T: query heads of kv heads [kv0, kv0 + nkv) of one sequence over its n keys, for
  * caches of element type T read through LOAD.
@@ -116,8 +128,8 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
  * be, and scaled by the softmax's 1/sum once. */
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                          \
 static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int64_t n,       \
-                 int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group, int64_t d,         \
-                 float scale, float *out) {                                                    \
+                 int64_t ahead, int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group,     \
+                 int64_t d, float scale, float *out, float *mx_out, float *sum_out) {          \
     int64_t heads = nkv * group;                                                               \
     float *p = scores_for((size_t)(heads * (n + KEY_TILE)));                                   \
     __m512 *acc = (__m512 *)scores_for_tiles((size_t)(heads * KEY_TILE));                     \
@@ -131,9 +143,13 @@ static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int
         for (int64_t t = 0; t < tile; t++) {                                                   \
             int64_t l = l0 + t;                                                                \
             const T *kr = k + (keys[l] * kv_heads + kv0) * d;                                  \
-            if (l + PREFETCH_AHEAD < n)  /* the key ahead, and this key's value for later */   \
+            if (l + PREFETCH_AHEAD < ahead)  /* the key ahead, this key's value for later */   \
                 prefetch_row(k + (keys[l + PREFETCH_AHEAD] * kv_heads + kv0) * d, row_bytes);  \
             prefetch_row(v + (keys[l] * kv_heads + kv0) * d, row_bytes);                       \
+            if (l + FAR_AHEAD < ahead) {  /* and far ahead into L2 */                          \
+                prefetch_l2(k + (keys[l + FAR_AHEAD] * kv_heads + kv0) * d, row_bytes);        \
+                prefetch_l2(v + (keys[l + FAR_AHEAD] * kv_heads + kv0) * d, row_bytes);        \
+            }                                                                                  \
             for (int64_t j = 0; j < nkv; j++)                                                  \
                 for (int64_t g0 = 0; g0 < group; g0 += QK_HEADS) {                             \
                     int64_t nh = group - g0 < QK_HEADS ? group - g0 : QK_HEADS;                \
@@ -162,7 +178,11 @@ static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int
         }                                                                                      \
     }                                                                                          \
     float inv[MAX_HEADS];                                                                      \
-    for (int64_t h = 0; h < heads; h++) inv[h] = 1.0f / exp_shifted(p + h * n, n, mx[h]);     \
+    for (int64_t h = 0; h < heads; h++) {                                                      \
+        float sum = exp_shifted(p + h * n, n, mx[h]);                                          \
+        if (mx_out) mx_out[h] = mx[h], sum_out[h] = sum;                                       \
+        inv[h] = mx_out ? 1.0f : 1.0f / sum;  /* a chunk's part stays unnormalized */           \
+    }                                                                                          \
     float *oh = out + kv0 * group * d;                                                         \
     for (int64_t j = 0; j < nkv; j++)                                                          \
         for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS)                                       \
@@ -171,7 +191,7 @@ static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int
                 int64_t nv = (d - c0) / 16 < PV_VECS ? (d - c0) / 16 : PV_VECS;                \
                 int64_t h0 = j * group + g0;                                                   \
                 __m512 o[PV_HEADS][PV_VECS];                                                   \
-                _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++)                     \
+                _Pragma("GCC unroll 4") for (int a = 0; a < PV_HEADS; a++)                     \
                 _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                      \
                     o[a][u] = _mm512_setzero_ps();                                             \
                 for (int64_t l = 0; l < n; l++) {                                              \
@@ -179,14 +199,14 @@ static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int
                     __m512 vv[PV_VECS];                                                        \
                     _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                  \
                         vv[u] = u < nv ? LOAD(vr + 16 * u) : _mm512_setzero_ps();              \
-                    _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++) {               \
+                    _Pragma("GCC unroll 4") for (int a = 0; a < PV_HEADS; a++) {               \
                         if (a >= nh) break;                                                    \
                         __m512 w = _mm512_set1_ps(p[(h0 + a) * n + l]);                        \
                         _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)              \
                             o[a][u] = _mm512_fmadd_ps(w, vv[u], o[a][u]);                      \
                     }                                                                          \
                 }                                                                              \
-                _Pragma("GCC unroll 3") for (int a = 0; a < PV_HEADS; a++) {                   \
+                _Pragma("GCC unroll 4") for (int a = 0; a < PV_HEADS; a++) {                   \
                     if (a >= nh) break;                                                        \
                     __m512 s = _mm512_set1_ps(inv[h0 + a]);                                    \
                     _Pragma("GCC unroll 4") for (int u = 0; u < PV_VECS; u++)                  \
@@ -200,6 +220,105 @@ static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int
 
 DEFINE_ATTEND(attend_f32, float, load_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16)
+
+#define MERGE_MAX 64  /* chunks whose weights merge_head holds at once */
+/* Keys of one unit of work: as many as make 1 MB of keys and values (a core's L2 on Zen 4;
+ * 512 keys of 8 x 64 bf16 heads), in 16s, 64 to 512 */
+static inline int64_t chunk_keys(int64_t row_bytes) {
+    int64_t n = ((int64_t)1 << 20) / (2 * row_bytes) / 16 * 16;
+    return n < 64 ? 64 : n > 512 ? 512 : n;
+}
+
+/* One head of a sequence cut into chunks: the chunks' unnormalized outputs weighted by
+ * exp(chunk max - max), over the same-weighted sums, added in chunk order. */
+static void merge_head(const float *part, const float *mx, const float *sum, int64_t chunks,
+                       int64_t stride, int64_t d, float *out) {
+    float m = -INFINITY, total = 0.0f, w[MERGE_MAX];
+    for (int64_t c = 0; c < chunks; c++) m = mx[c * stride] > m ? mx[c * stride] : m;
+    for (int64_t c0 = 0; c0 < chunks; c0 += MERGE_MAX) {  /* MERGE_MAX chunks at a time */
+        int64_t nc = chunks - c0 < MERGE_MAX ? chunks - c0 : MERGE_MAX;
+        for (int64_t c = 0; c < nc; c++) {
+            w[c] = expf(mx[(c0 + c) * stride] - m);
+            total += sum[(c0 + c) * stride] * w[c];
+        }
+        for (int64_t i = 0; i < d; i += 16) {
+            __m512 acc = c0 ? _mm512_loadu_ps(out + i) : _mm512_setzero_ps();
+            for (int64_t c = 0; c < nc; c++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(w[c]),
+                                      _mm512_loadu_ps(part + (c0 + c) * stride * d + i), acc);
+            _mm512_storeu_ps(out + i, acc);
+        }
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int64_t i = 0; i < d; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(out + i), inv));
+}
+
+static __thread struct scratch chunk_starts;
+static __thread struct scratch chunk_parts;
+
+/* Units of work: (sequence, chunk of its keys, kv heads). A sequence longer than a chunk is
+ * cut into chunks: its keys and values are then read a cache-sized piece at a time (the
+ * value pass no longer finds them evicted) and a long sequence is shared among threads.
+ * Where there are too few units for the threads, each takes one kv head. A sequence's cut
+ * depends on its length alone, so its result does not depend on the batch or the threads. */
+#define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
+int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
+         const int64_t *keys, const int64_t *counts, int64_t B, int64_t L, int64_t H,          \
+         int64_t kv_heads, int64_t d, float scale, float *out, int threads) {                  \
+    if (d % 16 || H % kv_heads || H / kv_heads > MAX_GROUP || H > MAX_HEADS) return -1;        \
+    int64_t group = H / kv_heads, chunk = chunk_keys(kv_heads * d * (int64_t)sizeof(T));      \
+    int64_t *first = scratch_grow(&chunk_starts, (size_t)(B + 1) * sizeof(int64_t));           \
+    if (!first) return -1;                                                                     \
+    first[0] = 0;                                                                              \
+    for (int64_t b = 0; b < B; b++)                                                            \
+        first[b + 1] = first[b] + (counts[b] > chunk ? (counts[b] + chunk - 1) / chunk : 1);   \
+    int64_t chunks = first[B];                                                                 \
+    float *part = NULL, *mxs = NULL, *sums = NULL;                                             \
+    if (chunks > B) {                                                                          \
+        part = scratch_grow(&chunk_parts, (size_t)(chunks * H * (d + 2)) * sizeof(float));     \
+        if (!part) return -1;                                                                  \
+        mxs = part + chunks * H * d;                                                           \
+        sums = mxs + chunks * H;                                                               \
+    }                                                                                          \
+    int64_t split = chunks >= 2 * threads ? 1 : kv_heads, nkv = kv_heads / split;              \
+    int failed = 0;                                                                            \
+    _Pragma("omp parallel num_threads(threads) if (threads > 1 && chunks * split > 1) reduction(|:failed)") \
+    {                                                                                          \
+        int64_t b = 0;                                                                         \
+        _Pragma("omp for schedule(dynamic, 1)")                                                \
+        for (int64_t unit = 0; unit < chunks * split; unit++) {                                \
+            int64_t u = unit / split, kv0 = (unit % split) * nkv, h0 = kv0 * group;            \
+            while (first[b + 1] <= u) b++;                                                     \
+            while (first[b] > u) b--;                                                          \
+            const float *qb = q + (rows ? rows[b] : b) * q_row_stride;                         \
+            const int64_t *kb = keys + b * L;                                                  \
+            if (first[b + 1] - first[b] == 1) {                                                \
+                failed |= ATTEND(qb, k, v, kb, counts[b], counts[b], kv0, nkv, kv_heads,       \
+                                 group, d, scale, out + b * H * d, NULL, NULL) != 0;           \
+            } else {                                                                           \
+                int64_t l0 = (u - first[b]) * chunk;                                           \
+                int64_t n = counts[b] - l0 < chunk ? counts[b] - l0 : chunk;                   \
+                failed |= ATTEND(qb, k, v, kb + l0, n, counts[b] - l0, kv0, nkv, kv_heads,     \
+                                 group, d, scale, part + u * H * d, mxs + u * H + h0,          \
+                                 sums + u * H + h0) != 0;                                      \
+            }                                                                                  \
+        }                                                                                      \
+        if (part) {                                                                            \
+            _Pragma("omp for schedule(dynamic, 1)")                                            \
+            for (int64_t s = 0; s < B * H; s++) {                                              \
+                int64_t sb = s / H, h = s % H, c0 = first[sb], nc = first[sb + 1] - c0;        \
+                if (nc > 1)                                                                    \
+                    merge_head(part + (c0 * H + h) * d, mxs + c0 * H + h, sums + c0 * H + h,   \
+                               nc, H, d, out + (sb * H + h) * d);                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    return failed ? -1 : 0;                                                                    \
+}
+
+DEFINE_DECODE(decode_attention_f32, float, attend_f32)
+DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -333,7 +452,9 @@ DEFINE_ATTEND(attend_bf16, uint16_t, load8_bf16)
  * of fp32 (decode_attention_f32) or bf16 (decode_attention_bf16); keys [B, L] int64 cache
  * slots, the first counts[b] valid; out [B, H, D] contiguous fp32.
  * Returns 0, or -1 when the shapes are not supported. */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+/* the AVX512 entries are above */
+#elif defined(__AVX2__) && defined(__FMA__)
 #define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
 int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
          const int64_t *keys, const int64_t *counts, int64_t B, int64_t L, int64_t H,          \
@@ -364,5 +485,7 @@ int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, 
 }
 #endif
 
+#if !defined(__AVX512F__)
 DEFINE_DECODE(decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
+#endif

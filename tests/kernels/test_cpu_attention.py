@@ -107,3 +107,35 @@ def test_bf16_cache_gives_the_fp32_kernel_s_result_on_the_same_values():
     half = cpu_attention.decode(q, k, v, None, keys, counts, 0.125)
     full = cpu_attention.decode(q, k.float(), v.float(), None, keys, counts, 0.125)
     assert torch.equal(half, full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 16, 8, 128, 1100), (1, 8, 2, 64, 1500), (5, 9, 3, 64, 700)])
+def test_sequences_cut_into_chunks_against_float64(shape, dtype):
+    """Sequences longer than a chunk (1 MB of keys and values: 128 keys of 8 x 128 fp32 heads,
+    512 of small heads) are cut into units whose partial results are merged; one sequence
+    also splits its chunks by kv head (too few chunks for the threads)."""
+    out, ref = _direct_case(*shape, dtype, seed=sum(shape))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
+
+
+def test_a_sequence_s_result_does_not_depend_on_its_batch_or_the_threads():
+    """How a sequence is cut depends on its length alone: alone or beside others, on one
+    thread or two, its output is the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(300, 16, 4, 64, generator=gen).to(torch.bfloat16) for _ in "kv")
+    q = torch.randn(4, 8, 64, generator=gen)
+    keys = torch.randperm(4800, generator=gen)[:4 * 1200].view(4, 1200).contiguous()
+    counts = torch.tensor([1200, 37, 900, 513])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = cpu_attention.decode(q, k, v, None, keys, counts, 0.125)
+        torch.set_num_threads(1)
+        single = cpu_attention.decode(q, k, v, None, keys, counts, 0.125)
+        alone = [cpu_attention.decode(q[i:i + 1], k, v, None, keys[i:i + 1].contiguous(),
+                                      counts[i:i + 1], 0.125) for i in range(4)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, single)
+    assert torch.equal(batch, torch.cat(alone))
