@@ -159,6 +159,8 @@ class PrefillPlan(NamedTuple):
     causal: bool = False  # mask is exactly "key j <= query i" over all its keys (no prefix, no
     #                       window): the fused kernel's own causal mask, which skips the key
     #                       blocks above the diagonal (half a long prompt's attention)
+    unwindowed: bool = False  # keys are positions 0 .. L - 1 and query i (position L - Q + i)
+    #                           sees those up to it: what the C prompt kernel computes
 
 
 class AttentionPlan(NamedTuple):
@@ -221,7 +223,8 @@ def _plan_prefill(table_row, start: int, q_len: int, seq_len: int, block_size: i
         allowed &= key_pos[None, :] > q_pos - window
     slots = _slots(table_row[None], key_pos[None], block_size)[0]
     return PrefillPlan(start, q_len, torch.from_numpy(slots), torch.from_numpy(allowed)[None],
-                       _span(slots), causal=first_query == 0 and not window)
+                       _span(slots), causal=first_query == 0 and not window,
+                       unwindowed=not window)
 
 
 def _slots(table: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
@@ -235,7 +238,8 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             soft_cap: float | None = None) -> torch.Tensor:
     """The reference's result (same conventions) from a prebuilt plan: per layer, only the
     key gathers and the attention itself run (an int8 cache's gathered rows dequantized;
-    the C decode kernel takes float caches only, cpu_attention.fits)."""
+    the C decode and prompt kernels take float caches only, cpu_attention.fits; the prompt
+    one, AVX512 only, sequences without a window)."""
     num_kv_heads, width = k_cache.shape[2:]
     head_dim = cache_head_dim(k_cache)
     k_slots = k_cache.view(-1, num_kv_heads, width)  # [num_slots, KVH, row]
@@ -261,10 +265,16 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     if decode_out is not None:
         out[plan.decode_rows] = decode_out
+    in_c = plan.prefills and soft_cap is None and cpu_fused.is_enabled() \
+        and cpu_attention.prefill_available() and cpu_attention.fits(q, k_cache, soft_cap) \
+        and out.stride(1) == out.shape[2] and out.stride(2) == 1
     for p in plan.prefills:
+        rows = slice(p.start, p.start + p.num_queries)
+        if in_c and p.unwindowed:
+            cpu_attention.prefill(q[rows], k_cache, v_cache, p.keys, scale, out[rows])
+            continue
         k = _gather(k_slots, p.keys, p.span)[None]  # [1, L, KVH, D]
         v = _gather(v_slots, p.keys, p.span)[None]
-        rows = slice(p.start, p.start + p.num_queries)
         causal = p.causal and soft_cap is None
         out[rows] = _attend(q[None, rows], k, v, None if causal else p.mask, scale, soft_cap,
                             causal)[0]

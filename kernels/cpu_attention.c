@@ -27,6 +27,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_scratch.h"
 
@@ -319,6 +320,167 @@ int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, 
 
 DEFINE_DECODE(decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
+
+/* ------------------------------------------------ prompt attention (AVX512)
+ *
+ * Q queries of one sequence (positions L - Q .. L - 1) over its L keys, query i seeing keys
+ * 0 .. L - Q + i, as flash attention: a unit of work is PF_ROWS positions x the heads of one
+ * kv head's group, its running max, sum and output kept over key tiles of 16. A tile's keys
+ * are widened and transposed once ([head_dim][16 keys]) for all the unit's rows, so a row's
+ * 16 scores are head_dim FMAs of a broadcast query element against a register of 16 keys
+ * (no horizontal sums); the softmax's exponentials take 16 scores (or 16 rows' corrections)
+ * a libmvec call; values are widened once a tile and accumulated 4 rows x 64 dims at a
+ * time in registers. torch's fused attention (MKL sgemm per block) reaches 25-44 G
+ * multiply-adds/s at these sizes on 2 Zen 4 cores (docs/BENCHMARKS.md). */
+#define PF_ROWS 16   /* query positions of a unit */
+#define PF_MAX_R 256 /* rows (positions x heads of a group) of a unit */
+
+static __thread struct scratch pf_scratch;
+
+#define DEFINE_PREFILL(NAME, T, WIDEN)                                                        \
+static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,              \
+                       const int64_t *keys, int64_t L, int64_t Q, int64_t i0, int64_t nq,      \
+                       int64_t j, int64_t kv_heads, int64_t group, int64_t d, float scale,     \
+                       float *out, int64_t o_stride) {                                         \
+    const int64_t R = nq * group, R16 = (R + 15) / 16 * 16, nv = d / 16, pos0 = L - Q;         \
+    /* scratch: rows' queries and outputs [R][d], keys [d][16], values [16][d], scores        \
+     * [R][16], running sums [R][16], maxima and corrections [R] (padded to 16) */             \
+    size_t floats = (size_t)(2 * R * d + 2 * 16 * d + 2 * R * 16 + 2 * R16);                 \
+    float *base = scratch_grow(&pf_scratch, floats * sizeof(float) + 64);                     \
+    if (!base) return -1;                                                                      \
+    float *qs = (float *)(((uintptr_t)base + 63) & ~(uintptr_t)63);                            \
+    float *os = qs + R * d, *kt = os + R * d, *vw = kt + 16 * d, *s = vw + 16 * d;             \
+    float *ls = s + R * 16, *mx = ls + R * 16, *alpha = mx + R16;                              \
+    /* row r = (position i0 + r / group, head j * group + r % group), scaled queries */       \
+    for (int64_t r = 0; r < R; r++) {                                                          \
+        const float *qr = q + (i0 + r / group) * q_stride + (j * group + r % group) * d;       \
+        for (int64_t c = 0; c < d; c += 16)                                                    \
+            _mm512_store_ps(qs + r * d + c, _mm512_mul_ps(_mm512_loadu_ps(qr + c),             \
+                                                          _mm512_set1_ps(scale)));             \
+        mx[r] = -INFINITY;                                                                     \
+    }                                                                                          \
+    memset(os, 0, (size_t)(R * d) * sizeof(float));                                           \
+    memset(ls, 0, (size_t)(R * 16) * sizeof(float));                                          \
+    const int64_t last = pos0 + i0 + nq - 1;  /* the last key any row sees */                 \
+    for (int64_t l0 = 0; l0 <= last; l0 += 16) {                                               \
+        int64_t tile = last + 1 - l0 < 16 ? last + 1 - l0 : 16;                                \
+        for (int64_t t = 0; t < 16; t++) {  /* keys transposed, values in rows (fp32) */      \
+            if (t < tile) {                                                                    \
+                const T *kr = k + (keys[l0 + t] * kv_heads + j) * d;                           \
+                const T *vr = v + (keys[l0 + t] * kv_heads + j) * d;                           \
+                if (t + 16 < L - l0) {                                                         \
+                    prefetch_row(k + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
+                    prefetch_row(v + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
+                }                                                                              \
+                for (int64_t c = 0; c < d; c++) kt[c * 16 + t] = WIDEN(kr[c]);                 \
+                for (int64_t c = 0; c < d; c += 16) _mm512_store_ps(vw + t * d + c, LOADV(vr + c)); \
+            } else {                                                                           \
+                for (int64_t c = 0; c < d; c++) kt[c * 16 + t] = 0.0f;                         \
+                for (int64_t c = 0; c < d; c += 16) _mm512_store_ps(vw + t * d + c, _mm512_setzero_ps()); \
+            }                                                                                  \
+        }                                                                                      \
+        /* scores, 8 rows at a time */                                                         \
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {                                                \
+            __m512 a[8];                                                                       \
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();    \
+            int64_t nr = R - r0 < 8 ? R - r0 : 8;                                              \
+            for (int64_t c = 0; c < d; c++) {                                                  \
+                __m512 kc = _mm512_load_ps(kt + c * 16);                                       \
+                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                            \
+                    if (u < nr) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(r0 + u) * d + c]), kc, a[u]); \
+            }                                                                                  \
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                              \
+                if (u >= nr) break;                                                            \
+                int64_t r = r0 + u, seen = pos0 + i0 + r / group - l0 + 1;  /* keys of the tile it sees */ \
+                __mmask16 live = seen >= 16 ? (__mmask16)0xFFFF                                \
+                               : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1);     \
+                _mm512_store_ps(s + r * 16, _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), a[u])); \
+                float tmax = live ? _mm512_mask_reduce_max_ps(live, a[u]) : -INFINITY;         \
+                float mnew = tmax > mx[r] ? tmax : mx[r];                                      \
+                alpha[r] = mx[r] - mnew;  /* exp'd below, 16 rows a call */                   \
+                mx[r] = mnew;                                                                  \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t r = 0; r < R; r += 16)                                                    \
+            _mm512_store_ps(alpha + r, _ZGVeN16v_expf(_mm512_load_ps(alpha + r)));             \
+        for (int64_t r = 0; r < R; r++) {  /* probabilities; sums scaled by the correction */ \
+            __m512 p = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(s + r * 16), _mm512_set1_ps(mx[r]))); \
+            _mm512_store_ps(s + r * 16, p);                                                    \
+            _mm512_store_ps(ls + r * 16, _mm512_fmadd_ps(_mm512_load_ps(ls + r * 16),          \
+                                                         _mm512_set1_ps(alpha[r]), p));        \
+        }                                                                                      \
+        /* values: 4 rows x 64 dims in registers over the tile's keys */                      \
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {                                                \
+            int64_t nr = R - r0 < 4 ? R - r0 : 4;                                              \
+            for (int64_t c0 = 0; c0 < nv; c0 += 4) {                                           \
+                int64_t nc = nv - c0 < 4 ? nv - c0 : 4;                                        \
+                __m512 o[4][4];                                                                \
+                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                          \
+                    __m512 al = _mm512_set1_ps(u < nr ? alpha[r0 + u] : 0.0f);                 \
+                    _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                        \
+                        o[u][w] = u < nr && w < nc                                             \
+                            ? _mm512_mul_ps(_mm512_load_ps(os + (r0 + u) * d + 16 * (c0 + w)), al) \
+                            : _mm512_setzero_ps();                                             \
+                }                                                                              \
+                for (int64_t t = 0; t < tile; t++) {                                           \
+                    __m512 vv[4];                                                              \
+                    _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                        \
+                        vv[w] = w < nc ? _mm512_load_ps(vw + t * d + 16 * (c0 + w)) : _mm512_setzero_ps(); \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                      \
+                        if (u >= nr) break;                                                    \
+                        __m512 p = _mm512_set1_ps(s[(r0 + u) * 16 + t]);                       \
+                        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                    \
+                            o[u][w] = _mm512_fmadd_ps(p, vv[w], o[u][w]);                      \
+                    }                                                                          \
+                }                                                                              \
+                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)                            \
+                    _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                        \
+                        if (u < nr && w < nc)                                                  \
+                            _mm512_store_ps(os + (r0 + u) * d + 16 * (c0 + w), o[u][w]);       \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int64_t r = 0; r < R; r++) {                                                          \
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(ls + r * 16))); \
+        float *orow = out + (i0 + r / group) * o_stride + (j * group + r % group) * d;        \
+        for (int64_t c = 0; c < d; c += 16)                                                    \
+            _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(os + r * d + c), inv));    \
+    }                                                                                          \
+    return 0;                                                                                  \
+}                                                                                              \
+                                                                                               \
+int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t *keys,        \
+         int64_t L, int64_t Q, int64_t H, int64_t kv_heads, int64_t d, float scale, float *out, \
+         int64_t o_stride, int threads) {                                                      \
+    if (d % 16 || H % kv_heads || Q < 1 || Q > L || PF_ROWS * (H / kv_heads) > PF_MAX_R)       \
+        return -1;                                                                             \
+    int64_t group = H / kv_heads, blocks = (Q + PF_ROWS - 1) / PF_ROWS;                        \
+    int failed = 0;                                                                            \
+    /* the last positions' blocks (the most keys) first */                                     \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1) reduction(|:failed)") \
+    for (int64_t u = 0; u < blocks * kv_heads; u++) {                                          \
+        int64_t b = blocks - 1 - u / kv_heads, j = u % kv_heads, i0 = b * PF_ROWS;             \
+        int64_t nq = Q - i0 < PF_ROWS ? Q - i0 : PF_ROWS;                                      \
+        failed |= NAME##_unit(q, q_stride, k, v, keys, L, Q, i0, nq, j, kv_heads, group, d,    \
+                              scale, out, o_stride) != 0;                                      \
+    }                                                                                          \
+    return failed ? -1 : 0;                                                                    \
+}
+
+static inline float widen_f32(float x) { return x; }
+static inline float widen_bf16(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#define LOADV load_f32
+DEFINE_PREFILL(prefill_attention_f32, float, widen_f32)
+#undef LOADV
+#define LOADV load_bf16
+DEFINE_PREFILL(prefill_attention_bf16, uint16_t, widen_bf16)
+#undef LOADV
+int prefill_available(void) { return 1; }
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -488,4 +650,19 @@ int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, 
 #if !defined(__AVX512F__)
 DEFINE_DECODE(decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
+#endif
+
+#if !defined(__AVX512F__)
+/* prompt attention: AVX512 only (torch's fused attention elsewhere) */
+int prefill_available(void) { return 0; }
+#define PREFILL_STUB(NAME, T)                                                                 \
+int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t *keys,        \
+         int64_t L, int64_t Q, int64_t H, int64_t kv_heads, int64_t d, float scale, float *out, \
+         int64_t o_stride, int threads) {                                                      \
+    (void)o_stride; (void)q; (void)q_stride; (void)k; (void)v; (void)keys; (void)L; (void)Q; (void)H;          \
+    (void)kv_heads; (void)d; (void)scale; (void)out; (void)threads;                            \
+    return -1;                                                                                 \
+}
+PREFILL_STUB(prefill_attention_f32, float)
+PREFILL_STUB(prefill_attention_bf16, uint16_t)
 #endif

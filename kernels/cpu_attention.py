@@ -24,6 +24,7 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _lib: ctypes.CDLL | None | bool = None
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ENTRY = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+_PREFILL = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
 
 
 def available() -> bool:
@@ -59,6 +60,28 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def prefill_available() -> bool:
+    """Whether the prompt kernel runs here: AVX512 (DUPLEX_CPU_PREFILL_ATTENTION=0 turns it
+    off, for comparisons; elsewhere torch's fused attention)."""
+    lib = _load() if available() else False
+    return bool(lib) and not switches.is_off("DUPLEX_CPU_PREFILL_ATTENTION") \
+        and bool(lib.prefill_available())
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: torch.Tensor,
+            scale: float, out: torch.Tensor) -> None:
+    """One sequence's prompt rows: q `[Q, H, D]` (rows strided, heads contiguous) over the
+    `L` keys whose cache slots are `keys [L]` (positions 0 .. L - 1), query i at position
+    L - Q + i seeing the keys up to it; writes `out [Q, H, D]` (fp32, same layout)."""
+    num_queries, heads, head_dim = q.shape
+    rc = getattr(_load(), _PREFILL[k_cache.dtype])(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), keys.data_ptr(),
+        keys.shape[0], num_queries, heads, k_cache.shape[2], head_dim, scale, out.data_ptr(),
+        out.stride(0), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"{_PREFILL[k_cache.dtype]} refused q {tuple(q.shape)}")
+
+
 def _load():
     global _lib
     if _lib is None:
@@ -74,4 +97,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL | bool:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P,
                        ctypes.c_int]
+    lib.prefill_available.restype = ctypes.c_int
+    for name in _PREFILL.values():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _I, ctypes.c_int]
     return lib if lib.attn_available() else False

@@ -32,6 +32,8 @@ SWITCHES = (
            "0: the int4 VNNI row kernel off (kernels/cpu_qgemv.py)"),
     Switch("DUPLEX_CPU_ATTENTION", "1", "developer",
            "0: the C decode attention off (kernels/cpu_attention.py)"),
+    Switch("DUPLEX_CPU_PREFILL_ATTENTION", "1", "developer",
+           "0: the C prompt attention off, torch's fused attention (kernels/cpu_attention.py)"),
     Switch("DUPLEX_FUSED_DECODE", "1", "developer",
            "0: the fused batch-1 decode layer off (kernels/cpu_decode.py)"),
     Switch("DUPLEX_GGUF_C", "1", "developer",

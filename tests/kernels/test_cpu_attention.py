@@ -139,3 +139,73 @@ def test_a_sequence_s_result_does_not_depend_on_its_batch_or_the_threads():
         torch.set_num_threads(threads)
     assert torch.equal(batch, single)
     assert torch.equal(batch, torch.cat(alone))
+
+
+def _prompt_case(queries, num_keys, heads, kv_heads, head_dim, dtype, seed):
+    """One sequence's last `queries` positions over its `num_keys` keys (slots shuffled) ->
+    (cache, q, key slots, float64 causal attention: query i sees keys up to L - Q + i)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-num_keys // 16) + 2
+    k, v = (torch.randn(blocks, 16, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+    q = torch.randn(queries, heads, head_dim, generator=gen)
+    keys = torch.randperm(blocks * 16, generator=gen)[:num_keys].contiguous()
+    kk, vv = (c.flatten(0, 1)[keys].double() for c in (k, v))  # [L, kv_heads, D]
+    group = heads // kv_heads
+    scores = torch.einsum("qjgd,ljd->qjgl", q.double().view(queries, kv_heads, group, head_dim),
+                          kk) * head_dim ** -0.5
+    seen = torch.arange(num_keys)[None, :] <= torch.arange(num_keys - queries, num_keys)[:, None]
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    ref = torch.einsum("qjgl,ljd->qjgd", scores.softmax(-1), vv).reshape(queries, heads, head_dim)
+    return k, v, q, keys, ref
+
+
+@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [
+    (1, 1, 4, 2, 64), (5, 5, 9, 3, 64), (16, 16, 8, 1, 32), (37, 100, 6, 2, 48),
+    (40, 40, 32, 2, 16), (64, 64, 12, 3, 80), (17, 53, 4, 4, 128), (9, 300, 8, 8, 256),
+    (33, 33, 32, 8, 64)])
+def test_prompt_kernel_against_float64(shape, dtype):
+    """Positions in blocks of 16 and their remainders, prompts with and without a cached
+    prefix, groups of 1 to 16 heads, head dims 16 to 256, fp32 and bf16 caches."""
+    queries, num_keys, heads, kv_heads, head_dim = shape
+    k, v, q, keys, ref = _prompt_case(*shape, dtype, seed=sum(shape))
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.prefill(q, k, v, keys, head_dim ** -0.5, out)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel here")
+def test_prompt_rows_do_not_depend_on_how_the_prompt_is_cut():
+    """A position's output is the same bits whether its prompt runs whole or in chunks
+    (key tiles start at key 0, a row's masked keys add exactly nothing), on any threads."""
+    k, v, q, keys, _ = _prompt_case(70, 70, 8, 2, 64, torch.bfloat16, seed=5)
+    whole = torch.empty_like(q)
+    cpu_attention.prefill(q, k, v, keys, 0.125, whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for a, b in [(0, 23), (23, 48), (48, 70)]:
+            part = torch.empty(b - a, 8, 64)
+            cpu_attention.prefill(q[a:b], k, v, keys[:b].contiguous(), 0.125, part)
+            assert torch.equal(part, whole[a:b])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel here")
+def test_planned_prompts_take_the_kernel_unless_windowed(monkeypatch):
+    batch = make_paged_batch([(20, 20), (30, 7), (9, 1)], num_heads=4, num_kv_heads=2,
+                             head_dim=32, seed=2)
+    calls = []
+    real = cpu_attention.prefill
+    monkeypatch.setattr(cpu_attention, "prefill", lambda *a: calls.append(1) or real(*a))
+    for window, expected in [(None, [1, 1]), (8, [])]:
+        calls.clear()
+        plan = plan_attention(batch["block_tables"], [20, 7, 1], batch["seq_lens"].tolist(),
+                              batch["k_cache"].shape[1], window)
+        with use_fused(True):
+            out = paged_attention_planned(batch["q"], batch["k_cache"], batch["v_cache"], plan, 0.2)
+        ref = paged_attention_ref(*attention_args(batch), 0.2, window)
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+        assert calls == expected
