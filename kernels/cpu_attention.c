@@ -337,7 +337,73 @@ DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
 
 static __thread struct scratch pf_scratch;
 
-#define DEFINE_PREFILL(NAME, T, WIDEN)                                                        \
+/* r[x] = column x of the 16 x 16 matrix whose row t is r[t] (unpack, shuffle, two 128-bit
+ * lane shuffles: 64 operations where element-wise copies take 256 loads and stores) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+    }
+}
+
+/* NR rows' 16 scores against a transposed key tile kt [d][16]: NR FMA chains, each element
+ * of a row's query broadcast (a constant NR: no per-row branch in the loop) */
+static inline __attribute__((always_inline)) void pf_scores(const float *qs, const float *kt,
+                                                            int64_t d, const int NR, __m512 *a) {
+    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c++) {
+        __m512 kc = _mm512_load_ps(kt + c * 16);
+        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)
+            if (u < NR) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qs[u * d + c]), kc, a[u]);
+    }
+}
+
+/* NR rows' outputs os[r][16 c0 .. 16 (c0 + NC)) = os * alpha[r] + sum over the tile's keys of
+ * s[r][t] vw[t]: NR x NC accumulators in registers */
+static inline __attribute__((always_inline)) void pf_values(const float *s, const float *vw,
+                                                            float *os, const float *alpha,
+                                                            int64_t d, int64_t c0, int64_t tile,
+                                                            const int NR, const int NC) {
+    __m512 o[4][4];
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+        __m512 al = _mm512_set1_ps(u < NR ? alpha[u] : 0.0f);
+        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
+            o[u][w] = u < NR && w < NC ? _mm512_mul_ps(_mm512_load_ps(os + u * d + 16 * (c0 + w)), al)
+                                       : _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < tile; t++) {
+        __m512 vv[4];
+        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
+            vv[w] = w < NC ? _mm512_load_ps(vw + t * d + 16 * (c0 + w)) : _mm512_setzero_ps();
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+            if (u >= NR) break;
+            __m512 pu = _mm512_set1_ps(s[u * 16 + t]);
+            _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
+                if (w < NC) o[u][w] = _mm512_fmadd_ps(pu, vv[w], o[u][w]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
+            if (u < NR && w < NC) _mm512_store_ps(os + u * d + 16 * (c0 + w), o[u][w]);
+}
+
+#define DEFINE_PREFILL(NAME, T)                                                               \
 static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,              \
                        const int64_t *keys, int64_t L, int64_t Q, int64_t i0, int64_t nq,      \
                        int64_t j, int64_t kv_heads, int64_t group, int64_t d, float scale,     \
@@ -364,31 +430,32 @@ static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,
     const int64_t last = pos0 + i0 + nq - 1;  /* the last key any row sees */                 \
     for (int64_t l0 = 0; l0 <= last; l0 += 16) {                                               \
         int64_t tile = last + 1 - l0 < 16 ? last + 1 - l0 : 16;                                \
-        for (int64_t t = 0; t < 16; t++) {  /* keys transposed, values in rows (fp32) */      \
+        for (int64_t t = 0; t < 16; t++) {  /* values in rows (fp32) */                       \
             if (t < tile) {                                                                    \
-                const T *kr = k + (keys[l0 + t] * kv_heads + j) * d;                           \
                 const T *vr = v + (keys[l0 + t] * kv_heads + j) * d;                           \
                 if (t + 16 < L - l0) {                                                         \
                     prefetch_row(k + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
                     prefetch_row(v + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
                 }                                                                              \
-                for (int64_t c = 0; c < d; c++) kt[c * 16 + t] = WIDEN(kr[c]);                 \
                 for (int64_t c = 0; c < d; c += 16) _mm512_store_ps(vw + t * d + c, LOADV(vr + c)); \
             } else {                                                                           \
-                for (int64_t c = 0; c < d; c++) kt[c * 16 + t] = 0.0f;                         \
                 for (int64_t c = 0; c < d; c += 16) _mm512_store_ps(vw + t * d + c, _mm512_setzero_ps()); \
             }                                                                                  \
+        }                                                                                      \
+        for (int64_t c = 0; c < d; c += 16) {  /* keys transposed, 16 columns at a time */    \
+            __m512 kr[16];                                                                     \
+            for (int64_t t = 0; t < 16; t++)                                                   \
+                kr[t] = t < tile ? LOADV(k + (keys[l0 + t] * kv_heads + j) * d + c)            \
+                                 : _mm512_setzero_ps();                                        \
+            transpose16(kr);                                                                   \
+            for (int x = 0; x < 16; x++) _mm512_store_ps(kt + (c + x) * 16, kr[x]);            \
         }                                                                                      \
         /* scores, 8 rows at a time */                                                         \
         for (int64_t r0 = 0; r0 < R; r0 += 8) {                                                \
             __m512 a[8];                                                                       \
-            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();    \
             int64_t nr = R - r0 < 8 ? R - r0 : 8;                                              \
-            for (int64_t c = 0; c < d; c++) {                                                  \
-                __m512 kc = _mm512_load_ps(kt + c * 16);                                       \
-                _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)                            \
-                    if (u < nr) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(r0 + u) * d + c]), kc, a[u]); \
-            }                                                                                  \
+            if (nr == 8) pf_scores(qs + r0 * d, kt, d, 8, a);                                  \
+            else pf_scores(qs + r0 * d, kt, d, (int)nr, a);                                    \
             _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                              \
                 if (u >= nr) break;                                                            \
                 int64_t r = r0 + u, seen = pos0 + i0 + r / group - l0 + 1;  /* keys of the tile it sees */ \
@@ -414,29 +481,10 @@ static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,
             int64_t nr = R - r0 < 4 ? R - r0 : 4;                                              \
             for (int64_t c0 = 0; c0 < nv; c0 += 4) {                                           \
                 int64_t nc = nv - c0 < 4 ? nv - c0 : 4;                                        \
-                __m512 o[4][4];                                                                \
-                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                          \
-                    __m512 al = _mm512_set1_ps(u < nr ? alpha[r0 + u] : 0.0f);                 \
-                    _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                        \
-                        o[u][w] = u < nr && w < nc                                             \
-                            ? _mm512_mul_ps(_mm512_load_ps(os + (r0 + u) * d + 16 * (c0 + w)), al) \
-                            : _mm512_setzero_ps();                                             \
-                }                                                                              \
-                for (int64_t t = 0; t < tile; t++) {                                           \
-                    __m512 vv[4];                                                              \
-                    _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                        \
-                        vv[w] = w < nc ? _mm512_load_ps(vw + t * d + 16 * (c0 + w)) : _mm512_setzero_ps(); \
-                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                      \
-                        if (u >= nr) break;                                                    \
-                        __m512 p = _mm512_set1_ps(s[(r0 + u) * 16 + t]);                       \
-                        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                    \
-                            o[u][w] = _mm512_fmadd_ps(p, vv[w], o[u][w]);                      \
-                    }                                                                          \
-                }                                                                              \
-                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)                            \
-                    _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)                        \
-                        if (u < nr && w < nc)                                                  \
-                            _mm512_store_ps(os + (r0 + u) * d + 16 * (c0 + w), o[u][w]);       \
+                if (nr == 4 && nc == 4)                                                        \
+                    pf_values(s + r0 * 16, vw, os + r0 * d, alpha + r0, d, c0, tile, 4, 4);    \
+                else                                                                           \
+                    pf_values(s + r0 * 16, vw, os + r0 * d, alpha + r0, d, c0, tile, (int)nr, (int)nc); \
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
@@ -467,18 +515,11 @@ int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t
     return failed ? -1 : 0;                                                                    \
 }
 
-static inline float widen_f32(float x) { return x; }
-static inline float widen_bf16(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 #define LOADV load_f32
-DEFINE_PREFILL(prefill_attention_f32, float, widen_f32)
+DEFINE_PREFILL(prefill_attention_f32, float)
 #undef LOADV
 #define LOADV load_bf16
-DEFINE_PREFILL(prefill_attention_bf16, uint16_t, widen_bf16)
+DEFINE_PREFILL(prefill_attention_bf16, uint16_t)
 #undef LOADV
 int prefill_available(void) { return 1; }
 #endif
