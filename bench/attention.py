@@ -1,4 +1,4 @@
-"""`duplex bench attention`: the CPU decode-attention kernel alone, against the box's memory.
+"""`duplex bench attention`: the CPU attention kernels alone, against the box's memory and torch.
 
 A batch-64 decode step reads every sequence's keys and values once a layer. This times
 kernels/cpu_attention.c at a decode step's own shapes (SmolLM2's heads by default, paged
@@ -9,6 +9,11 @@ blocks in a shuffled order as a long-running pool has them) in two ways:
 
 and beside them the box's streaming read rate (a torch sum over a buffer far larger than
 the caches), so the second figure can be read as a fraction of what the memory gives.
+
+With `--queries N` (N > 1) it times the prompt kernel instead: each sequence's last N
+positions as one prompt step over its `--context` keys (N == context: a whole prompt),
+against torch's fused attention on the same keys gathered as the torch path gathers them,
+in ms a layer and multiply-adds a second (the causal half only).
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="buffer size for the streaming read rate")
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the caches' element type")
+    parser.add_argument("--queries", type=int, default=1,
+                        help="1: decode; N > 1: each sequence's last N positions as a prompt "
+                             "step (the C prompt kernel beside torch's fused attention)")
     parser.add_argument("--out", default=None, help="write the JSON result here")
 
 
@@ -81,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if not cpu_attention.available():
         print("the CPU attention kernel does not run here (no C compiler or no AVX-512)")
         return 1
+    if args.queries > 1:
+        return run_prompts(args)
     q, caches, keys = paged_batch(args)
     kv_bytes = 2 * keys.numel() * args.kv_heads * args.head_dim * caches[0][0].element_size()
     cached = statistics.median(time_layers(q, caches, keys, args.repeats, rotate=False))
@@ -94,6 +104,84 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_json(Path(args.out), result)
     return 0
+
+
+def time_prompts(args, q, cache, keys) -> tuple[float, float]:
+    """Medians of a layer's seconds over the batch's prompt steps: the C kernel, torch's."""
+    import torch
+
+    from duplex.kernels import cpu_attention
+
+    k, v = cache
+    queries, context, scale = args.queries, args.context, args.head_dim ** -0.5
+    out = torch.empty(args.batch, queries, args.heads, args.head_dim)
+    pos = torch.arange(context - queries, context)[:, None]
+    mask = None if queries == context else (torch.arange(context)[None] <= pos)[None, None]
+    slots_k, slots_v = (c.view(-1, args.kv_heads, args.head_dim) for c in (k, v))
+
+    def kernel():
+        for b in range(args.batch):
+            cpu_attention.prefill(q[b], k, v, keys[b], scale, out[b])
+
+    def fused():  # what kernels.attention does per prompt: gather, widen, fused attention
+        for b in range(args.batch):
+            kk, vv = (s.index_select(0, keys[b]).float().transpose(0, 1)[None]
+                      for s in (slots_k, slots_v))
+            torch.nn.functional.scaled_dot_product_attention(
+                q[b].transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale,
+                is_causal=mask is None, enable_gqa=True)
+
+    times = {kernel: [], fused: []}
+    for f in (kernel, fused):
+        f()  # warm
+    for _ in range(args.repeats):
+        for f in (kernel, fused):  # in turns
+            start = time.perf_counter()
+            f()
+            times[f].append(time.perf_counter() - start)
+    return statistics.median(times[kernel]), statistics.median(times[fused])
+
+
+def run_prompts(args: argparse.Namespace) -> int:
+    import torch
+
+    from duplex.kernels import cpu_attention
+
+    if not cpu_attention.prefill_available():
+        print("the C prompt attention does not run here (AVX-512 only)")
+        return 1
+    if not 1 < args.queries <= args.context:
+        raise SystemExit("--queries must be 2 .. --context")
+    args.layers = 1
+    _, caches, keys = paged_batch(args)
+    q = torch.randn(args.batch, args.queries, args.heads, args.head_dim,
+                    generator=torch.Generator().manual_seed(1))
+    c_s, torch_s = time_prompts(args, q, caches[0], keys)
+    Q, L = args.queries, args.context
+    macs = args.batch * args.heads * args.head_dim * 2 * (Q * L - Q * (Q - 1) / 2)
+    result = {"command": "duplex bench attention", "args": vars(args),
+              "torch_threads": torch.get_num_threads(), "kernel_ms": c_s * 1e3,
+              "torch_ms": torch_s * 1e3, "kernel_gmacs": macs / c_s / 1e9,
+              "torch_gmacs": macs / torch_s / 1e9}
+    print(markdown_prompts(result))
+    if args.out:
+        write_json(Path(args.out), result)
+    return 0
+
+
+def markdown_prompts(r: dict) -> str:
+    a = r["args"]
+    return "\n".join([
+        f"prompt attention, {a['batch']} sequences x the last {a['queries']} of {a['context']} "
+        f"positions, {a['heads']} heads / {a['kv_heads']} kv heads x {a['head_dim']}, "
+        f"{a.get('kv_dtype', 'float32')} KV, {r['torch_threads']} threads; a layer:",
+        "",
+        "| C prompt kernel | torch's fused attention | kernel / torch time |",
+        "|---|---|---|",
+        f"| {r['kernel_ms']:.2f} ms ({r['kernel_gmacs']:.1f} G multiply-adds/s) | "
+        f"{r['torch_ms']:.2f} ms ({r['torch_gmacs']:.1f} G/s) | "
+        f"{r['kernel_ms'] / r['torch_ms']:.2f} |",
+    ])
 
 
 def markdown(r: dict) -> str:

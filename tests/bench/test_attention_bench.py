@@ -40,3 +40,14 @@ def test_a_run_reports_every_figure(tmp_path, capsys):
         assert result[key] > 0, key
     assert result["kv_mb_per_layer"] == pytest.approx(2 * 3 * 21 * 3 * 64 * 4 / 1e6)
     assert "distinct caches in turn" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel")
+@pytest.mark.parametrize("queries", [21, 6])
+def test_a_prompt_run_reports_both_kernels(tmp_path, capsys, queries):
+    """A whole prompt (causal) and a step after a cached prefix (masked)."""
+    assert attention.run(args_for(tmp_path, "--queries", str(queries))) == 0
+    result = json.loads((tmp_path / "a.json").read_text())
+    for key in ("kernel_ms", "torch_ms", "kernel_gmacs", "torch_gmacs"):
+        assert result[key] > 0, key
+    assert "torch's fused attention" in capsys.readouterr().out
