@@ -330,8 +330,11 @@ DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
  * 16 scores are head_dim FMAs of a broadcast query element against a register of 16 keys
  * (no horizontal sums); the softmax's exponentials take 16 scores (or 16 rows' corrections)
  * a libmvec call; values are widened once a tile and accumulated 4 rows x 64 dims at a
- * time in registers. torch's fused attention (MKL sgemm per block) reaches 25-44 G
- * multiply-adds/s at these sizes on 2 Zen 4 cores (docs/BENCHMARKS.md). */
+ * time in registers. A row's tiles start at key 0 and its masked keys add exactly nothing,
+ * so a position's output does not depend on how its prompt is cut into steps. On 2 Zen 4
+ * cores (`duplex bench attention --queries N`, 1B heads): 59-74 G multiply-adds/s against
+ * torch's fused attention's 29-62, 0.50x its time for a 267-token prompt, 0.82-0.85x at
+ * 2048 keys (docs/BENCHMARKS.md). */
 #define PF_ROWS 16   /* query positions of a unit */
 #define PF_MAX_R 256 /* rows (positions x heads of a group) of a unit */
 
