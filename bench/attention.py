@@ -100,7 +100,12 @@ def run(args: argparse.Namespace) -> int:
               "torch_threads": torch.get_num_threads(), "kv_mb_per_layer": kv_bytes / 1e6,
               "cached_ms": cached * 1e3, "rotating_ms": dram * 1e3,
               "rotating_gbs": kv_bytes / dram / 1e9, "stream_read_gbs": stream}
-    print(markdown(result))
+    return report(args, result, markdown(result))
+
+
+def report(args: argparse.Namespace, result: dict, text: str) -> int:
+    """Print the table, write the JSON where asked."""
+    print(text)
     if args.out:
         write_json(Path(args.out), result)
     return 0
@@ -163,10 +168,7 @@ def run_prompts(args: argparse.Namespace) -> int:
               "torch_threads": torch.get_num_threads(), "kernel_ms": c_s * 1e3,
               "torch_ms": torch_s * 1e3, "kernel_gmacs": macs / c_s / 1e9,
               "torch_gmacs": macs / torch_s / 1e9}
-    print(markdown_prompts(result))
-    if args.out:
-        write_json(Path(args.out), result)
-    return 0
+    return report(args, result, markdown_prompts(result))
 
 
 def markdown_prompts(r: dict) -> str:
