@@ -342,7 +342,7 @@ static __thread struct scratch pf_scratch;
 
 /* r[x] = column x of the 16 x 16 matrix whose row t is r[t] (unpack, shuffle, two 128-bit
  * lane shuffles: 64 operations where element-wise copies take 256 loads and stores) */
-static inline void transpose16(__m512 r[16]) {
+static inline void transpose16_ps(__m512 r[16]) {
     __m512 t[16], u[16];
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -450,7 +450,7 @@ static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,
             for (int64_t t = 0; t < 16; t++)                                                   \
                 kr[t] = t < tile ? LOADV(k + (keys[l0 + t] * kv_heads + j) * d + c)            \
                                  : _mm512_setzero_ps();                                        \
-            transpose16(kr);                                                                   \
+            transpose16_ps(kr);                                                                \
             for (int x = 0; x < 16; x++) _mm512_store_ps(kt + (c + x) * 16, kr[x]);            \
         }                                                                                      \
         /* scores, 8 rows at a time */                                                         \
