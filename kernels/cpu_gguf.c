@@ -470,7 +470,7 @@ static int x_group(int type) { return block_size(type) == 256 ? 256 : 32; }
 /* x [m, k] (row stride ldx) -> xq [m, k], dx [m, k/group], xs [m, k/16], rows shared out
  * among `threads` (each row's bits are the same on any thread). */
 static int gg_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int group,
-                         int8_t *xq, float *dx, int32_t *xs, int threads) {
+                            int8_t *xq, float *dx, int32_t *xs, int threads) {
     if ((group != 32 && group != 256) || k % group || m < 1) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1 && m * k >= QX_MIN_ELEMENTS)
     for (int64_t i = 0; i < m; i++)
