@@ -33,7 +33,8 @@
  *                  sum_j w_j x_j = dx (a sum_j q_j xq_j + c sum_j xq_j)
  *
  *                (Q6_K has a scale per 16: each half of the 32 has its own a and c).
- *   gg_linear_x: gg_quantize_x and gg_linear_q8 in one call (what kernels/cpu_gguf.py calls).
+ *   gg_linear_x: gg_quantize_x and gg_linear_q8 in one call (what kernels/cpu_gguf.py calls);
+ *                gg_linear_x2 the same with x in two int8 parts (an output head's prompt rows).
  *
  * With AVX2 every block type is read straight from its bytes (the "AVX2" section below):
  * nibbles and high bits unpacked from 256-bit loads with and / shift, 32 products a
@@ -2710,24 +2711,48 @@ double gg_peak(int kind, int threads, int64_t iters) {
 }
 
 /* x [m, k] fp32 (row stride ldx) to int8 (gg_quantize_x, x_group(type) inputs a scale), then
- * its int8 product: gg_linear_q8, or with `lanes` vn_linear (K-quants, AVX-512 VNNI) */
+ * its int8 product: gg_linear_q8, or with `lanes` vn_linear (K-quants, AVX-512 VNNI). parts 2
+ * (gg_linear_x2): x in two int8 parts, x = dx xq + dr rq, the second the first's rounding
+ * error quantized again (rows m..2m of one 2m-row product, added after), so x is held to
+ * ~1/64516 of each group's max instead of ~1/254. */
 static int quantized_linear(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                             const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo,
-                            int threads, int lanes) {
-    size_t nq = (size_t)(m * k + 63) & ~(size_t)63;
+                            int threads, int lanes, int parts) {
+    const int64_t mm = parts * m, group = x_group(type);
+    size_t nq = (size_t)(mm * k + 63) & ~(size_t)63;
     /* 64-byte aligned: the 512-bit loads of xq then never split a cache line */
-    uint8_t *buf = aligned_alloc(64, (nq + (size_t)(m * (k / 32) + m * (k / 16)) * 4 + 63) & ~(size_t)63);
+    uint8_t *buf = aligned_alloc(64, (nq + (size_t)(mm * (k / 32) + mm * (k / 16)) * 4 + 63) & ~(size_t)63);
     if (!buf) return -1;
     int8_t *xq = (int8_t *)buf;
     float *dx = (float *)(buf + nq);
-    int32_t *xs = (int32_t *)(dx + m * (k / 32));
-    int rc = gg_quantize_rows(x, ldx, m, k, x_group(type), xq, dx, xs, threads);
+    int32_t *xs = (int32_t *)(dx + mm * (k / 32));
+    int rc = gg_quantize_rows(x, ldx, m, k, group, xq, dx, xs, threads);
+    float *sums = out;
+    int64_t lds = ldo;
+    if (rc == 0 && parts == 2) {
+        float *r = malloc((size_t)(m * k) * sizeof(float));
+        sums = malloc((size_t)(mm * n) * sizeof(float));
+        lds = n;
+        if (!r || !sums) rc = -1;
+        for (int64_t i = 0; rc == 0 && i < m; i++)  /* what the first part left */
+            for (int64_t j = 0; j < k; j++)
+                r[i * k + j] = x[i * ldx + j] - dx[i * (k / group) + j / group] * (float)xq[i * k + j];
+        if (rc == 0)
+            rc = gg_quantize_rows(r, k, m, k, (int)group, xq + m * k, dx + m * (k / group),
+                                  xs + m * (k / 16), threads);
+        free(r);
+    }
 #if defined(GG_AVX512)
-    if (rc == 0 && lanes) rc = vn_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    if (rc == 0 && lanes) rc = vn_linear(type, w, row_bytes, n, k, xq, dx, xs, mm, sums, lds, threads);
 #elif defined(__AVX2__)
-    if (rc == 0 && lanes) rc = x8_linear(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    if (rc == 0 && lanes) rc = x8_linear(type, w, row_bytes, n, k, xq, dx, xs, mm, sums, lds, threads);
 #endif
-    if (rc == 0 && !lanes) rc = gg_linear_q8(type, w, row_bytes, n, k, xq, dx, xs, m, out, ldo, threads);
+    if (rc == 0 && !lanes) rc = gg_linear_q8(type, w, row_bytes, n, k, xq, dx, xs, mm, sums, lds, threads);
+    if (parts == 2) {
+        for (int64_t i = 0; rc == 0 && i < m; i++)
+            for (int64_t j = 0; j < n; j++) out[i * ldo + j] = sums[i * n + j] + sums[(m + i) * n + j];
+        free(sums);
+    }
     free(buf);
     return rc;
 }
@@ -2741,10 +2766,10 @@ int gg_linear_lanes(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
                     int threads) {
 #if defined(GG_AVX512)
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) != 256 || gg_vn_off) return -1;
-    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 1);
+    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 1, 1);
 #elif defined(__AVX2__)
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) != 256 || gg_x8_off) return -1;
-    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 1);
+    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 1, 1);
 #else
     (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m;
     (void)out, (void)ldo, (void)threads, (void)quantized_linear;
@@ -2756,5 +2781,15 @@ int gg_linear_lanes(int type, const uint8_t *w, int64_t row_bytes, int64_t n, in
 int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                 const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
-    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 0);
+    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 0, 1);
+}
+
+/* gg_linear_x with x in two int8 parts (quantized_linear): an output head's rows in a prompt
+ * step, whose logits then differ from fp32 dots by ~1e-5 of their size, not int8's ~1e-2,
+ * at about twice the int8 product's cost (a 1B-shape Q6_K head at 16 rows: ~10 against the
+ * fp32 row dequantization's ~48 ms, docs/BENCHMARKS.md). */
+int gg_linear_x2(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                 const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {
+    if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;
+    return quantized_linear(type, w, row_bytes, n, k, x, ldx, m, out, ldo, threads, 0, 2);
 }

@@ -70,10 +70,12 @@ def dequant(type_id: int, raw: torch.Tensor, k: int, out: torch.Tensor | None = 
 
 
 def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor, fp32_x: bool = False,
-           lanes: bool = False) -> torch.Tensor:
+           lanes: bool = False, split_x: bool = False) -> torch.Tensor:
     """x `[M, k]` fp32 (last dim contiguous) @ w.T -> `[M, N]` fp32. Block types round x to
     int8 (one scale per x_group inputs) unless fp32_x: then each weight row is dequantized
     and dotted with x in fp32 (gg_linear), the fp32 reference's sums up to their order.
+    split_x: x in two int8 parts, the second the first's rounding error (gg_linear_x2), so
+    x is off by at most 1/64516 of its group's max (an output head's prompt rows).
     lanes (K-quants where `lanes_available`): the AVX-512 VNNI kernel with weight rows in the
     lanes, or the AVX2 one with rows of x in them, at every M, so a row's bits do not depend
     on M (gg_linear_lanes)."""
@@ -92,10 +94,10 @@ def linear(type_id: int, raw: torch.Tensor, k: int, x: torch.Tensor, fp32_x: boo
                                      x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
                                      raw.shape[0], torch.get_num_threads())
     else:
-        # quantize_x and the int8 dots in one call (gg_linear_x)
-        rc = _load().gg_linear_x(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k,
-                                 x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(),
-                                 raw.shape[0], torch.get_num_threads())
+        # quantize_x and the int8 dots in one call (gg_linear_x; x2: in two parts)
+        fn = _load().gg_linear_x2 if split_x else _load().gg_linear_x
+        rc = fn(type_id, raw.data_ptr(), raw.shape[1], raw.shape[0], k, x.data_ptr(),
+                x.stride(0), x.shape[0], out.data_ptr(), raw.shape[0], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"gg_linear refused {TYPES[type_id][0]} [{raw.shape[0]}, {k}]")
     return out
@@ -218,6 +220,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_dequant_bf16.argtypes = lib.gg_dequant.argtypes
     lib.gg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P, _I, _I, _P, _I, ctypes.c_int]
     lib.gg_linear_x.argtypes = lib.gg_linear.argtypes
+    lib.gg_linear_x2.restype = ctypes.c_int
+    lib.gg_linear_x2.argtypes = lib.gg_linear.argtypes
     lib.gg_linear_lanes.restype = ctypes.c_int
     lib.gg_linear_lanes.argtypes = lib.gg_linear.argtypes
     lib.gg_quantize_x.restype = lib.gg_linear_q8.restype = ctypes.c_int

@@ -234,9 +234,11 @@ class GGUFWeight(QuantWeight):
         if few and self._vnni is not None and m <= quant.MAX_VNNI_ROWS:
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
         if (few and m <= self.row_limit()) or (prompt and self.int8_prompt()):
-            # a head's rows in a prompt step (a prompt's first token): x in fp32, not int8
+            # a head's rows in a prompt step (a prompt's first token): x in two int8 parts,
+            # within ~1e-5 of fp32 dots (int8 alone moved the README's answer on a Zen 4),
+            # at ~1/5 the time of dequantizing each row to fp32 (docs/BENCHMARKS.md)
             head = prompt and self.fp32_out and m <= self.row_limit()
-            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows), fp32_x=head,
+            return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows), split_x=head,
                                    lanes=prompt and not head and self._lanes_prompt())
         return self._tiled(rows)  # bf16 rows (the bf16 stream) stay bf16 for the bf16 GEMM
 

@@ -599,6 +599,27 @@ def test_fp32_activations_path(type_name):
     assert ((int8.double() - ref).abs() > bound).any()  # the int8 path is measurably coarser
 
 
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])  # the row loop, xl_linear, vn_linear (2m rows)
+def test_split_activations_path(type_name, m):
+    """linear(..., split_x=True), what a GGUF head's rows take in a prompt step: x in two int8
+    parts, the second the first's rounding error quantized again, so each input is off by at
+    most max|x| / (127 * 508) over its group (1/64516), and each output by that times
+    sum |w| on top of the fp32 sums' rounding. int8 alone (one part) breaks that bound."""
+    k, n = 1280 if cpu_gguf.TYPES[cpu_gguf.TYPE_IDS[type_name]][1] == 32 else 1536, 37
+    raw = random_blocks(type_name, n, k, seed=6, extreme=False)
+    w = reference_w(type_name, raw, k).double()
+    x = random_x(m, k, seed=6)
+    group = 256 if cpu_gguf.TYPES[cpu_gguf.TYPE_IDS[type_name]][1] == 256 else 32
+    amax = x.double().abs().reshape(m, k // group, group).amax(-1).repeat_interleave(group, 1)
+    ref = x.double() @ w.T
+    bound = (amax @ w.abs().T) / 64516 * 1.001 + 4 * REL * (x.double().abs() @ w.abs().T) + 1e-30
+    got = cpu_gguf.linear(cpu_gguf.TYPE_IDS[type_name], raw, k, x, split_x=True)
+    assert ((got.double() - ref).abs() <= bound).all()
+    int8 = cpu_gguf.linear(cpu_gguf.TYPE_IDS[type_name], raw, k, x)
+    assert ((int8.double() - ref).abs() > bound).any()
+
+
 @pytest.mark.skipif(not hasattr(cpu_gguf._load() if cpu_gguf.available() else None,
                                 "gg_set_kq_prefetch"), reason="built without the AVX2 row kernel")
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
