@@ -132,13 +132,13 @@ int decode_forward(const dec_model *md, const dec_layer *layers, void *const *ca
     for (int64_t l = 0; l < md->num_layers; l++) {
         const dec_layer *ly = layers + l;
         if (l == 0) {
-            rms_norm_f32(h, NULL, ly->input_norm, x, NULL, m, hidden, md->eps);
+            if (rms_norm_mixed(h, 0, NULL, ly->input_norm, x, 0, NULL, m, hidden, md->eps, threads)) return -1;
             memcpy(residual, h, (size_t)(m * hidden) * sizeof(float));
         } else {
-            rms_norm_f32(h, residual, ly->input_norm, x, residual, m, hidden, md->eps);
+            if (rms_norm_mixed(h, 0, residual, ly->input_norm, x, 0, residual, m, hidden, md->eps, threads)) return -1;
         }
         if (matmul(&ly->qkv, x, qkv, m, threads)) return -1;
-        rope_neox_f32(qkv, width, m, md->heads + md->kv_heads, d, md->rope_cache, positions);
+        rope_neox_f32_rows(qkv, width, m, md->heads + md->kv_heads, d, md->rope_cache, positions, threads);
         store_kv(qkv, width, q_size, kv_size, slots, m, caches[2 * l], caches[2 * l + 1], kv_bf16);
         int rc = kv_bf16
             ? decode_attention_bf16(qkv, NULL, width, caches[2 * l], caches[2 * l + 1], keys,
@@ -149,12 +149,12 @@ int decode_forward(const dec_model *md, const dec_layer *layers, void *const *ca
                                    attn, threads);
         if (rc) return -1;
         if (matmul(&ly->o, attn, h, m, threads)) return -1;
-        rms_norm_f32(h, residual, ly->post_norm, x, residual, m, hidden, md->eps);
+        if (rms_norm_mixed(h, 0, residual, ly->post_norm, x, 0, residual, m, hidden, md->eps, threads)) return -1;
         if (matmul(&ly->gate_up, x, gate_up, m, threads)) return -1;
-        silu_mul_f32(gate_up, act, m, md->intermediate);
+        if (silu_mul_mixed(gate_up, 0, act, 0, m, md->intermediate, threads)) return -1;
         if (matmul(&ly->down, act, h, m, threads)) return -1;
     }
-    rms_norm_f32(h, residual, md->final_norm, x, residual, m, hidden, md->eps);
+    if (rms_norm_mixed(h, 0, residual, md->final_norm, x, 0, residual, m, hidden, md->eps, threads)) return -1;
     memcpy(h, x, (size_t)(m * hidden) * sizeof(float));
     return 0;
 }
