@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queries", type=int, default=1,
                         help="1: decode; N > 1: each sequence's last N positions as a prompt "
                              "step (the C prompt kernel beside torch's fused attention)")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: the kernel as built for a CPU without AVX-512 (the 8-lane "
+                             "walk most laptops run), timed on this one")
     parser.add_argument("--out", default=None, help="write the JSON result here")
 
 
@@ -88,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not cpu_attention.available():
         print("the CPU attention kernel does not run here (no C compiler or no AVX-512)")
+        return 1
+    if args.isa == "avx2" and not cpu_attention.use_avx2_build():
+        print("the AVX2 build does not run here (no AVX2 and FMA, or it did not build)")
         return 1
     if args.queries > 1:
         return run_prompts(args)

@@ -17,12 +17,13 @@
  * 0.5 ms on bf16 ones, whose half-size rows then matter.
  *
  * From DRAM (a step's layers each read their own cache) what sets it is how many rows are
- * on their way: besides the row 4 keys ahead into L1, the AVX512 walk asks for the rows 16
- * keys ahead into L2, and a sequence longer than a chunk (1 MB of keys and values: 512 keys
- * of 8 x 64 bf16 heads) is cut into chunks, each a unit of work whose values are still in
- * L2 when its value pass reads them; the chunks' partial results are merged afterwards.
- * 1B shape, 16 sequences, bf16 (docs/BENCHMARKS.md): 430 keys 1.1 -> 0.77 ms a layer, 4096
- * keys 12-14 -> 8.4 ms; one sequence of 4096 keys 1.0 -> 0.5 ms (its chunks on both cores).
+ * on their way: besides the row 4 keys ahead into L1, the walk (AVX512 and AVX2) asks for
+ * the rows 16 keys ahead into L2, and a sequence longer than a chunk (AVX512: 1 MB of keys
+ * and values, 512 keys of 8 x 64 bf16 heads; AVX2: 512 KB) is cut into chunks, each a unit
+ * of work whose values are still in L2 when its value pass reads them; the chunks' partial
+ * results are merged afterwards. 1B shape, 16 sequences, bf16 (docs/BENCHMARKS.md): 430
+ * keys 1.1 -> 0.77 ms a layer, 4096 keys 12-14 -> 8.4 ms; one sequence of 4096 keys 1.0 ->
+ * 0.5 ms (its chunks on both cores).
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,9 +43,21 @@ int attn_available(void) {
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
+#define PREFETCH_AHEAD 4  /* keys */
+#define FAR_AHEAD 16      /* keys: rows asked for into L2 */
+
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+static inline void prefetch_l2(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+}
+#endif
+
+#if defined(__AVX512F__)
 __m512 _ZGVeN16v_expf(__m512);  /* glibc libmvec */
 
 static __thread struct scratch scores;
@@ -105,19 +118,10 @@ static inline float exp_shifted(float *p, int64_t n, float mx) {
     return _mm512_reduce_add_ps(vsum);
 }
 
-#define PREFETCH_AHEAD 4  /* keys */
 #define KEY_TILE 16       /* keys scored together (one sum16) */
 #define QK_HEADS 4        /* query heads scored against one load of a key */
 #define PV_HEADS 4        /* query heads ... */
 #define PV_VECS 4         /* ... by 16-lane pieces of head_dim: the accumulators in registers */
-
-static inline void prefetch_row(const void *p, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
-}
-static inline void prefetch_l2(const void *p, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
-}
-#define FAR_AHEAD 16
 
 /* attend_T: query heads of kv heads [kv0, kv0 + nkv) of one sequence over its n keys, for
  * caches of element type T read through LOAD.
@@ -222,104 +226,6 @@ static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int
 DEFINE_ATTEND(attend_f32, float, load_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16)
 
-#define MERGE_MAX 64  /* chunks whose weights merge_head holds at once */
-/* Keys of one unit of work: as many as make 1 MB of keys and values (a core's L2 on Zen 4;
- * 512 keys of 8 x 64 bf16 heads), in 16s, 64 to 512 */
-static inline int64_t chunk_keys(int64_t row_bytes) {
-    int64_t n = ((int64_t)1 << 20) / (2 * row_bytes) / 16 * 16;
-    return n < 64 ? 64 : n > 512 ? 512 : n;
-}
-
-/* One head of a sequence cut into chunks: the chunks' unnormalized outputs weighted by
- * exp(chunk max - max), over the same-weighted sums, added in chunk order. */
-static void merge_head(const float *part, const float *mx, const float *sum, int64_t chunks,
-                       int64_t stride, int64_t d, float *out) {
-    float m = -INFINITY, total = 0.0f, w[MERGE_MAX];
-    for (int64_t c = 0; c < chunks; c++) m = mx[c * stride] > m ? mx[c * stride] : m;
-    for (int64_t c0 = 0; c0 < chunks; c0 += MERGE_MAX) {  /* MERGE_MAX chunks at a time */
-        int64_t nc = chunks - c0 < MERGE_MAX ? chunks - c0 : MERGE_MAX;
-        for (int64_t c = 0; c < nc; c++) {
-            w[c] = expf(mx[(c0 + c) * stride] - m);
-            total += sum[(c0 + c) * stride] * w[c];
-        }
-        for (int64_t i = 0; i < d; i += 16) {
-            __m512 acc = c0 ? _mm512_loadu_ps(out + i) : _mm512_setzero_ps();
-            for (int64_t c = 0; c < nc; c++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(w[c]),
-                                      _mm512_loadu_ps(part + (c0 + c) * stride * d + i), acc);
-            _mm512_storeu_ps(out + i, acc);
-        }
-    }
-    __m512 inv = _mm512_set1_ps(1.0f / total);
-    for (int64_t i = 0; i < d; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(out + i), inv));
-}
-
-static __thread struct scratch chunk_starts;
-static __thread struct scratch chunk_parts;
-
-/* Units of work: (sequence, chunk of its keys, kv heads). A sequence longer than a chunk is
- * cut into chunks: its keys and values are then read a cache-sized piece at a time (the
- * value pass no longer finds them evicted) and a long sequence is shared among threads.
- * Where there are too few units for the threads, each takes one kv head. A sequence's cut
- * depends on its length alone, so its result does not depend on the batch or the threads. */
-#define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
-int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
-         const int64_t *keys, const int64_t *counts, int64_t B, int64_t L, int64_t H,          \
-         int64_t kv_heads, int64_t d, float scale, float *out, int threads) {                  \
-    if (d % 16 || H % kv_heads || H / kv_heads > MAX_GROUP || H > MAX_HEADS) return -1;        \
-    int64_t group = H / kv_heads, chunk = chunk_keys(kv_heads * d * (int64_t)sizeof(T));      \
-    int64_t *first = scratch_grow(&chunk_starts, (size_t)(B + 1) * sizeof(int64_t));           \
-    if (!first) return -1;                                                                     \
-    first[0] = 0;                                                                              \
-    for (int64_t b = 0; b < B; b++)                                                            \
-        first[b + 1] = first[b] + (counts[b] > chunk ? (counts[b] + chunk - 1) / chunk : 1);   \
-    int64_t chunks = first[B];                                                                 \
-    float *part = NULL, *mxs = NULL, *sums = NULL;                                             \
-    if (chunks > B) {                                                                          \
-        part = scratch_grow(&chunk_parts, (size_t)(chunks * H * (d + 2)) * sizeof(float));     \
-        if (!part) return -1;                                                                  \
-        mxs = part + chunks * H * d;                                                           \
-        sums = mxs + chunks * H;                                                               \
-    }                                                                                          \
-    int64_t split = chunks >= 2 * threads ? 1 : kv_heads, nkv = kv_heads / split;              \
-    int failed = 0;                                                                            \
-    _Pragma("omp parallel num_threads(threads) if (threads > 1 && chunks * split > 1) reduction(|:failed)") \
-    {                                                                                          \
-        int64_t b = 0;                                                                         \
-        _Pragma("omp for schedule(dynamic, 1)")                                                \
-        for (int64_t unit = 0; unit < chunks * split; unit++) {                                \
-            int64_t u = unit / split, kv0 = (unit % split) * nkv, h0 = kv0 * group;            \
-            while (first[b + 1] <= u) b++;                                                     \
-            while (first[b] > u) b--;                                                          \
-            const float *qb = q + (rows ? rows[b] : b) * q_row_stride;                         \
-            const int64_t *kb = keys + b * L;                                                  \
-            if (first[b + 1] - first[b] == 1) {                                                \
-                failed |= ATTEND(qb, k, v, kb, counts[b], counts[b], kv0, nkv, kv_heads,       \
-                                 group, d, scale, out + b * H * d, NULL, NULL) != 0;           \
-            } else {                                                                           \
-                int64_t l0 = (u - first[b]) * chunk;                                           \
-                int64_t n = counts[b] - l0 < chunk ? counts[b] - l0 : chunk;                   \
-                failed |= ATTEND(qb, k, v, kb + l0, n, counts[b] - l0, kv0, nkv, kv_heads,     \
-                                 group, d, scale, part + u * H * d, mxs + u * H + h0,          \
-                                 sums + u * H + h0) != 0;                                      \
-            }                                                                                  \
-        }                                                                                      \
-        if (part) {                                                                            \
-            _Pragma("omp for schedule(dynamic, 1)")                                            \
-            for (int64_t s = 0; s < B * H; s++) {                                              \
-                int64_t sb = s / H, h = s % H, c0 = first[sb], nc = first[sb + 1] - c0;        \
-                if (nc > 1)                                                                    \
-                    merge_head(part + (c0 * H + h) * d, mxs + c0 * H + h, sums + c0 * H + h,   \
-                               nc, H, d, out + (sb * H + h) * d);                              \
-            }                                                                                  \
-        }                                                                                      \
-    }                                                                                          \
-    return failed ? -1 : 0;                                                                    \
-}
-
-DEFINE_DECODE(decode_attention_f32, float, attend_f32)
-DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
 
 /* ------------------------------------------------ prompt attention (AVX512)
  *
@@ -533,8 +439,8 @@ int prefill_available(void) { return 1; }
  * The same walk as the AVX512 attend in 8-lane vectors: a key's row read once for up to
  * QK_HEADS query heads of its group, each score an FMA chain over head_dim summed
  * horizontally, the softmax's exponentials through libmvec's 8-lane expf, and a tile of
- * PV_HEADS heads x PV_VECS vectors of the weighted values in registers over all keys. */
-#include <immintrin.h>
+ * PV_HEADS heads x PV_VECS vectors of the weighted values in registers over all keys; the
+ * same prefetches (4 keys ahead into L1, 16 into L2) and the same chunks (CHUNK_BYTES). */
 
 __m256 _ZGVdN8v_expf(__m256);  /* glibc libmvec */
 
@@ -581,16 +487,24 @@ static inline float exp_shifted(float *p, int64_t n, float mx) {
 
 #define DEFINE_ATTEND(NAME, T, LOAD)                                                          \
 static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int64_t n,       \
-                 int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group, int64_t d,         \
-                 float scale, float *out) {                                                    \
+                 int64_t ahead, int64_t kv0, int64_t nkv, int64_t kv_heads, int64_t group,     \
+                 int64_t d, float scale, float *out, float *mx_out, float *sum_out) {          \
     int64_t heads = nkv * group;                                                               \
     float *p = scores_for((size_t)(heads * n));                                                \
     if (!p) return -1;  /* out of memory */                                                    \
     const float *qh = q + kv0 * group * d;                                                     \
+    int64_t row_bytes = nkv * d * (int64_t)sizeof(T);                                          \
     float mx[MAX_HEADS];                                                                       \
     for (int64_t h = 0; h < heads; h++) mx[h] = -INFINITY;                                     \
     for (int64_t l = 0; l < n; l++) {                                                          \
         const T *kr = k + (keys[l] * kv_heads + kv0) * d;                                      \
+        if (l + PREFETCH_AHEAD < ahead)  /* the key ahead, this key's value for later */       \
+            prefetch_row(k + (keys[l + PREFETCH_AHEAD] * kv_heads + kv0) * d, row_bytes);      \
+        prefetch_row(v + (keys[l] * kv_heads + kv0) * d, row_bytes);                           \
+        if (l + FAR_AHEAD < ahead) {  /* and far ahead into L2 */                              \
+            prefetch_l2(k + (keys[l + FAR_AHEAD] * kv_heads + kv0) * d, row_bytes);            \
+            prefetch_l2(v + (keys[l + FAR_AHEAD] * kv_heads + kv0) * d, row_bytes);            \
+        }                                                                                      \
         for (int64_t j = 0; j < nkv; j++)                                                      \
             for (int64_t g0 = 0; g0 < group; g0 += QK_HEADS) {                                 \
                 int64_t nh = group - g0 < QK_HEADS ? group - g0 : QK_HEADS;                    \
@@ -614,7 +528,11 @@ static int NAME(const float *q, const T *k, const T *v, const int64_t *keys, int
             }                                                                                  \
     }                                                                                          \
     float inv[MAX_HEADS];                                                                      \
-    for (int64_t h = 0; h < heads; h++) inv[h] = 1.0f / exp_shifted(p + h * n, n, mx[h]);     \
+    for (int64_t h = 0; h < heads; h++) {                                                      \
+        float sum = exp_shifted(p + h * n, n, mx[h]);                                          \
+        if (mx_out) mx_out[h] = mx[h], sum_out[h] = sum;                                       \
+        inv[h] = mx_out ? 1.0f : 1.0f / sum;  /* a chunk's part stays unnormalized */           \
+    }                                                                                          \
     float *oh = out + kv0 * group * d;                                                         \
     for (int64_t j = 0; j < nkv; j++)                                                          \
         for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS)                                       \
@@ -658,28 +576,126 @@ DEFINE_ATTEND(attend_bf16, uint16_t, load8_bf16)
  * of fp32 (decode_attention_f32) or bf16 (decode_attention_bf16); keys [B, L] int64 cache
  * slots, the first counts[b] valid; out [B, H, D] contiguous fp32.
  * Returns 0, or -1 when the shapes are not supported. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__)
-/* the AVX512 entries are above */
-#elif defined(__AVX2__) && defined(__FMA__)
+#define CHUNK_BYTES ((int64_t)1 << 20)
+#define VLANES 16
+#define VF __m512
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VZERO _mm512_setzero_ps
+#define VSET1 _mm512_set1_ps
+#define VFMA _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#else
+#define CHUNK_BYTES ((int64_t)1 << 19)
+#define VLANES 8
+#define VF __m256
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VZERO _mm256_setzero_ps
+#define VSET1 _mm256_set1_ps
+#define VFMA _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#endif
+
+#define MERGE_MAX 64  /* chunks whose weights merge_head holds at once */
+/* Keys of one unit of work: as many as make CHUNK_BYTES of keys and values (a core's L2:
+ * AVX512, 1 MB as on Zen 4, 512 keys of 8 x 64 bf16 heads; AVX2, 512 KB as on Zen 2/3), in
+ * 16s, 64 to 512 */
+static inline int64_t chunk_keys(int64_t row_bytes) {
+    int64_t n = CHUNK_BYTES / (2 * row_bytes) / 16 * 16;
+    return n < 64 ? 64 : n > 512 ? 512 : n;
+}
+
+/* One head of a sequence cut into chunks: the chunks' unnormalized outputs weighted by
+ * exp(chunk max - max), over the same-weighted sums, added in chunk order. */
+static void merge_head(const float *part, const float *mx, const float *sum, int64_t chunks,
+                       int64_t stride, int64_t d, float *out) {
+    float m = -INFINITY, total = 0.0f, w[MERGE_MAX];
+    for (int64_t c = 0; c < chunks; c++) m = mx[c * stride] > m ? mx[c * stride] : m;
+    for (int64_t c0 = 0; c0 < chunks; c0 += MERGE_MAX) {  /* MERGE_MAX chunks at a time */
+        int64_t nc = chunks - c0 < MERGE_MAX ? chunks - c0 : MERGE_MAX;
+        for (int64_t c = 0; c < nc; c++) {
+            w[c] = expf(mx[(c0 + c) * stride] - m);
+            total += sum[(c0 + c) * stride] * w[c];
+        }
+        for (int64_t i = 0; i < d; i += VLANES) {
+            VF acc = c0 ? VLOAD(out + i) : VZERO();
+            for (int64_t c = 0; c < nc; c++)
+                acc = VFMA(VSET1(w[c]), VLOAD(part + (c0 + c) * stride * d + i), acc);
+            VSTORE(out + i, acc);
+        }
+    }
+    VF inv = VSET1(1.0f / total);
+    for (int64_t i = 0; i < d; i += VLANES) VSTORE(out + i, VMUL(VLOAD(out + i), inv));
+}
+
+static __thread struct scratch chunk_starts;
+static __thread struct scratch chunk_parts;
+
+/* Units of work: (sequence, chunk of its keys, kv heads). A sequence longer than a chunk is
+ * cut into chunks: its keys and values are then read a cache-sized piece at a time (the
+ * value pass no longer finds them evicted) and a long sequence is shared among threads.
+ * Where there are too few units for the threads, each takes one kv head. A sequence's cut
+ * depends on its length alone, so its result does not depend on the batch or the threads. */
 #define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
 int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
          const int64_t *keys, const int64_t *counts, int64_t B, int64_t L, int64_t H,          \
          int64_t kv_heads, int64_t d, float scale, float *out, int threads) {                  \
-    if (d % 16 || H % kv_heads || H / kv_heads > MAX_GROUP) return -1;                         \
-    int64_t group = H / kv_heads;                                                              \
-    /* whole sequences when there are enough to share out, else (sequence, kv head) pairs */  \
-    int64_t split = B >= 2 * threads && H <= MAX_HEADS ? 1 : kv_heads;                         \
-    int64_t nkv = kv_heads / split;                                                            \
+    if (d % 16 || H % kv_heads || H / kv_heads > MAX_GROUP || H > MAX_HEADS) return -1;        \
+    int64_t group = H / kv_heads, chunk = chunk_keys(kv_heads * d * (int64_t)sizeof(T));      \
+    int64_t *first = scratch_grow(&chunk_starts, (size_t)(B + 1) * sizeof(int64_t));           \
+    if (!first) return -1;                                                                     \
+    first[0] = 0;                                                                              \
+    for (int64_t b = 0; b < B; b++)                                                            \
+        first[b + 1] = first[b] + (counts[b] > chunk ? (counts[b] + chunk - 1) / chunk : 1);   \
+    int64_t chunks = first[B];                                                                 \
+    float *part = NULL, *mxs = NULL, *sums = NULL;                                             \
+    if (chunks > B) {                                                                          \
+        part = scratch_grow(&chunk_parts, (size_t)(chunks * H * (d + 2)) * sizeof(float));     \
+        if (!part) return -1;                                                                  \
+        mxs = part + chunks * H * d;                                                           \
+        sums = mxs + chunks * H;                                                               \
+    }                                                                                          \
+    int64_t split = chunks >= 2 * threads ? 1 : kv_heads, nkv = kv_heads / split;              \
     int failed = 0;                                                                            \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && B * split > 1) reduction(|:failed)") \
-    for (int64_t unit = 0; unit < B * split; unit++) {                                         \
-        int64_t b = unit / split, kv0 = (unit % split) * nkv;                                  \
-        const float *qb = q + (rows ? rows[b] : b) * q_row_stride;                             \
-        failed |= ATTEND(qb, k, v, keys + b * L, counts[b], kv0, nkv, kv_heads, group, d,      \
-                         scale, out + b * H * d) != 0;                                         \
+    _Pragma("omp parallel num_threads(threads) if (threads > 1 && chunks * split > 1) reduction(|:failed)") \
+    {                                                                                          \
+        int64_t b = 0;                                                                         \
+        _Pragma("omp for schedule(dynamic, 1)")                                                \
+        for (int64_t unit = 0; unit < chunks * split; unit++) {                                \
+            int64_t u = unit / split, kv0 = (unit % split) * nkv, h0 = kv0 * group;            \
+            while (first[b + 1] <= u) b++;                                                     \
+            while (first[b] > u) b--;                                                          \
+            const float *qb = q + (rows ? rows[b] : b) * q_row_stride;                         \
+            const int64_t *kb = keys + b * L;                                                  \
+            if (first[b + 1] - first[b] == 1) {                                                \
+                failed |= ATTEND(qb, k, v, kb, counts[b], counts[b], kv0, nkv, kv_heads,       \
+                                 group, d, scale, out + b * H * d, NULL, NULL) != 0;           \
+            } else {                                                                           \
+                int64_t l0 = (u - first[b]) * chunk;                                           \
+                int64_t n = counts[b] - l0 < chunk ? counts[b] - l0 : chunk;                   \
+                failed |= ATTEND(qb, k, v, kb + l0, n, counts[b] - l0, kv0, nkv, kv_heads,     \
+                                 group, d, scale, part + u * H * d, mxs + u * H + h0,          \
+                                 sums + u * H + h0) != 0;                                      \
+            }                                                                                  \
+        }                                                                                      \
+        if (part) {                                                                            \
+            _Pragma("omp for schedule(dynamic, 1)")                                            \
+            for (int64_t s = 0; s < B * H; s++) {                                              \
+                int64_t sb = s / H, h = s % H, c0 = first[sb], nc = first[sb + 1] - c0;        \
+                if (nc > 1)                                                                    \
+                    merge_head(part + (c0 * H + h) * d, mxs + c0 * H + h, sums + c0 * H + h,   \
+                               nc, H, d, out + (sb * H + h) * d);                              \
+            }                                                                                  \
+        }                                                                                      \
     }                                                                                          \
     return failed ? -1 : 0;                                                                    \
 }
+
+DEFINE_DECODE(decode_attention_f32, float, attend_f32)
+DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
 #else
 #define DEFINE_DECODE(NAME, T, ATTEND)                                                        \
 int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, const T *v,    \
@@ -689,9 +705,6 @@ int NAME(const float *q, const int64_t *rows, int64_t q_row_stride, const T *k, 
     (void)B; (void)L; (void)H; (void)kv_heads; (void)d; (void)scale; (void)out; (void)threads; \
     return -1;                                                                                 \
 }
-#endif
-
-#if !defined(__AVX512F__)
 DEFINE_DECODE(decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
 #endif

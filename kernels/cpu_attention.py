@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from duplex.kernels import switches
-from duplex.kernels.cpu_fused import load_library
+from duplex.kernels.cpu_fused import cpu_flags, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _lib: ctypes.CDLL | None | bool = None
@@ -80,6 +80,21 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys:
         out.stride(0), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"{_PREFILL[k_cache.dtype]} refused q {tuple(q.shape)}")
+
+
+def use_avx2_build() -> bool:
+    """From now on in this process, the kernel as built for a CPU with AVX2 and without
+    AVX512 (-mno-avx512f: the 8-lane walk most laptops run), in place of this CPU's own build,
+    so that path can be tested and timed on an AVX512 machine. False (nothing changed) where
+    this CPU has no AVX2 or the build fails."""
+    global _lib
+    if not {b"avx2", b"fma"} <= set(cpu_flags().split()):
+        return False
+    lib = load_library(_SOURCE, ["-fopenmp", "-mno-avx512f"], ("-lmvec",), _declare,
+                       "AVX2 build of the CPU decode attention kernel")
+    if lib:
+        _lib = lib
+    return bool(lib)
 
 
 def _load():

@@ -42,6 +42,17 @@ def test_a_run_reports_every_figure(tmp_path, capsys):
     assert "distinct caches in turn" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler or no AVX512")
+def test_isa_avx2_times_the_avx2_build(tmp_path, monkeypatch):
+    """--isa avx2 swaps in the library built without AVX-512 (where this CPU has AVX2)."""
+    monkeypatch.setattr(cpu_attention, "_lib", cpu_attention._lib)  # restored after
+    if attention.run(args_for(tmp_path, "--isa", "avx2")) != 0:
+        assert not cpu_attention.use_avx2_build()
+        pytest.skip("no AVX2 build here")
+    assert json.loads((tmp_path / "a.json").read_text())["args"]["isa"] == "avx2"
+    assert not cpu_attention._load().prefill_available()  # the AVX2 build is what ran
+
+
 @pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel")
 @pytest.mark.parametrize("queries", [21, 6])
 def test_a_prompt_run_reports_both_kernels(tmp_path, capsys, queries):

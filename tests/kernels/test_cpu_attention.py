@@ -61,6 +61,18 @@ def test_soft_cap_and_odd_head_dims_keep_the_torch_path():
     assert cpu_attention.fits(q, cache, None) and not cpu_attention.fits(q, cache, 30.0)
 
 
+@pytest.fixture(params=["native", "avx2"])
+def build(request, monkeypatch):
+    """The decode kernel as this CPU's default build runs it, and as a CPU with AVX2 and no
+    AVX512 does (most laptops: the 8-lane walk), built with -mno-avx512f and run here."""
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_attention, "_lib", cpu_attention._lib)  # restored after
+        if not cpu_attention.use_avx2_build():
+            pytest.skip("no AVX2 on this CPU")
+        assert not cpu_attention._load().prefill_available()  # the AVX2 build's own entry
+    return request.param
+
+
 def _direct_case(batch, heads, kv_heads, head_dim, num_keys, dtype, seed):
     """q, k/v caches of `dtype` [blocks, 16, kv_heads, D], key slots in a shuffled order and
     unequal counts -> (kernel output, float64 softmax attention over the same cache values)."""
@@ -88,7 +100,7 @@ def _direct_case(batch, heads, kv_heads, head_dim, num_keys, dtype, seed):
     (1, 9, 3, 64, 1), (3, 9, 3, 64, 17), (64, 9, 3, 64, 129), (2, 8, 1, 128, 40),
     (5, 4, 4, 16, 33), (4, 12, 3, 80, 16), (2, 32, 2, 48, 15), (7, 6, 3, 64, 300),
     (1, 16, 8, 96, 64), (8, 14, 2, 64, 16)])
-def test_every_tile_shape_against_float64(shape, dtype):
+def test_every_tile_shape_against_float64(shape, dtype, build):
     """Groups of 1 to 16 heads (the score and value tiles hold 4 and 3 heads: remainders),
     head dims that are not multiples of the 64-wide value tile, key counts on both sides
     of the 16-key score tile, fp32 and bf16 caches (bf16 widened exactly: same tolerance)."""
@@ -96,7 +108,7 @@ def test_every_tile_shape_against_float64(shape, dtype):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
 
 
-def test_bf16_cache_gives_the_fp32_kernel_s_result_on_the_same_values():
+def test_bf16_cache_gives_the_fp32_kernel_s_result_on_the_same_values(build):
     """The bf16 entry widens each element exactly, so it equals the fp32 entry run on the
     widened cache bit for bit."""
     gen = torch.Generator().manual_seed(3)
@@ -111,15 +123,16 @@ def test_bf16_cache_gives_the_fp32_kernel_s_result_on_the_same_values():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 16, 8, 128, 1100), (1, 8, 2, 64, 1500), (5, 9, 3, 64, 700)])
-def test_sequences_cut_into_chunks_against_float64(shape, dtype):
-    """Sequences longer than a chunk (1 MB of keys and values: 128 keys of 8 x 128 fp32 heads,
-    512 of small heads) are cut into units whose partial results are merged; one sequence
-    also splits its chunks by kv head (too few chunks for the threads)."""
+def test_sequences_cut_into_chunks_against_float64(shape, dtype, build):
+    """Sequences longer than a chunk (AVX512: 1 MB of keys and values, 128 keys of 8 x 128
+    fp32 heads, 512 of small heads; AVX2: 512 KB) are cut into units whose partial results
+    are merged; one sequence also splits its chunks by kv head (too few chunks for the
+    threads)."""
     out, ref = _direct_case(*shape, dtype, seed=sum(shape))
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
 
 
-def test_a_sequence_s_result_does_not_depend_on_its_batch_or_the_threads():
+def test_a_sequence_s_result_does_not_depend_on_its_batch_or_the_threads(build):
     """How a sequence is cut depends on its length alone: alone or beside others, on one
     thread or two, its output is the same bits."""
     gen = torch.Generator().manual_seed(11)
