@@ -21,3 +21,15 @@ def test_c_library_builds(source):
     path = Path(cpu_fused.__file__).parent / source
     built = cpu_fused.build_library(path, ["-fopenmp", "-ffp-contract=off"], ("-lmvec",))
     assert built.is_file() and built.stat().st_size > 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("isa", [["-mno-avx512f"], ["-mno-avx2"], ["-mno-avx"]],
+                         ids=["avx2", "avx", "sse"])
+def test_the_one_call_decode_builds_for_older_cpus(isa):
+    """cpu_decode.c includes every kernel file; built as for a CPU without AVX-512 (most
+    laptops), without AVX2, or without AVX, each file's fallback branches must compile too,
+    though this machine's own build never takes them."""
+    path = Path(cpu_fused.__file__).parent / "cpu_decode.c"
+    built = cpu_fused.build_library(path, ["-fopenmp", "-ffp-contract=off", *isa], ("-lmvec",))
+    assert built.is_file() and built.stat().st_size > 0
