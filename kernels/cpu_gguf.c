@@ -2785,9 +2785,9 @@ int gg_linear_x(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_
 }
 
 /* gg_linear_x with x in two int8 parts (quantized_linear): an output head's rows in a prompt
- * step, whose logits then differ from fp32 dots by ~1e-5 of their size, not int8's ~1e-2,
- * at about twice the int8 product's cost (a 1B-shape Q6_K head at 16 rows: ~10 against the
- * fp32 row dequantization's ~48 ms, docs/BENCHMARKS.md). */
+ * step, whose logits then differ from fp32 dots by ~2.5e-5 of the largest, not one part's
+ * ~7e-3, at under twice the int8 product's cost (a 1B-shape Q6_K head at 16 rows: 13.2
+ * against the fp32 row dequantization's 49.8 ms, docs/BENCHMARKS.md). */
 int gg_linear_x2(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                  const float *x, int64_t ldx, int64_t m, float *out, int64_t ldo, int threads) {
     if (gg_check(type, k, row_bytes) || m < 1 || block_size(type) < 32) return -1;

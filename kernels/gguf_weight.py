@@ -235,8 +235,9 @@ class GGUFWeight(QuantWeight):
             return cpu_qgemv.linear(self._vnni, _fp32(rows), self._vnni_pointers)
         if (few and m <= self.row_limit()) or (prompt and self.int8_prompt()):
             # a head's rows in a prompt step (a prompt's first token): x in two int8 parts,
-            # within ~1e-5 of fp32 dots (int8 alone moved the README's answer on a Zen 4),
-            # at ~1/5 the time of dequantizing each row to fp32 (docs/BENCHMARKS.md)
+            # logits ~2.5e-5 of the largest from fp32 dots (one part: ~7e-3, which moved the
+            # README's answer on a Zen 4), at ~1/4 the time of dequantizing each row to fp32
+            # (docs/BENCHMARKS.md)
             head = prompt and self.fp32_out and m <= self.row_limit()
             return cpu_gguf.linear(self.type_id, self.raw, self.shape[1], _fp32(rows), split_x=head,
                                    lanes=prompt and not head and self._lanes_prompt())
