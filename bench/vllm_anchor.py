@@ -1,9 +1,9 @@
 """vLLM's CPU build as a second anchor for `duplex bench anchor --vllm-python PY`.
 
 vLLM serves Hugging Face directories, not GGUF files, so it gets the same weights as one:
-transformers reads the GGUF (dequantized; for `--shape` the F16 file before quantization),
-and the model and its tokenizer are saved once as bf16 safetensors in `--shape-dir`
-(`<stem>.hf/`). vLLM's CPU worker busy-polls a core even when idle, so it is never timed beside
+the GGUF (for `--shape` the F16 file before quantization) is read the way transformers reads
+it, one tensor at a time, and the model and its tokenizer are saved once as bf16 safetensors
+shards in `--shape-dir` (`<stem>.hf/`). vLLM's CPU worker busy-polls a core even when idle, so it is never timed beside
 another server: it runs the same workloads alone, after llama-server and Duplex have stopped.
 
 vLLM lives in a virtual environment of its own (its pins clash with the project's lock):
@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 KV_CACHE_GIB = 4
+SHARD_BYTES = 2 << 30
 MAX_MODEL_LEN = 4096
 
 
@@ -51,30 +52,93 @@ def hf_dir(gguf: str, root: Path | None = None) -> Path:
     out = (root or path.parent) / (path.name.removesuffix(".gguf") + ".hf")
     if (out / "config.json").is_file():
         return out
-    import torch
-
-    from duplex.bench.hf import load_model, load_tokenizer
-
-    from safetensors.torch import save_file
+    from duplex.bench.hf import load_tokenizer
 
     staging = out.with_name(out.name + ".tmp")
     staging.mkdir(parents=True, exist_ok=True)
-    model = load_model(str(path))
-    # transformers marks a model read from GGUF as quantized and will not save_pretrained it:
-    # the config (without that mark) and the weights are written by hand
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.torch_dtype = "bfloat16"
-    config.save_pretrained(staging)
-    state = {name: t.detach().to(torch.bfloat16).contiguous()
-             for name, t in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # the same tensor as the embedding
-    save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    write_weights(path, staging)
     load_tokenizer(str(path)).save_pretrained(staging)
     staging.rename(out)
     return out
+
+
+def write_weights(gguf: Path, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """The GGUF's config and weights as transformers reads them (its config, its tensor names,
+    its per-architecture TensorProcessor: Llama's q and k rows un-permuted), written one tensor
+    at a time into bf16 safetensors shards with an index. transformers' own reader
+    (`load_gguf_checkpoint(return_tensors=True)`) holds every tensor in fp32 at once, 32 GB
+    at the 8B shape, which a 24 GB box does not have; here one tensor and one shard are held."""
+    import json
+
+    import numpy as np
+    import torch
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map,
+                                                          load_gguf_checkpoint, read_field)
+
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                        local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(out)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = set(skeleton.state_dict())
+    if getattr(config, "tie_word_embeddings", False):
+        expected.discard("lm_head.weight")  # the same tensor as the embedding
+
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    parsed["tensors"] = {}  # where a processor that merges tensors (MoE experts) puts them
+    reader = GGUFReader(str(gguf))
+    arch = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(skeleton, processor)
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    weight_map: dict[str, int] = {}
+    size = total = 0
+
+    def put(name: str, weights) -> None:
+        nonlocal size, total
+        if name not in expected or name in weight_map:
+            return
+        tensor = torch.from_numpy(np.array(weights, dtype=np.float32)).to(torch.bfloat16)
+        if size and size + tensor.nbytes > shard_bytes:
+            _save_shard(shards[-1], out, len(shards))
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        weight_map[name] = len(shards)
+        size += tensor.nbytes
+        total += tensor.nbytes
+
+    for t in reader.tensors:
+        result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                                   tensor_key_mapping=names, parsed_parameters=parsed)
+        if result.name in names:
+            put(names[result.name], result.weights)
+        for name in list(parsed["tensors"]):
+            put(name, parsed["tensors"].pop(name))
+    if missing := expected - set(weight_map):
+        raise ValueError(f"{gguf}: no weights for {sorted(missing)}")
+    _save_shard(shards[-1], out, len(shards))
+    count = len(shards)
+    files = {i: f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)}
+    for i, file in files.items():
+        (out / f"shard-{i}.safetensors").rename(out / file)
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total},
+         "weight_map": {name: files[i] for name, i in sorted(weight_map.items())}}, indent=1))
+
+
+def _save_shard(shard: dict, out: Path, index: int) -> None:
+    from safetensors.torch import save_file
+
+    save_file(shard, str(out / f"shard-{index}.safetensors"), metadata={"format": "pt"})
+    shard.clear()
 
 
 def source_gguf(model: str) -> str:
@@ -92,6 +156,6 @@ def command(python: str, model_dir: Path, port: int) -> list[str]:
             "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port)]
 
 
-def environment(threads: int) -> dict[str, str]:
+def environment(threads: int, kv_gib: int | None = None) -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib or KV_CACHE_GIB)}

@@ -243,3 +243,59 @@ def test_read_rates_count_the_files_tensor_bytes(tmp_path):
     rates = anchor.read_rates(str(path), threads=1)
     assert rates["weight_bytes"] == 4 * 8 * 4 + 16 * 2
     assert rates["read_gbs"] > 0.1
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_weights_vllm_gets_are_transformers_own_reading_of_the_file(tmp_path, tied):
+    """hf_dir's tensor-at-a-time conversion (shards, never the whole model in fp32) against
+    transformers' whole-file reader (bench.hf.load_model): the same names, the same bf16
+    values (Llama's q/k rows un-permuted the same way), the tokenizer beside them; tiny
+    shards force several files and the index."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from duplex.bench import shapes
+    from duplex.bench.hf import load_model
+    from duplex.engine.config import default_model_path
+
+    shape = shapes.SHAPES["tiny"]._replace(tied=tied)
+    gguf = shapes.write_gguf(shape, tmp_path / "tiny-F16.gguf", default_model_path())
+    out = tmp_path / "staging"
+    out.mkdir()
+    vllm_anchor.write_weights(Path(gguf), out, shard_bytes=2 << 20)
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[-1].endswith(f"-of-{len(files):05d}.safetensors")
+    streamed = {}
+    for f in files:
+        streamed.update(load_file(str(out / f)))
+    reference = {n: t.to(torch.bfloat16) for n, t in load_model(str(gguf)).state_dict().items()}
+    if tied:
+        reference.pop("lm_head.weight")
+    assert set(streamed) == set(reference) == set(index["weight_map"])
+    for name, tensor in reference.items():
+        assert streamed[name].dtype == torch.bfloat16
+        assert torch.equal(streamed[name], tensor), name
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in streamed.values())
+    # and transformers loads the directory as a model (what vLLM is handed)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert model.config.tie_word_embeddings == tied
+
+
+def test_hf_dir_makes_the_directory_with_its_tokenizer(tmp_path):
+    from duplex.bench import shapes
+    from duplex.engine.config import default_model_path
+
+    gguf = shapes.write_gguf(shapes.SHAPES["tiny"], tmp_path / "t-F16.gguf", default_model_path())
+    made = vllm_anchor.hf_dir(str(gguf), tmp_path / "cache")
+    assert made == tmp_path / "cache" / "t-F16.hf"
+    assert (made / "config.json").is_file() and (made / "tokenizer.json").is_file()
+    assert not (tmp_path / "cache" / "t-F16.hf.tmp").exists()
+
+
+def test_vllms_kv_cache_is_the_options_size_or_the_default():
+    assert vllm_anchor.environment(2)["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_anchor.KV_CACHE_GIB)
+    args = anchor_args(["--vllm-kv-gib", "2"])
+    assert vllm_anchor.environment(2, args.vllm_kv_gib)["VLLM_CPU_KVCACHE_SPACE"] == "2"
