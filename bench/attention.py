@@ -159,7 +159,7 @@ def run_prompts(args: argparse.Namespace) -> int:
     from duplex.kernels import cpu_attention
 
     if not cpu_attention.prefill_available():
-        print("the C prompt attention does not run here (AVX-512 only)")
+        print("the C prompt attention does not run here (AVX-512, or AVX2 and FMA)")
         return 1
     if not 1 < args.queries <= args.context:
         raise SystemExit("--queries must be 2 .. --context")

@@ -239,7 +239,7 @@ def paged_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """The reference's result (same conventions) from a prebuilt plan: per layer, only the
     key gathers and the attention itself run (an int8 cache's gathered rows dequantized;
     the C decode and prompt kernels take float caches only, cpu_attention.fits; the prompt
-    one, AVX512 only, sequences without a window)."""
+    one, AVX512 or AVX2, sequences without a window)."""
     num_kv_heads, width = k_cache.shape[2:]
     head_dim = cache_head_dim(k_cache)
     k_slots = k_cache.view(-1, num_kv_heads, width)  # [num_slots, KVH, row]

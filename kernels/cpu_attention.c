@@ -599,6 +599,9 @@ DEFINE_ATTEND(attend_bf16, uint16_t, load8_bf16)
 #define VMUL _mm256_mul_ps
 #endif
 
+/* the walks' vector width in fp32 lanes: 16 (AVX512) or 8 (AVX2), which build is loaded */
+int attn_lanes(void) { return VLANES; }
+
 #define MERGE_MAX 64  /* chunks whose weights merge_head holds at once */
 /* Keys of one unit of work: as many as make CHUNK_BYTES of keys and values (a core's L2:
  * AVX512, 1 MB as on Zen 4, 512 keys of 8 x 64 bf16 heads; AVX2, 512 KB as on Zen 2/3), in
@@ -709,8 +712,203 @@ DEFINE_DECODE(decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
 #endif
 
-#if !defined(__AVX512F__)
-/* prompt attention: AVX512 only (torch's fused attention elsewhere) */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* Prompt attention on AVX2 (no AVX512: most laptops, Zen 1-3): the AVX512 kernel's walk in
+ * 8-lane vectors. A unit is up to PF_ROWS positions of one kv head's group (rows = positions
+ * x the group's query heads); keys go by in tiles of 8 from key 0, each tile's keys
+ * transposed once ([d][8]) and its values widened once for every row of the unit; scores,
+ * an online softmax (a running maximum and 8 running sums a row) and 4 rows x 3 vectors of
+ * the weighted values in registers. Key tiles start at key 0 and a row's masked keys add
+ * exactly 0, so a position's output does not depend on how its prompt is cut into steps. */
+#define PF_ROWS 16   /* query positions of a unit */
+#define PF_MAX_R 256 /* rows (positions x heads of a group) of a unit */
+
+static __thread struct scratch pf_scratch;
+
+/* r[x] = column x of the 8 x 8 matrix whose row t is r[t] */
+static inline void transpose8_ps(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* NR rows' 8 scores against a transposed key tile kt [d][8] */
+static inline __attribute__((always_inline)) void pf8_scores(const float *qs, const float *kt,
+                                                             int64_t d, const int NR, __m256 *a) {
+    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c++) {
+        __m256 kc = _mm256_load_ps(kt + c * 8);
+        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)
+            if (u < NR) a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qs[u * d + c]), kc, a[u]);
+    }
+}
+
+/* NR rows' outputs os[r][8 c0 .. 8 (c0 + NC)) = os * alpha[r] + sum over the tile's keys of
+ * s[r][t] vw[t]: NR x NC accumulators in registers */
+static inline __attribute__((always_inline)) void pf8_values(const float *s, const float *vw,
+                                                             float *os, const float *alpha,
+                                                             int64_t d, int64_t c0, int64_t tile,
+                                                             const int NR, const int NC) {
+    __m256 o[4][3];
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+        __m256 al = _mm256_set1_ps(u < NR ? alpha[u] : 0.0f);
+        _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
+            o[u][w] = u < NR && w < NC ? _mm256_mul_ps(_mm256_load_ps(os + u * d + 8 * (c0 + w)), al)
+                                       : _mm256_setzero_ps();
+    }
+    for (int64_t t = 0; t < tile; t++) {
+        __m256 vv[3];
+        _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
+            vv[w] = w < NC ? _mm256_load_ps(vw + t * d + 8 * (c0 + w)) : _mm256_setzero_ps();
+        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+            if (u >= NR) break;
+            __m256 pu = _mm256_set1_ps(s[u * 8 + t]);
+            _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
+                if (w < NC) o[u][w] = _mm256_fmadd_ps(pu, vv[w], o[u][w]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+        _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
+            if (u < NR && w < NC) _mm256_store_ps(os + u * d + 8 * (c0 + w), o[u][w]);
+}
+
+#define DEFINE_PREFILL(NAME, T, LOADV)                                                        \
+static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,              \
+                       const int64_t *keys, int64_t L, int64_t Q, int64_t i0, int64_t nq,      \
+                       int64_t j, int64_t kv_heads, int64_t group, int64_t d, float scale,     \
+                       float *out, int64_t o_stride) {                                         \
+    const int64_t R = nq * group, R8 = (R + 7) / 8 * 8, nv = d / 8, pos0 = L - Q;              \
+    /* scratch: rows' queries and outputs [R][d], keys [d][8], values [8][d], scores [R][8], \
+     * running sums [R][8], maxima and corrections [R] (padded to 8) */                       \
+    size_t floats = (size_t)(2 * R * d + 2 * 8 * d + 2 * R * 8 + 2 * R8);                     \
+    float *base = scratch_grow(&pf_scratch, floats * sizeof(float) + 64);                     \
+    if (!base) return -1;                                                                      \
+    float *qs = (float *)(((uintptr_t)base + 63) & ~(uintptr_t)63);                            \
+    float *os = qs + R * d, *kt = os + R * d, *vw = kt + 8 * d, *s = vw + 8 * d;               \
+    float *ls = s + R * 8, *mx = ls + R * 8, *alpha = mx + R8;                                 \
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                \
+    /* row r = (position i0 + r / group, head j * group + r % group), scaled queries */       \
+    for (int64_t r = 0; r < R; r++) {                                                          \
+        const float *qr = q + (i0 + r / group) * q_stride + (j * group + r % group) * d;       \
+        for (int64_t c = 0; c < d; c += 8)                                                     \
+            _mm256_store_ps(qs + r * d + c, _mm256_mul_ps(_mm256_loadu_ps(qr + c),             \
+                                                          _mm256_set1_ps(scale)));             \
+        mx[r] = -INFINITY;                                                                     \
+    }                                                                                          \
+    memset(os, 0, (size_t)(R * d) * sizeof(float));                                           \
+    memset(ls, 0, (size_t)(R * 8) * sizeof(float));                                           \
+    const int64_t last = pos0 + i0 + nq - 1;  /* the last key any row sees */                 \
+    for (int64_t l0 = 0; l0 <= last; l0 += 8) {                                                \
+        int64_t tile = last + 1 - l0 < 8 ? last + 1 - l0 : 8;                                  \
+        for (int64_t t = 0; t < 8; t++) {  /* values in rows (fp32) */                        \
+            if (t < tile) {                                                                    \
+                const T *vr = v + (keys[l0 + t] * kv_heads + j) * d;                           \
+                if (t + 16 < L - l0) {                                                         \
+                    prefetch_row(k + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
+                    prefetch_row(v + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
+                }                                                                              \
+                for (int64_t c = 0; c < d; c += 8) _mm256_store_ps(vw + t * d + c, LOADV(vr + c)); \
+            } else {                                                                           \
+                for (int64_t c = 0; c < d; c += 8) _mm256_store_ps(vw + t * d + c, _mm256_setzero_ps()); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t c = 0; c < d; c += 8) {  /* keys transposed, 8 columns at a time */      \
+            __m256 kr[8];                                                                      \
+            for (int64_t t = 0; t < 8; t++)                                                    \
+                kr[t] = t < tile ? LOADV(k + (keys[l0 + t] * kv_heads + j) * d + c)            \
+                                 : _mm256_setzero_ps();                                        \
+            transpose8_ps(kr);                                                                 \
+            for (int x = 0; x < 8; x++) _mm256_store_ps(kt + (c + x) * 8, kr[x]);              \
+        }                                                                                      \
+        /* scores, 8 rows at a time */                                                         \
+        for (int64_t r0 = 0; r0 < R; r0 += 8) {                                                \
+            __m256 a[8];                                                                       \
+            int64_t nr = R - r0 < 8 ? R - r0 : 8;                                              \
+            if (nr == 8) pf8_scores(qs + r0 * d, kt, d, 8, a);                                 \
+            else pf8_scores(qs + r0 * d, kt, d, (int)nr, a);                                   \
+            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                              \
+                if (u >= nr) break;                                                            \
+                int64_t r = r0 + u, seen = pos0 + i0 + r / group - l0 + 1;  /* keys of the tile it sees */ \
+                __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)seen), _CMP_LT_OQ);    \
+                __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), a[u], live);           \
+                _mm256_store_ps(s + r * 8, sc);                                                \
+                float tmax = hmax8(sc);                                                        \
+                float mnew = tmax > mx[r] ? tmax : mx[r];                                      \
+                alpha[r] = mx[r] - mnew;  /* exp'd below, 8 rows a call */                    \
+                mx[r] = mnew;                                                                  \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t r = 0; r < R; r += 8)                                                     \
+            _mm256_store_ps(alpha + r, _ZGVdN8v_expf(_mm256_load_ps(alpha + r)));              \
+        for (int64_t r = 0; r < R; r++) {  /* probabilities; sums scaled by the correction */ \
+            __m256 p = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_load_ps(s + r * 8), _mm256_set1_ps(mx[r]))); \
+            _mm256_store_ps(s + r * 8, p);                                                     \
+            _mm256_store_ps(ls + r * 8, _mm256_fmadd_ps(_mm256_load_ps(ls + r * 8),            \
+                                                        _mm256_set1_ps(alpha[r]), p));         \
+        }                                                                                      \
+        /* values: 4 rows x 24 dims in registers over the tile's keys */                      \
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {                                                \
+            int64_t nr = R - r0 < 4 ? R - r0 : 4;                                              \
+            for (int64_t c0 = 0; c0 < nv; c0 += 3) {                                           \
+                int64_t nc = nv - c0 < 3 ? nv - c0 : 3;                                        \
+                if (nr == 4 && nc == 3)                                                        \
+                    pf8_values(s + r0 * 8, vw, os + r0 * d, alpha + r0, d, c0, tile, 4, 3);    \
+                else                                                                           \
+                    pf8_values(s + r0 * 8, vw, os + r0 * d, alpha + r0, d, c0, tile, (int)nr, (int)nc); \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int64_t r = 0; r < R; r++) {                                                          \
+        __m256 inv = _mm256_set1_ps(1.0f / attn_hsum8(_mm256_load_ps(ls + r * 8)));            \
+        float *orow = out + (i0 + r / group) * o_stride + (j * group + r % group) * d;        \
+        for (int64_t c = 0; c < d; c += 8)                                                     \
+            _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_load_ps(os + r * d + c), inv));    \
+    }                                                                                          \
+    return 0;                                                                                  \
+}                                                                                              \
+                                                                                               \
+int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t *keys,        \
+         int64_t L, int64_t Q, int64_t H, int64_t kv_heads, int64_t d, float scale, float *out, \
+         int64_t o_stride, int threads) {                                                      \
+    if (d % 8 || H % kv_heads || Q < 1 || Q > L || PF_ROWS * (H / kv_heads) > PF_MAX_R)        \
+        return -1;                                                                             \
+    int64_t group = H / kv_heads, blocks = (Q + PF_ROWS - 1) / PF_ROWS;                        \
+    int failed = 0;                                                                            \
+    /* the last positions' blocks (the most keys) first */                                     \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1) reduction(|:failed)") \
+    for (int64_t u = 0; u < blocks * kv_heads; u++) {                                          \
+        int64_t b = blocks - 1 - u / kv_heads, j = u % kv_heads, i0 = b * PF_ROWS;             \
+        int64_t nq = Q - i0 < PF_ROWS ? Q - i0 : PF_ROWS;                                      \
+        failed |= NAME##_unit(q, q_stride, k, v, keys, L, Q, i0, nq, j, kv_heads, group, d,    \
+                              scale, out, o_stride) != 0;                                      \
+    }                                                                                          \
+    return failed ? -1 : 0;                                                                    \
+}
+
+DEFINE_PREFILL(prefill_attention_f32, float, load8_f32)
+DEFINE_PREFILL(prefill_attention_bf16, uint16_t, load8_bf16)
+int prefill_available(void) { return 1; }
+#elif !defined(__AVX512F__)
+/* prompt attention: AVX512 or AVX2 + FMA (torch's fused attention elsewhere) */
 int prefill_available(void) { return 0; }
 #define PREFILL_STUB(NAME, T)                                                                 \
 int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t *keys,        \

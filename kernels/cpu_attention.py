@@ -61,8 +61,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def prefill_available() -> bool:
-    """Whether the prompt kernel runs here: AVX512 (DUPLEX_CPU_PREFILL_ATTENTION=0 turns it
-    off, for comparisons; elsewhere torch's fused attention)."""
+    """Whether the prompt kernel runs here: AVX512, or AVX2 + FMA
+    (DUPLEX_CPU_PREFILL_ATTENTION=0 turns it off, for comparisons; elsewhere torch's fused
+    attention)."""
     lib = _load() if available() else False
     return bool(lib) and not switches.is_off("DUPLEX_CPU_PREFILL_ATTENTION") \
         and bool(lib.prefill_available())

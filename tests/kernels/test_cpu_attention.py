@@ -61,16 +61,6 @@ def test_soft_cap_and_odd_head_dims_keep_the_torch_path():
     assert cpu_attention.fits(q, cache, None) and not cpu_attention.fits(q, cache, 30.0)
 
 
-@pytest.fixture(params=["native", "avx2"])
-def build(request, monkeypatch):
-    """The decode kernel as this CPU's default build runs it, and as a CPU with AVX2 and no
-    AVX512 does (most laptops: the 8-lane walk), built with -mno-avx512f and run here."""
-    if request.param == "avx2":
-        monkeypatch.setattr(cpu_attention, "_lib", cpu_attention._lib)  # restored after
-        if not cpu_attention.use_avx2_build():
-            pytest.skip("no AVX2 on this CPU")
-        assert not cpu_attention._load().prefill_available()  # the AVX2 build's own entry
-    return request.param
 
 
 def _direct_case(batch, heads, kv_heads, head_dim, num_keys, dtype, seed):
@@ -172,15 +162,34 @@ def _prompt_case(queries, num_keys, heads, kv_heads, head_dim, dtype, seed):
     return k, v, q, keys, ref
 
 
-@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel here")
+@pytest.fixture(params=["native", "avx2"])
+def build(request, monkeypatch):
+    """The kernels as this CPU's default build runs them, and as a CPU with AVX2 and no
+    AVX512 does (most laptops: the 8-lane walks), built with -mno-avx512f and run here."""
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_attention, "_lib", cpu_attention._lib)  # restored after
+        if not cpu_attention.use_avx2_build():
+            pytest.skip("no AVX2 on this CPU")
+        assert cpu_attention._load().attn_lanes() == 8  # the AVX2 build is what runs
+        assert cpu_attention._load().prefill_available()
+    return request.param
+
+
+def _needs_prompt_kernel(build):
+    if not cpu_attention.prefill_available():
+        pytest.skip("no prompt kernel in this build (AVX512 or AVX2 + FMA)")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [
     (1, 1, 4, 2, 64), (5, 5, 9, 3, 64), (16, 16, 8, 1, 32), (37, 100, 6, 2, 48),
     (40, 40, 32, 2, 16), (64, 64, 12, 3, 80), (17, 53, 4, 4, 128), (9, 300, 8, 8, 256),
     (33, 33, 32, 8, 64)])
-def test_prompt_kernel_against_float64(shape, dtype):
+def test_prompt_kernel_against_float64(shape, dtype, build):
     """Positions in blocks of 16 and their remainders, prompts with and without a cached
-    prefix, groups of 1 to 16 heads, head dims 16 to 256, fp32 and bf16 caches."""
+    prefix, groups of 1 to 16 heads, head dims 16 to 256, fp32 and bf16 caches; the AVX512
+    walk (tiles of 16 keys) and the AVX2 one (tiles of 8)."""
+    _needs_prompt_kernel(build)
     queries, num_keys, heads, kv_heads, head_dim = shape
     k, v, q, keys, ref = _prompt_case(*shape, dtype, seed=sum(shape))
     out = torch.full_like(q, float("nan"))
@@ -188,10 +197,10 @@ def test_prompt_kernel_against_float64(shape, dtype):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel here")
-def test_prompt_rows_do_not_depend_on_how_the_prompt_is_cut():
+def test_prompt_rows_do_not_depend_on_how_the_prompt_is_cut(build):
     """A position's output is the same bits whether its prompt runs whole or in chunks
     (key tiles start at key 0, a row's masked keys add exactly nothing), on any threads."""
+    _needs_prompt_kernel(build)
     k, v, q, keys, _ = _prompt_case(70, 70, 8, 2, 64, torch.bfloat16, seed=5)
     whole = torch.empty_like(q)
     cpu_attention.prefill(q, k, v, keys, 0.125, whole)
@@ -206,7 +215,7 @@ def test_prompt_rows_do_not_depend_on_how_the_prompt_is_cut():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no AVX512 prompt kernel here")
+@pytest.mark.skipif(not cpu_attention.prefill_available(), reason="no prompt kernel here")
 def test_planned_prompts_take_the_kernel_unless_windowed(monkeypatch):
     batch = make_paged_batch([(20, 20), (30, 7), (9, 1)], num_heads=4, num_kv_heads=2,
                              head_dim=32, seed=2)
