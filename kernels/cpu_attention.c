@@ -227,210 +227,6 @@ DEFINE_ATTEND(attend_f32, float, load_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16)
 
 
-/* ------------------------------------------------ prompt attention (AVX512)
- *
- * Q queries of one sequence (positions L - Q .. L - 1) over its L keys, query i seeing keys
- * 0 .. L - Q + i, as flash attention: a unit of work is PF_ROWS positions x the heads of one
- * kv head's group, its running max, sum and output kept over key tiles of 16. A tile's keys
- * are widened and transposed once ([head_dim][16 keys]) for all the unit's rows, so a row's
- * 16 scores are head_dim FMAs of a broadcast query element against a register of 16 keys
- * (no horizontal sums); the softmax's exponentials take 16 scores (or 16 rows' corrections)
- * a libmvec call; values are widened once a tile and accumulated 4 rows x 64 dims at a
- * time in registers. A row's tiles start at key 0 and its masked keys add exactly nothing,
- * so a position's output does not depend on how its prompt is cut into steps. On 2 Zen 4
- * cores (`duplex bench attention --queries N`, 1B heads): 59-74 G multiply-adds/s against
- * torch's fused attention's 29-62, 0.50x its time for a 267-token prompt, 0.82-0.85x at
- * 2048 keys (docs/BENCHMARKS.md). */
-#define PF_ROWS 16   /* query positions of a unit */
-#define PF_MAX_R 256 /* rows (positions x heads of a group) of a unit */
-
-static __thread struct scratch pf_scratch;
-
-/* r[x] = column x of the 16 x 16 matrix whose row t is r[t] (unpack, shuffle, two 128-bit
- * lane shuffles: 64 operations where element-wise copies take 256 loads and stores) */
-static inline void transpose16_ps(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
-    }
-}
-
-/* NR rows' 16 scores against a transposed key tile kt [d][16]: NR FMA chains, each element
- * of a row's query broadcast (a constant NR: no per-row branch in the loop) */
-static inline __attribute__((always_inline)) void pf_scores(const float *qs, const float *kt,
-                                                            int64_t d, const int NR, __m512 *a) {
-    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c++) {
-        __m512 kc = _mm512_load_ps(kt + c * 16);
-        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)
-            if (u < NR) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(qs[u * d + c]), kc, a[u]);
-    }
-}
-
-/* NR rows' outputs os[r][16 c0 .. 16 (c0 + NC)) = os * alpha[r] + sum over the tile's keys of
- * s[r][t] vw[t]: NR x NC accumulators in registers */
-static inline __attribute__((always_inline)) void pf_values(const float *s, const float *vw,
-                                                            float *os, const float *alpha,
-                                                            int64_t d, int64_t c0, int64_t tile,
-                                                            const int NR, const int NC) {
-    __m512 o[4][4];
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
-        __m512 al = _mm512_set1_ps(u < NR ? alpha[u] : 0.0f);
-        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
-            o[u][w] = u < NR && w < NC ? _mm512_mul_ps(_mm512_load_ps(os + u * d + 16 * (c0 + w)), al)
-                                       : _mm512_setzero_ps();
-    }
-    for (int64_t t = 0; t < tile; t++) {
-        __m512 vv[4];
-        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
-            vv[w] = w < NC ? _mm512_load_ps(vw + t * d + 16 * (c0 + w)) : _mm512_setzero_ps();
-        _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
-            if (u >= NR) break;
-            __m512 pu = _mm512_set1_ps(s[u * 16 + t]);
-            _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
-                if (w < NC) o[u][w] = _mm512_fmadd_ps(pu, vv[w], o[u][w]);
-        }
-    }
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
-        _Pragma("GCC unroll 4") for (int w = 0; w < 4; w++)
-            if (u < NR && w < NC) _mm512_store_ps(os + u * d + 16 * (c0 + w), o[u][w]);
-}
-
-#define DEFINE_PREFILL(NAME, T)                                                               \
-static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,              \
-                       const int64_t *keys, int64_t L, int64_t Q, int64_t i0, int64_t nq,      \
-                       int64_t j, int64_t kv_heads, int64_t group, int64_t d, float scale,     \
-                       float *out, int64_t o_stride) {                                         \
-    const int64_t R = nq * group, R16 = (R + 15) / 16 * 16, nv = d / 16, pos0 = L - Q;         \
-    /* scratch: rows' queries and outputs [R][d], keys [d][16], values [16][d], scores        \
-     * [R][16], running sums [R][16], maxima and corrections [R] (padded to 16) */             \
-    size_t floats = (size_t)(2 * R * d + 2 * 16 * d + 2 * R * 16 + 2 * R16);                 \
-    float *base = scratch_grow(&pf_scratch, floats * sizeof(float) + 64);                     \
-    if (!base) return -1;                                                                      \
-    float *qs = (float *)(((uintptr_t)base + 63) & ~(uintptr_t)63);                            \
-    float *os = qs + R * d, *kt = os + R * d, *vw = kt + 16 * d, *s = vw + 16 * d;             \
-    float *ls = s + R * 16, *mx = ls + R * 16, *alpha = mx + R16;                              \
-    /* row r = (position i0 + r / group, head j * group + r % group), scaled queries */       \
-    for (int64_t r = 0; r < R; r++) {                                                          \
-        const float *qr = q + (i0 + r / group) * q_stride + (j * group + r % group) * d;       \
-        for (int64_t c = 0; c < d; c += 16)                                                    \
-            _mm512_store_ps(qs + r * d + c, _mm512_mul_ps(_mm512_loadu_ps(qr + c),             \
-                                                          _mm512_set1_ps(scale)));             \
-        mx[r] = -INFINITY;                                                                     \
-    }                                                                                          \
-    memset(os, 0, (size_t)(R * d) * sizeof(float));                                           \
-    memset(ls, 0, (size_t)(R * 16) * sizeof(float));                                          \
-    const int64_t last = pos0 + i0 + nq - 1;  /* the last key any row sees */                 \
-    for (int64_t l0 = 0; l0 <= last; l0 += 16) {                                               \
-        int64_t tile = last + 1 - l0 < 16 ? last + 1 - l0 : 16;                                \
-        for (int64_t t = 0; t < 16; t++) {  /* values in rows (fp32) */                       \
-            if (t < tile) {                                                                    \
-                const T *vr = v + (keys[l0 + t] * kv_heads + j) * d;                           \
-                if (t + 16 < L - l0) {                                                         \
-                    prefetch_row(k + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
-                    prefetch_row(v + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
-                }                                                                              \
-                for (int64_t c = 0; c < d; c += 16) _mm512_store_ps(vw + t * d + c, LOADV(vr + c)); \
-            } else {                                                                           \
-                for (int64_t c = 0; c < d; c += 16) _mm512_store_ps(vw + t * d + c, _mm512_setzero_ps()); \
-            }                                                                                  \
-        }                                                                                      \
-        for (int64_t c = 0; c < d; c += 16) {  /* keys transposed, 16 columns at a time */    \
-            __m512 kr[16];                                                                     \
-            for (int64_t t = 0; t < 16; t++)                                                   \
-                kr[t] = t < tile ? LOADV(k + (keys[l0 + t] * kv_heads + j) * d + c)            \
-                                 : _mm512_setzero_ps();                                        \
-            transpose16_ps(kr);                                                                \
-            for (int x = 0; x < 16; x++) _mm512_store_ps(kt + (c + x) * 16, kr[x]);            \
-        }                                                                                      \
-        /* scores, 8 rows at a time */                                                         \
-        for (int64_t r0 = 0; r0 < R; r0 += 8) {                                                \
-            __m512 a[8];                                                                       \
-            int64_t nr = R - r0 < 8 ? R - r0 : 8;                                              \
-            if (nr == 8) pf_scores(qs + r0 * d, kt, d, 8, a);                                  \
-            else pf_scores(qs + r0 * d, kt, d, (int)nr, a);                                    \
-            _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                              \
-                if (u >= nr) break;                                                            \
-                int64_t r = r0 + u, seen = pos0 + i0 + r / group - l0 + 1;  /* keys of the tile it sees */ \
-                __mmask16 live = seen >= 16 ? (__mmask16)0xFFFF                                \
-                               : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1);     \
-                _mm512_store_ps(s + r * 16, _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), a[u])); \
-                float tmax = live ? _mm512_mask_reduce_max_ps(live, a[u]) : -INFINITY;         \
-                float mnew = tmax > mx[r] ? tmax : mx[r];                                      \
-                alpha[r] = mx[r] - mnew;  /* exp'd below, 16 rows a call */                   \
-                mx[r] = mnew;                                                                  \
-            }                                                                                  \
-        }                                                                                      \
-        for (int64_t r = 0; r < R; r += 16)                                                    \
-            _mm512_store_ps(alpha + r, _ZGVeN16v_expf(_mm512_load_ps(alpha + r)));             \
-        for (int64_t r = 0; r < R; r++) {  /* probabilities; sums scaled by the correction */ \
-            __m512 p = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(s + r * 16), _mm512_set1_ps(mx[r]))); \
-            _mm512_store_ps(s + r * 16, p);                                                    \
-            _mm512_store_ps(ls + r * 16, _mm512_fmadd_ps(_mm512_load_ps(ls + r * 16),          \
-                                                         _mm512_set1_ps(alpha[r]), p));        \
-        }                                                                                      \
-        /* values: 4 rows x 64 dims in registers over the tile's keys */                      \
-        for (int64_t r0 = 0; r0 < R; r0 += 4) {                                                \
-            int64_t nr = R - r0 < 4 ? R - r0 : 4;                                              \
-            for (int64_t c0 = 0; c0 < nv; c0 += 4) {                                           \
-                int64_t nc = nv - c0 < 4 ? nv - c0 : 4;                                        \
-                if (nr == 4 && nc == 4)                                                        \
-                    pf_values(s + r0 * 16, vw, os + r0 * d, alpha + r0, d, c0, tile, 4, 4);    \
-                else                                                                           \
-                    pf_values(s + r0 * 16, vw, os + r0 * d, alpha + r0, d, c0, tile, (int)nr, (int)nc); \
-            }                                                                                  \
-        }                                                                                      \
-    }                                                                                          \
-    for (int64_t r = 0; r < R; r++) {                                                          \
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(ls + r * 16))); \
-        float *orow = out + (i0 + r / group) * o_stride + (j * group + r % group) * d;        \
-        for (int64_t c = 0; c < d; c += 16)                                                    \
-            _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(os + r * d + c), inv));    \
-    }                                                                                          \
-    return 0;                                                                                  \
-}                                                                                              \
-                                                                                               \
-int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t *keys,        \
-         int64_t L, int64_t Q, int64_t H, int64_t kv_heads, int64_t d, float scale, float *out, \
-         int64_t o_stride, int threads) {                                                      \
-    if (d % 16 || H % kv_heads || Q < 1 || Q > L || PF_ROWS * (H / kv_heads) > PF_MAX_R)       \
-        return -1;                                                                             \
-    int64_t group = H / kv_heads, blocks = (Q + PF_ROWS - 1) / PF_ROWS;                        \
-    int failed = 0;                                                                            \
-    /* the last positions' blocks (the most keys) first */                                     \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1) reduction(|:failed)") \
-    for (int64_t u = 0; u < blocks * kv_heads; u++) {                                          \
-        int64_t b = blocks - 1 - u / kv_heads, j = u % kv_heads, i0 = b * PF_ROWS;             \
-        int64_t nq = Q - i0 < PF_ROWS ? Q - i0 : PF_ROWS;                                      \
-        failed |= NAME##_unit(q, q_stride, k, v, keys, L, Q, i0, nq, j, kv_heads, group, d,    \
-                              scale, out, o_stride) != 0;                                      \
-    }                                                                                          \
-    return failed ? -1 : 0;                                                                    \
-}
-
-#define LOADV load_f32
-DEFINE_PREFILL(prefill_attention_f32, float)
-#undef LOADV
-#define LOADV load_bf16
-DEFINE_PREFILL(prefill_attention_bf16, uint16_t)
-#undef LOADV
-int prefill_available(void) { return 1; }
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -712,18 +508,100 @@ DEFINE_DECODE(decode_attention_f32, float, attend_f32)
 DEFINE_DECODE(decode_attention_bf16, uint16_t, attend_bf16)
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/* Prompt attention on AVX2 (no AVX512: most laptops, Zen 1-3): the AVX512 kernel's walk in
- * 8-lane vectors. A unit is up to PF_ROWS positions of one kv head's group (rows = positions
- * x the group's query heads); keys go by in tiles of 8 from key 0, each tile's keys
- * transposed once ([d][8]) and its values widened once for every row of the unit; scores,
- * an online softmax (a running maximum and 8 running sums a row) and 4 rows x 3 vectors of
- * the weighted values in registers. Key tiles start at key 0 and a row's masked keys add
- * exactly 0, so a position's output does not depend on how its prompt is cut into steps. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* ------------------------------------------------ prompt attention (AVX512 or AVX2)
+ *
+ * Q queries of one sequence (positions L - Q .. L - 1) over its L keys, query i seeing keys
+ * 0 .. L - Q + i, as flash attention: a unit of work is PF_ROWS positions x the heads of one
+ * kv head's group, its running max, sum and output kept over key tiles of 16. A tile's keys
+ * are widened and transposed once ([head_dim][16 keys]) for all the unit's rows, so a row's
+ * 16 scores are head_dim FMAs of a broadcast query element against a register of 16 keys
+ * (no horizontal sums); the softmax's exponentials take 16 scores (or 16 rows' corrections)
+ * a libmvec call; values are widened once a tile and accumulated 4 rows x 64 dims at a
+ * time in registers. A row's tiles start at key 0 and its masked keys add exactly nothing,
+ * so a position's output does not depend on how its prompt is cut into steps. On 2 Zen 4
+ * cores (`duplex bench attention --queries N`, 1B heads): 59-74 G multiply-adds/s against
+ * torch's fused attention's 29-62, 0.50x its time for a 267-token prompt, 0.82-0.85x at
+ * 2048 keys (docs/BENCHMARKS.md).
+ *
+ * The same walk runs on AVX2 without AVX512 (most laptops, Zen 1-3) in 8-lane vectors: key
+ * tiles of 8 (an 8 x 8 register transpose), masked scores by a compare and a blend, libmvec's
+ * 8-lane expf, 4 rows x 3 vectors of values in registers (pf_* below: one definition of each
+ * operation per instruction set). */
 #define PF_ROWS 16   /* query positions of a unit */
 #define PF_MAX_R 256 /* rows (positions x heads of a group) of a unit */
 
 static __thread struct scratch pf_scratch;
+
+#if defined(__AVX512F__)
+#define PF_TILE 16   /* keys a tile: one vector of scores */
+#define PV_NC 4      /* vectors of head_dim a row's values hold in registers */
+typedef __m512 pf_vec;
+#define pf_load _mm512_load_ps
+#define pf_loadu _mm512_loadu_ps
+#define pf_store _mm512_store_ps
+#define pf_storeu _mm512_storeu_ps
+#define pf_zero _mm512_setzero_ps
+#define pf_set1 _mm512_set1_ps
+#define pf_mul _mm512_mul_ps
+#define pf_sub _mm512_sub_ps
+#define pf_fma _mm512_fmadd_ps
+#define pf_exp _ZGVeN16v_expf
+#define pf_hsum _mm512_reduce_add_ps
+#define pf_transpose transpose16_ps
+#define pf_load_f32 load_f32
+#define pf_load_bf16 load_bf16
+
+/* r[x] = column x of the 16 x 16 matrix whose row t is r[t] (unpack, shuffle, two 128-bit
+ * lane shuffles: 64 operations where element-wise copies take 256 loads and stores) */
+static inline void transpose16_ps(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(u[8 * i + j], u[8 * i + 4 + j], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+    }
+}
+
+/* a row's scores with the keys it does not see (lanes `seen` on) at -inf; *tmax: their max */
+static inline pf_vec pf_live(pf_vec a, int64_t seen, float *tmax) {
+    __mmask16 live = seen >= 16 ? (__mmask16)0xFFFF
+                   : seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1);
+    *tmax = live ? _mm512_mask_reduce_max_ps(live, a) : -INFINITY;
+    return _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), a);
+}
+#else
+#define PF_TILE 8
+#define PV_NC 3
+typedef __m256 pf_vec;
+#define pf_load _mm256_load_ps
+#define pf_loadu _mm256_loadu_ps
+#define pf_store _mm256_store_ps
+#define pf_storeu _mm256_storeu_ps
+#define pf_zero _mm256_setzero_ps
+#define pf_set1 _mm256_set1_ps
+#define pf_mul _mm256_mul_ps
+#define pf_sub _mm256_sub_ps
+#define pf_fma _mm256_fmadd_ps
+#define pf_exp _ZGVdN8v_expf
+#define pf_hsum attn_hsum8
+#define pf_transpose transpose8_ps
+#define pf_load_f32 load8_f32
+#define pf_load_bf16 load8_bf16
 
 /* r[x] = column x of the 8 x 8 matrix whose row t is r[t] */
 static inline void transpose8_ps(__m256 r[8]) {
@@ -751,44 +629,54 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* NR rows' 8 scores against a transposed key tile kt [d][8] */
-static inline __attribute__((always_inline)) void pf8_scores(const float *qs, const float *kt,
-                                                             int64_t d, const int NR, __m256 *a) {
-    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+static inline pf_vec pf_live(pf_vec a, int64_t seen, float *tmax) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), a,
+                                _mm256_cmp_ps(lane, _mm256_set1_ps((float)seen), _CMP_LT_OQ));
+    *tmax = hmax8(v);
+    return v;
+}
+#endif
+
+/* NR rows' PF_TILE scores against a transposed key tile kt [d][PF_TILE]: NR FMA chains, each
+ * element of a row's query broadcast (a constant NR: no per-row branch in the loop) */
+static inline __attribute__((always_inline)) void pf_scores(const float *qs, const float *kt,
+                                                            int64_t d, const int NR, pf_vec *a) {
+    _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) a[u] = pf_zero();
     for (int64_t c = 0; c < d; c++) {
-        __m256 kc = _mm256_load_ps(kt + c * 8);
+        pf_vec kc = pf_load(kt + c * PF_TILE);
         _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++)
-            if (u < NR) a[u] = _mm256_fmadd_ps(_mm256_set1_ps(qs[u * d + c]), kc, a[u]);
+            if (u < NR) a[u] = pf_fma(pf_set1(qs[u * d + c]), kc, a[u]);
     }
 }
 
-/* NR rows' outputs os[r][8 c0 .. 8 (c0 + NC)) = os * alpha[r] + sum over the tile's keys of
- * s[r][t] vw[t]: NR x NC accumulators in registers */
-static inline __attribute__((always_inline)) void pf8_values(const float *s, const float *vw,
-                                                             float *os, const float *alpha,
-                                                             int64_t d, int64_t c0, int64_t tile,
-                                                             const int NR, const int NC) {
-    __m256 o[4][3];
+/* NR rows' outputs os[r][V c0 .. V (c0 + NC)) (V: a vector's lanes) = os * alpha[r] + sum over
+ * the tile's keys of s[r][t] vw[t]: NR x NC accumulators in registers */
+static inline __attribute__((always_inline)) void pf_values(const float *s, const float *vw,
+                                                            float *os, const float *alpha,
+                                                            int64_t d, int64_t c0, int64_t tile,
+                                                            const int NR, const int NC) {
+    const int V = PF_TILE;
+    pf_vec o[4][PV_NC];
     _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
-        __m256 al = _mm256_set1_ps(u < NR ? alpha[u] : 0.0f);
-        _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
-            o[u][w] = u < NR && w < NC ? _mm256_mul_ps(_mm256_load_ps(os + u * d + 8 * (c0 + w)), al)
-                                       : _mm256_setzero_ps();
+        pf_vec al = pf_set1(u < NR ? alpha[u] : 0.0f);
+        _Pragma("GCC unroll 4") for (int w = 0; w < PV_NC; w++)
+            o[u][w] = u < NR && w < NC ? pf_mul(pf_load(os + u * d + V * (c0 + w)), al) : pf_zero();
     }
     for (int64_t t = 0; t < tile; t++) {
-        __m256 vv[3];
-        _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
-            vv[w] = w < NC ? _mm256_load_ps(vw + t * d + 8 * (c0 + w)) : _mm256_setzero_ps();
+        pf_vec vv[PV_NC];
+        _Pragma("GCC unroll 4") for (int w = 0; w < PV_NC; w++)
+            vv[w] = w < NC ? pf_load(vw + t * d + V * (c0 + w)) : pf_zero();
         _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
             if (u >= NR) break;
-            __m256 pu = _mm256_set1_ps(s[u * 8 + t]);
-            _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
-                if (w < NC) o[u][w] = _mm256_fmadd_ps(pu, vv[w], o[u][w]);
+            pf_vec pu = pf_set1(s[u * PF_TILE + t]);
+            _Pragma("GCC unroll 4") for (int w = 0; w < PV_NC; w++)
+                if (w < NC) o[u][w] = pf_fma(pu, vv[w], o[u][w]);
         }
     }
     _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
-        _Pragma("GCC unroll 3") for (int w = 0; w < 3; w++)
-            if (u < NR && w < NC) _mm256_store_ps(os + u * d + 8 * (c0 + w), o[u][w]);
+        _Pragma("GCC unroll 4") for (int w = 0; w < PV_NC; w++)
+            if (u < NR && w < NC) pf_store(os + u * d + V * (c0 + w), o[u][w]);
 }
 
 #define DEFINE_PREFILL(NAME, T, LOADV)                                                        \
@@ -796,92 +684,85 @@ static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,
                        const int64_t *keys, int64_t L, int64_t Q, int64_t i0, int64_t nq,      \
                        int64_t j, int64_t kv_heads, int64_t group, int64_t d, float scale,     \
                        float *out, int64_t o_stride) {                                         \
-    const int64_t R = nq * group, R8 = (R + 7) / 8 * 8, nv = d / 8, pos0 = L - Q;              \
-    /* scratch: rows' queries and outputs [R][d], keys [d][8], values [8][d], scores [R][8], \
-     * running sums [R][8], maxima and corrections [R] (padded to 8) */                       \
-    size_t floats = (size_t)(2 * R * d + 2 * 8 * d + 2 * R * 8 + 2 * R8);                     \
+    const int64_t W = PF_TILE, R = nq * group, RW = (R + W - 1) / W * W, nv = d / W;           \
+    const int64_t pos0 = L - Q;                                                                \
+    /* scratch: rows' queries and outputs [R][d], keys [d][W], values [W][d], scores [R][W],  \
+     * running sums [R][W], maxima and corrections [R] (padded to W) */                       \
+    size_t floats = (size_t)(2 * R * d + 2 * W * d + 2 * R * W + 2 * RW);                     \
     float *base = scratch_grow(&pf_scratch, floats * sizeof(float) + 64);                     \
     if (!base) return -1;                                                                      \
     float *qs = (float *)(((uintptr_t)base + 63) & ~(uintptr_t)63);                            \
-    float *os = qs + R * d, *kt = os + R * d, *vw = kt + 8 * d, *s = vw + 8 * d;               \
-    float *ls = s + R * 8, *mx = ls + R * 8, *alpha = mx + R8;                                 \
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                \
+    float *os = qs + R * d, *kt = os + R * d, *vw = kt + W * d, *s = vw + W * d;               \
+    float *ls = s + R * W, *mx = ls + R * W, *alpha = mx + RW;                                 \
     /* row r = (position i0 + r / group, head j * group + r % group), scaled queries */       \
     for (int64_t r = 0; r < R; r++) {                                                          \
         const float *qr = q + (i0 + r / group) * q_stride + (j * group + r % group) * d;       \
-        for (int64_t c = 0; c < d; c += 8)                                                     \
-            _mm256_store_ps(qs + r * d + c, _mm256_mul_ps(_mm256_loadu_ps(qr + c),             \
-                                                          _mm256_set1_ps(scale)));             \
+        for (int64_t c = 0; c < d; c += W)                                                     \
+            pf_store(qs + r * d + c, pf_mul(pf_loadu(qr + c), pf_set1(scale)));                \
         mx[r] = -INFINITY;                                                                     \
     }                                                                                          \
     memset(os, 0, (size_t)(R * d) * sizeof(float));                                           \
-    memset(ls, 0, (size_t)(R * 8) * sizeof(float));                                           \
+    memset(ls, 0, (size_t)(R * W) * sizeof(float));                                           \
     const int64_t last = pos0 + i0 + nq - 1;  /* the last key any row sees */                 \
-    for (int64_t l0 = 0; l0 <= last; l0 += 8) {                                                \
-        int64_t tile = last + 1 - l0 < 8 ? last + 1 - l0 : 8;                                  \
-        for (int64_t t = 0; t < 8; t++) {  /* values in rows (fp32) */                        \
+    for (int64_t l0 = 0; l0 <= last; l0 += W) {                                                \
+        int64_t tile = last + 1 - l0 < W ? last + 1 - l0 : W;                                  \
+        for (int64_t t = 0; t < W; t++) {  /* values in rows (fp32) */                        \
             if (t < tile) {                                                                    \
                 const T *vr = v + (keys[l0 + t] * kv_heads + j) * d;                           \
                 if (t + 16 < L - l0) {                                                         \
                     prefetch_row(k + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
                     prefetch_row(v + (keys[l0 + t + 16] * kv_heads + j) * d, d * (int64_t)sizeof(T)); \
                 }                                                                              \
-                for (int64_t c = 0; c < d; c += 8) _mm256_store_ps(vw + t * d + c, LOADV(vr + c)); \
+                for (int64_t c = 0; c < d; c += W) pf_store(vw + t * d + c, LOADV(vr + c));    \
             } else {                                                                           \
-                for (int64_t c = 0; c < d; c += 8) _mm256_store_ps(vw + t * d + c, _mm256_setzero_ps()); \
+                for (int64_t c = 0; c < d; c += W) pf_store(vw + t * d + c, pf_zero());        \
             }                                                                                  \
         }                                                                                      \
-        for (int64_t c = 0; c < d; c += 8) {  /* keys transposed, 8 columns at a time */      \
-            __m256 kr[8];                                                                      \
-            for (int64_t t = 0; t < 8; t++)                                                    \
-                kr[t] = t < tile ? LOADV(k + (keys[l0 + t] * kv_heads + j) * d + c)            \
-                                 : _mm256_setzero_ps();                                        \
-            transpose8_ps(kr);                                                                 \
-            for (int x = 0; x < 8; x++) _mm256_store_ps(kt + (c + x) * 8, kr[x]);              \
+        for (int64_t c = 0; c < d; c += W) {  /* keys transposed, W columns at a time */      \
+            pf_vec kr[PF_TILE];                                                                \
+            for (int64_t t = 0; t < W; t++)                                                    \
+                kr[t] = t < tile ? LOADV(k + (keys[l0 + t] * kv_heads + j) * d + c) : pf_zero(); \
+            pf_transpose(kr);                                                                  \
+            for (int x = 0; x < PF_TILE; x++) pf_store(kt + (c + x) * W, kr[x]);               \
         }                                                                                      \
         /* scores, 8 rows at a time */                                                         \
         for (int64_t r0 = 0; r0 < R; r0 += 8) {                                                \
-            __m256 a[8];                                                                       \
+            pf_vec a[8];                                                                       \
             int64_t nr = R - r0 < 8 ? R - r0 : 8;                                              \
-            if (nr == 8) pf8_scores(qs + r0 * d, kt, d, 8, a);                                 \
-            else pf8_scores(qs + r0 * d, kt, d, (int)nr, a);                                   \
+            if (nr == 8) pf_scores(qs + r0 * d, kt, d, 8, a);                                  \
+            else pf_scores(qs + r0 * d, kt, d, (int)nr, a);                                    \
             _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                              \
                 if (u >= nr) break;                                                            \
                 int64_t r = r0 + u, seen = pos0 + i0 + r / group - l0 + 1;  /* keys of the tile it sees */ \
-                __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)seen), _CMP_LT_OQ);    \
-                __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), a[u], live);           \
-                _mm256_store_ps(s + r * 8, sc);                                                \
-                float tmax = hmax8(sc);                                                        \
+                float tmax;                                                                    \
+                pf_store(s + r * W, pf_live(a[u], seen, &tmax));                               \
                 float mnew = tmax > mx[r] ? tmax : mx[r];                                      \
-                alpha[r] = mx[r] - mnew;  /* exp'd below, 8 rows a call */                    \
+                alpha[r] = mx[r] - mnew;  /* exp'd below, W rows a call */                    \
                 mx[r] = mnew;                                                                  \
             }                                                                                  \
         }                                                                                      \
-        for (int64_t r = 0; r < R; r += 8)                                                     \
-            _mm256_store_ps(alpha + r, _ZGVdN8v_expf(_mm256_load_ps(alpha + r)));              \
+        for (int64_t r = 0; r < R; r += W) pf_store(alpha + r, pf_exp(pf_load(alpha + r)));    \
         for (int64_t r = 0; r < R; r++) {  /* probabilities; sums scaled by the correction */ \
-            __m256 p = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_load_ps(s + r * 8), _mm256_set1_ps(mx[r]))); \
-            _mm256_store_ps(s + r * 8, p);                                                     \
-            _mm256_store_ps(ls + r * 8, _mm256_fmadd_ps(_mm256_load_ps(ls + r * 8),            \
-                                                        _mm256_set1_ps(alpha[r]), p));         \
+            pf_vec p = pf_exp(pf_sub(pf_load(s + r * W), pf_set1(mx[r])));                    \
+            pf_store(s + r * W, p);                                                            \
+            pf_store(ls + r * W, pf_fma(pf_load(ls + r * W), pf_set1(alpha[r]), p));           \
         }                                                                                      \
-        /* values: 4 rows x 24 dims in registers over the tile's keys */                      \
+        /* values: 4 rows x PV_NC vectors in registers over the tile's keys */                \
         for (int64_t r0 = 0; r0 < R; r0 += 4) {                                                \
             int64_t nr = R - r0 < 4 ? R - r0 : 4;                                              \
-            for (int64_t c0 = 0; c0 < nv; c0 += 3) {                                           \
-                int64_t nc = nv - c0 < 3 ? nv - c0 : 3;                                        \
-                if (nr == 4 && nc == 3)                                                        \
-                    pf8_values(s + r0 * 8, vw, os + r0 * d, alpha + r0, d, c0, tile, 4, 3);    \
+            for (int64_t c0 = 0; c0 < nv; c0 += PV_NC) {                                       \
+                int64_t nc = nv - c0 < PV_NC ? nv - c0 : PV_NC;                                \
+                if (nr == 4 && nc == PV_NC)                                                    \
+                    pf_values(s + r0 * W, vw, os + r0 * d, alpha + r0, d, c0, tile, 4, PV_NC); \
                 else                                                                           \
-                    pf8_values(s + r0 * 8, vw, os + r0 * d, alpha + r0, d, c0, tile, (int)nr, (int)nc); \
+                    pf_values(s + r0 * W, vw, os + r0 * d, alpha + r0, d, c0, tile, (int)nr, (int)nc); \
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
     for (int64_t r = 0; r < R; r++) {                                                          \
-        __m256 inv = _mm256_set1_ps(1.0f / attn_hsum8(_mm256_load_ps(ls + r * 8)));            \
+        pf_vec inv = pf_set1(1.0f / pf_hsum(pf_load(ls + r * W)));                             \
         float *orow = out + (i0 + r / group) * o_stride + (j * group + r % group) * d;        \
-        for (int64_t c = 0; c < d; c += 8)                                                     \
-            _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_load_ps(os + r * d + c), inv));    \
+        for (int64_t c = 0; c < d; c += W) pf_storeu(orow + c, pf_mul(pf_load(os + r * d + c), inv)); \
     }                                                                                          \
     return 0;                                                                                  \
 }                                                                                              \
@@ -889,7 +770,7 @@ static int NAME##_unit(const float *q, int64_t q_stride, const T *k, const T *v,
 int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t *keys,        \
          int64_t L, int64_t Q, int64_t H, int64_t kv_heads, int64_t d, float scale, float *out, \
          int64_t o_stride, int threads) {                                                      \
-    if (d % 8 || H % kv_heads || Q < 1 || Q > L || PF_ROWS * (H / kv_heads) > PF_MAX_R)        \
+    if (d % PF_TILE || H % kv_heads || Q < 1 || Q > L || PF_ROWS * (H / kv_heads) > PF_MAX_R)  \
         return -1;                                                                             \
     int64_t group = H / kv_heads, blocks = (Q + PF_ROWS - 1) / PF_ROWS;                        \
     int failed = 0;                                                                            \
@@ -904,10 +785,10 @@ int NAME(const float *q, int64_t q_stride, const T *k, const T *v, const int64_t
     return failed ? -1 : 0;                                                                    \
 }
 
-DEFINE_PREFILL(prefill_attention_f32, float, load8_f32)
-DEFINE_PREFILL(prefill_attention_bf16, uint16_t, load8_bf16)
+DEFINE_PREFILL(prefill_attention_f32, float, pf_load_f32)
+DEFINE_PREFILL(prefill_attention_bf16, uint16_t, pf_load_bf16)
 int prefill_available(void) { return 1; }
-#elif !defined(__AVX512F__)
+#else
 /* prompt attention: AVX512 or AVX2 + FMA (torch's fused attention elsewhere) */
 int prefill_available(void) { return 0; }
 #define PREFILL_STUB(NAME, T)                                                                 \
