@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from duplex.kernels import cpu_attention
 
     if not cpu_attention.available():
-        print("the CPU attention kernel does not run here (no C compiler or no AVX-512)")
+        print("the CPU attention kernel does not run here "
+              "(no C compiler, or neither AVX-512 nor AVX2 + FMA)")
         return 1
     if args.isa == "avx2" and not cpu_attention.use_avx2_build():
         print("the AVX2 build does not run here (no AVX2 and FMA, or it did not build)")

@@ -175,7 +175,7 @@ def build(request, monkeypatch):
     return request.param
 
 
-def _needs_prompt_kernel(build):
+def _needs_prompt_kernel():
     if not cpu_attention.prefill_available():
         pytest.skip("no prompt kernel in this build (AVX512 or AVX2 + FMA)")
 
@@ -189,7 +189,7 @@ def test_prompt_kernel_against_float64(shape, dtype, build):
     """Positions in blocks of 16 and their remainders, prompts with and without a cached
     prefix, groups of 1 to 16 heads, head dims 16 to 256, fp32 and bf16 caches; the AVX512
     walk (tiles of 16 keys) and the AVX2 one (tiles of 8)."""
-    _needs_prompt_kernel(build)
+    _needs_prompt_kernel()  # after `build` has loaded the build under test
     queries, num_keys, heads, kv_heads, head_dim = shape
     k, v, q, keys, ref = _prompt_case(*shape, dtype, seed=sum(shape))
     out = torch.full_like(q, float("nan"))
@@ -200,7 +200,7 @@ def test_prompt_kernel_against_float64(shape, dtype, build):
 def test_prompt_rows_do_not_depend_on_how_the_prompt_is_cut(build):
     """A position's output is the same bits whether its prompt runs whole or in chunks
     (key tiles start at key 0, a row's masked keys add exactly nothing), on any threads."""
-    _needs_prompt_kernel(build)
+    _needs_prompt_kernel()  # after `build` has loaded the build under test
     k, v, q, keys, _ = _prompt_case(70, 70, 8, 2, 64, torch.bfloat16, seed=5)
     whole = torch.empty_like(q)
     cpu_attention.prefill(q, k, v, keys, 0.125, whole)
